@@ -1,0 +1,1 @@
+"""kvt: the KV transfer data plane. Imports nothing from vLLM."""

@@ -1,0 +1,1 @@
+"""Transports move bytes between registered memory of two workers."""
