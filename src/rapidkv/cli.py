@@ -1,27 +1,34 @@
-"""The `rapidkv` command line: one subcommand per job."""
+"""The `rapidkv` command line: one subcommand per job.
+
+Each subcommand lives in the module that owns the job, as a function
+`register(parser) -> run(args) -> int`; modules are imported only when their
+subcommand is parsed, so `rapidkv --help` stays fast and vLLM-free.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
-from collections.abc import Callable
 
-# Each entry: name -> (help, function adding arguments and returning the runner).
-Register = Callable[[argparse.ArgumentParser], Callable[[argparse.Namespace], int]]
-
-
-def _commands() -> dict[str, tuple[str, Register]]:
-    return {}
+# name -> (one-line help, "module:function" of its register function)
+COMMANDS: dict[str, tuple[str, str]] = {}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rapidkv", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    runners = {}
-    for name, (help_text, register) in _commands().items():
-        runners[name] = register(sub.add_parser(name, help=help_text))
-    args = parser.parse_args(argv)
-    return runners[args.command](args) or 0
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="rapidkv", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (help_text, _) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    if not argv or argv[0] not in COMMANDS:
+        parser.parse_args(argv)  # prints usage / the error and exits
+    name = argv[0]
+    module, func = COMMANDS[name][1].split(":")
+    register = getattr(importlib.import_module(module), func)
+    cmd_parser = argparse.ArgumentParser(prog=f"rapidkv {name}", description=COMMANDS[name][0])
+    run = register(cmd_parser)
+    return run(cmd_parser.parse_args(argv[1:])) or 0
 
 
 if __name__ == "__main__":
