@@ -1,0 +1,43 @@
+"""Data-plane messages that ride on the transport (not on the control plane)."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class SendDone(msgspec.Struct, frozen=True, tag="send_done"):
+    """All writes of a transfer are settled on one source rank.
+
+    `tokens_sent` is cumulative for the `xfer_id`: the destination holds the KV of
+    the first `tokens_sent` tokens (what it had before the transfer, its prefix
+    hits, plus the confirmed writes that extend it; never more than arrived).
+    `ok` is False when some write failed or timed out; `error` says why.
+    Sent once per (`xfer_id`, `rank`), after which no more writes of that transfer
+    can land from that rank.
+    """
+
+    xfer_id: str
+    rank: int
+    tokens_sent: int
+    ok: bool
+    error: str = ""
+
+
+MAX_NOTIF_BYTES = 4096
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(SendDone)
+
+
+def encode_send_done(msg: SendDone) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_send_done(payload: bytes) -> SendDone:
+    """Decode and validate; raises `msgspec.DecodeError`/`ValueError` on bad input."""
+    if len(payload) > MAX_NOTIF_BYTES:
+        raise ValueError(f"notification of {len(payload)} bytes exceeds {MAX_NOTIF_BYTES}")
+    msg = _decoder.decode(payload)
+    if msg.rank < 0 or msg.tokens_sent < 0:
+        raise ValueError(f"invalid SendDone {msg}")
+    return msg
