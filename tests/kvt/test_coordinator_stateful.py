@@ -89,7 +89,8 @@ class KvtCore(RuleBasedStateMachine):
 
     def open_xfers(self, *, last: bool) -> list[Xfer]:
         return [
-            x for x in self.xfers.values()
+            x
+            for x in self.xfers.values()
             if x.remaining() > 0 and x.xfer_id not in self.done and (last or x.remaining() > BLOCK)
         ]
 
@@ -139,7 +140,9 @@ class KvtCore(RuleBasedStateMachine):
             xfer = self.xfers[done.xfer_id]
             # tokens whose every layer was confirmed, counted as a prefix
             have = {
-                b for t in xfer.tasks if self.settled_layers[id(t)] == LAYERS
+                b
+                for t in xfer.tasks
+                if self.settled_layers[id(t)] == LAYERS
                 for b in t.task.dst_blocks
             }
             base = min((t.task.seen_tokens for t in xfer.tasks), default=0)
@@ -153,8 +156,10 @@ class KvtCore(RuleBasedStateMachine):
 
     # -- rules ------------------------------------------------------------------
 
-    @rule(chunks=st.lists(st.tuples(st.booleans(), st.integers(1, 3)), max_size=3),
-          new=st.lists(st.integers(1, 14), max_size=2))
+    @rule(
+        chunks=st.lists(st.tuples(st.booleans(), st.integers(1, 3)), max_size=3),
+        new=st.lists(st.integers(1, 14), max_size=2),
+    )
     @precondition(lambda self: self.coord.state is not StepState.OPEN)
     def begin_step(self, chunks: list[tuple[bool, int]], new: list[int]) -> None:
         for prompt in new:
@@ -185,9 +190,13 @@ class KvtCore(RuleBasedStateMachine):
 
     @rule()
     @precondition(
-        lambda self: self.coord.state is StepState.OPEN
-        and (self.coord.layers_done == LAYERS
-             or (self.coord.layers_done == 0 and not self.coord._base))
+        lambda self: (
+            self.coord.state is StepState.OPEN
+            and (
+                self.coord.layers_done == LAYERS
+                or (self.coord.layers_done == 0 and not self.coord._base)
+            )
+        )
     )
     def freeze(self) -> None:
         step = self.coord.step_id
@@ -205,8 +214,9 @@ class KvtCore(RuleBasedStateMachine):
                 for layer in range(LAYERS):
                     assert self.emitted[(tracked, layer)] == 1
 
-    @rule(when=st.sampled_from(["early", "far_early", "current", "late"]),
-          prompt=st.integers(1, 14))
+    @rule(
+        when=st.sampled_from(["early", "far_early", "current", "late"]), prompt=st.integers(1, 14)
+    )
     def attach(self, when: str, prompt: int) -> None:
         cur = self.coord.step_id
         step = {"early": cur + 1, "far_early": cur + 2, "current": cur, "late": cur - 1}[when]

@@ -82,8 +82,15 @@ def test_block_runs_split_on_either_side_jumping() -> None:
 
 
 def task(**kw) -> Task:
-    base = dict(xfer_id="x", peer="p", src_blocks=(0, 1), dst_blocks=(5, 6), seen_tokens=0,
-                new_tokens=8, has_last_token=False)
+    base = dict(
+        xfer_id="x",
+        peer="p",
+        src_blocks=(0, 1),
+        dst_blocks=(5, 6),
+        seen_tokens=0,
+        new_tokens=8,
+        has_last_token=False,
+    )
     return Task(**(base | kw))
 
 
@@ -111,8 +118,9 @@ def test_tracker_refuses_a_second_write_to_a_busy_block() -> None:
     tracker.add_task(task())
     with pytest.raises(InvalidTask, match="already being written"):
         tracker.add_task(task(xfer_id="y", src_blocks=(3,), dst_blocks=(6,), new_tokens=4))
-    tracker.add_task(task(xfer_id="y", peer="other", src_blocks=(3,), dst_blocks=(6,),
-                          new_tokens=4))
+    tracker.add_task(
+        task(xfer_id="y", peer="other", src_blocks=(3,), dst_blocks=(6,), new_tokens=4)
+    )
 
 
 def test_tracker_refuses_tasks_for_a_settled_transfer() -> None:
@@ -122,5 +130,6 @@ def test_tracker_refuses_tasks_for_a_settled_transfer() -> None:
     (done,) = tracker.settled(1, ok=True)
     assert (done.ok, done.tokens_sent, done.rank) == (True, 8, 3)
     with pytest.raises(InvalidTask, match="already settled"):
-        tracker.add_task(task(seen_tokens=8, src_blocks=(2,), dst_blocks=(7,), new_tokens=1,
-                              has_last_token=True))
+        tracker.add_task(
+            task(seen_tokens=8, src_blocks=(2,), dst_blocks=(7,), new_tokens=1, has_last_token=True)
+        )
