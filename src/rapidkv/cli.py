@@ -12,7 +12,9 @@ import importlib
 import sys
 
 # name -> (one-line help, "module:function" of its register function)
-COMMANDS: dict[str, tuple[str, str]] = {}
+COMMANDS: dict[str, tuple[str, str]] = {
+    "model": ("build the locally generated test models", "rapidkv.models.cli:register"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
