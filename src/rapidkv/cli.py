@@ -14,6 +14,7 @@ import sys
 # name -> (one-line help, "module:function" of its register function)
 COMMANDS: dict[str, tuple[str, str]] = {
     "model": ("build the locally generated test models", "rapidkv.models.cli:register"),
+    "bench": ("run a benchmark and print JSON", "rapidkv.bench.cli:register"),
 }
 
 

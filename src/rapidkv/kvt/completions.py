@@ -13,8 +13,9 @@ carries) and about each write's outcome (`settled`). A transfer (`xfer_id`) is
 - error: some write of it failed (or was given up on) and no write of it is
          still outstanding, so nothing more can land.
 
-Settling emits one `SendDone` (ok or error) and forgets the transfer; later
-tasks for it are refused (`add_task` raises) so it cannot be reopened.
+Settling emits one `SendDone` (ok or error) for the transfer's destination peer
+and forgets the transfer; later tasks for it are refused (`add_task` raises) so
+it cannot be reopened. All tasks of a transfer go to one peer.
 
 Invariants (proved by tests/kvt/test_coordinator_stateful.py)
 ----------
@@ -48,8 +49,17 @@ class Tracked:
         return self.task.has_last_token
 
 
+@dataclass(frozen=True)
+class Settled:
+    """A transfer settled on this rank: `done` goes to the destination `peer`."""
+
+    peer: str
+    done: SendDone
+
+
 @dataclass
 class _Transfer:
+    peer: str
     tasks: list[Tracked] = field(default_factory=list)
     outstanding: int = 0  # posted writes not yet settled
     error: str = ""
@@ -74,6 +84,11 @@ class CompletionTracker:
         validate_task(task, self.block_size)
         if task.xfer_id in self._finished:
             raise InvalidTask(f"xfer {task.xfer_id} already settled on rank {self.rank}")
+        xfer = self._xfers.get(task.xfer_id)
+        if xfer is not None and xfer.peer != task.peer:
+            raise InvalidTask(
+                f"xfer {task.xfer_id}: task for peer {task.peer}, transfer goes to {xfer.peer}"
+            )
         busy = self._busy.setdefault(task.peer, set())
         clash = busy.intersection(task.dst_blocks)
         if clash:
@@ -83,10 +98,10 @@ class CompletionTracker:
             )
         busy.update(task.dst_blocks)
         tracked = Tracked(task)
-        self._xfers.setdefault(task.xfer_id, _Transfer()).tasks.append(tracked)
+        self._xfers.setdefault(task.xfer_id, _Transfer(task.peer)).tasks.append(tracked)
         return tracked
 
-    def discard(self, tasks: Iterable[Tracked]) -> list[SendDone]:
+    def discard(self, tasks: Iterable[Tracked]) -> list[Settled]:
         """Forget tasks that will never be sent (rejected substeps)."""
         touched = set()
         for tracked in tasks:
@@ -95,7 +110,10 @@ class CompletionTracker:
                 continue
             xfer.tasks.remove(tracked)
             self._busy[tracked.task.peer].difference_update(tracked.task.dst_blocks)
-            touched.add(tracked.task.xfer_id)
+            if not xfer.tasks and not xfer.outstanding and not xfer.error:
+                del self._xfers[tracked.task.xfer_id]  # nothing left: as if never seen
+            else:
+                touched.add(tracked.task.xfer_id)
         return [done for x in touched if (done := self._maybe_settle(x))]
 
     def live(self, tracked: Tracked) -> bool:
@@ -111,7 +129,7 @@ class CompletionTracker:
         for xfer_id in {t.task.xfer_id for t, _ in pieces}:
             self._xfers[xfer_id].outstanding += 1
 
-    def settled(self, write_id: int, ok: bool, error: str = "") -> list[SendDone]:
+    def settled(self, write_id: int, ok: bool, error: str = "") -> list[Settled]:
         """A posted write is confirmed DONE (`ok`) or failed/given up on."""
         pieces = self._writes.pop(write_id)
         xfer_ids = {t.task.xfer_id for t, _ in pieces}
@@ -125,7 +143,7 @@ class CompletionTracker:
                 xfer.error = error or "write failed"
         return [done for x in xfer_ids if (done := self._maybe_settle(x))]
 
-    def fail(self, xfer_id: str, error: str) -> list[SendDone]:
+    def fail(self, xfer_id: str, error: str) -> list[Settled]:
         """Give up on a transfer (aborted, peer gone): it settles with an error
         once its outstanding writes are settled."""
         xfer = self._xfers.get(xfer_id)
@@ -155,7 +173,7 @@ class CompletionTracker:
             prefix = max(prefix, task.end_tokens)
         return prefix
 
-    def _maybe_settle(self, xfer_id: str) -> SendDone | None:
+    def _maybe_settle(self, xfer_id: str) -> Settled | None:
         xfer = self._xfers[xfer_id]
         if xfer.outstanding:
             return None
@@ -173,4 +191,4 @@ class CompletionTracker:
         self._finished[xfer_id] = None
         while len(self._finished) > self.FINISHED_MEMORY:
             self._finished.popitem(last=False)
-        return done
+        return Settled(xfer.peer, done)

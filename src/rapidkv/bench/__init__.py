@@ -1,0 +1,1 @@
+"""Benchmarks users run: `rapidkv bench kvt` (more arrive with later work)."""

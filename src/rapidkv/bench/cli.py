@@ -1,0 +1,25 @@
+"""`rapidkv bench NAME`: each benchmark module registers its own options.
+
+Benchmark modules keep their top level light (heavy imports inside functions),
+since all of them are imported to build the parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Callable
+
+# name -> (help, module with a `register(parser) -> run` function)
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "kvt": ("kvt data-plane throughput and layer/substep send latency", "rapidkv.bench.kvt"),
+}
+
+
+def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
+    sub = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
+    runners = {
+        name: importlib.import_module(module).register(sub.add_parser(name, help=help_text))
+        for name, (help_text, module) in BENCHMARKS.items()
+    }
+    return lambda args: runners[args.benchmark](args)

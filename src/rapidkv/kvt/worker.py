@@ -1,0 +1,394 @@
+"""`KvtWorker`: the threaded shell around kvt's pure cores for one worker.
+
+Theory of operation
+-------------------
+One `KvtWorker` per worker process. It owns a `Transport` and a thread (the
+*owner thread*) that makes every transport call; other threads never touch the
+transport. The pure cores (`StepCoordinator`, `CompletionTracker`) sit behind
+one lock and are driven from whichever thread has the event:
+
+- the engine's main thread: `begin_step`, `layer_done`, `freeze_step`;
+- any thread (the bypass channel, the scheduler's RPC thread): `attach_substep`,
+  `send_full`, `fail`.
+
+Each call turns the coordinator's `Send` actions into jobs on a queue; the owner
+thread builds the byte ranges from the layouts, posts one transport write per
+(action, peer), polls writes until DONE/ERROR (giving up after
+`write_timeout_s`), settles them in the tracker and, for each transfer that
+settles, sends the `SendDone` to the destination as a transport notification and
+hands it to `on_send_done`. It also collects SendDones arriving from peers (the
+receiving side: `take_received`).
+
+Rules
+-----
+- The main thread never waits on the network: its calls take the lock, run a
+  pure transition and enqueue.
+- A transfer's SendDone goes out only after every write of it was confirmed or
+  failed, so when it arrives no more writes of that transfer can land.
+- Nothing here raises into the engine for a network failure: failures become
+  error SendDones. Caller bugs (illegal events, invalid tasks) raise.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from rapidkv.kvt.completions import CompletionTracker, Settled, Tracked
+from rapidkv.kvt.coordinator import Attach, Send, StepCoordinator
+from rapidkv.kvt.layout import Layout, layer_descs
+from rapidkv.kvt.messages import SendDone, decode_send_done, encode_send_done
+from rapidkv.kvt.task import Task
+from rapidkv.kvt.transport.base import Transport, XferState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class KvtStats:
+    """Counters of one worker; all monotonic."""
+
+    writes_posted: int = 0
+    writes_failed: int = 0
+    bytes_posted: int = 0
+    transfers_ok: int = 0
+    transfers_failed: int = 0
+    substeps_attached: int = 0
+    substeps_pending: int = 0
+    substeps_rejected: int = 0
+    received_ok: int = 0
+    received_failed: int = 0
+
+
+@dataclass
+class _Job:
+    pieces: list[tuple[Tracked, int, int]]  # (task, first layer, stop layer)
+    kind: str  # what released these layers: "layer", "attach" or "full"
+    t_event: float  # perf_counter() of that event
+
+
+@dataclass
+class _Write:
+    handle: int
+    peer: str
+    deadline: float
+    pieces: list[tuple[Tracked, int]] = field(default_factory=list)
+
+
+# (kind, t_event, t_post, nbytes): a write was handed to the transport at t_post
+PostedHook = Callable[[str, float, float, int], None]
+
+
+class KvtWorker:
+    BUSY_POLL_S = 0.0002  # poll interval while writes are in flight
+    IDLE_POLL_S = 0.002  # poll interval for incoming notifications otherwise
+
+    def __init__(
+        self,
+        transport: Transport,
+        layout: Layout,
+        *,
+        rank: int,
+        block_size: int,
+        on_send_done: Callable[[SendDone], None] | None = None,
+        write_timeout_s: float = 10.0,
+        on_posted: PostedHook | None = None,
+    ) -> None:
+        self.transport = transport
+        self.layout = layout
+        self.rank = rank
+        self.write_timeout_s = write_timeout_s
+        self.on_send_done = on_send_done
+        self.on_posted = on_posted
+        self.stats = KvtStats()
+        self._lock = threading.Lock()
+        self._coord: StepCoordinator[Tracked] = StepCoordinator(len(layout.layers))
+        self._tracker = CompletionTracker(len(layout.layers), block_size, rank)
+        self._jobs: queue.SimpleQueue[_Job | Callable[[], None] | None] = queue.SimpleQueue()
+        self._peers: dict[str, Layout] = {}
+        self._writes: dict[int, _Write] = {}
+        self._next_write = 0
+        self._received: list[SendDone] = []
+        self._received_lock = threading.Lock()
+        self._received_event = threading.Event()
+        transport.register_memory(layout.regions())
+        self.metadata = transport.local_metadata()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=f"kvt-owner-{rank}", daemon=True)
+        self._thread.start()
+
+    # -- peers ----------------------------------------------------------------
+
+    def add_peer(self, metadata: bytes, layout: Layout) -> str:
+        """Connect to a destination worker; returns its peer name for tasks."""
+        if len(layout.layers) != len(self.layout.layers):
+            raise ValueError(
+                f"peer has {len(layout.layers)} layers, this worker {len(self.layout.layers)}"
+            )
+        name = self._call(lambda: self.transport.add_peer(metadata))
+        self._peers[name] = layout
+        return name
+
+    def remove_peer(self, peer: str) -> None:
+        """Forget a peer; its transfers settle with errors."""
+        self._call(lambda: self._drop_peer(peer))
+
+    # -- step events (engine main thread) ---------------------------------------
+
+    def begin_step(self, step_id: int, tasks: Sequence[Task]) -> None:
+        with self._lock:
+            tracked = [self._tracker.add_task(t) for t in tasks]
+            dropped = self._coord.begin_step(step_id, tracked)
+            self._discard(dropped)
+
+    def layer_done(self, layer: int) -> None:
+        t = time.perf_counter()
+        with self._lock:
+            self._enqueue(self._coord.layer_done(layer), "layer", t)
+
+    def freeze_step(self) -> int:
+        """Close the step to substeps; returns the ack (highest substep sent)."""
+        with self._lock:
+            frozen = self._coord.freeze_step()
+            self._discard(frozen.dropped)
+            return frozen.ack
+
+    # -- any thread -------------------------------------------------------------
+
+    def attach_substep(self, step_id: int, substep_id: int, tasks: Sequence[Task]) -> Attach:
+        t = time.perf_counter()
+        with self._lock:
+            tracked = [self._tracker.add_task(x) for x in tasks]
+            result, sends = self._coord.attach_substep(step_id, substep_id, tracked)
+            if result is Attach.REJECTED:
+                self.stats.substeps_rejected += 1
+                self._discard(tracked)
+            elif result is Attach.PENDING:
+                self.stats.substeps_pending += 1
+            else:
+                self.stats.substeps_attached += 1
+            self._enqueue(sends, "attach", t)
+        return result
+
+    def send_full(self, tasks: Sequence[Task]) -> None:
+        """Send every layer of tasks whose KV is complete, now."""
+        t = time.perf_counter()
+        with self._lock:
+            tracked = [self._tracker.add_task(x) for x in tasks]
+            self._enqueue(self._coord.send_full(tracked), "full", t)
+
+    def fail(self, xfer_id: str, reason: str) -> None:
+        """Give up on a transfer; it settles with an error once nothing of it is
+        in flight (its SendDone then reaches both sides)."""
+        self._jobs.put(lambda: self._finish(self._locked(self._tracker.fail, xfer_id, reason)))
+
+    # -- receiving side ---------------------------------------------------------
+
+    def take_received(self) -> list[SendDone]:
+        """SendDones that arrived from source workers since the last call."""
+        with self._received_lock:
+            out, self._received = self._received, []
+            self._received_event.clear()
+        return out
+
+    def wait_received(self, timeout: float) -> bool:
+        """Block until a SendDone is available or `timeout` passes."""
+        return self._received_event.wait(timeout)
+
+    # -- lifecycle --------------------------------------------------------------
+
+    def busy(self) -> bool:
+        with self._lock:
+            return bool(self._tracker.live_transfers())
+
+    def close(self) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        self._jobs.put(None)
+        self._thread.join(timeout=5)
+        self.transport.close()
+
+    # -- internals (caller holds the lock) ---------------------------------------
+
+    def _enqueue(self, sends: list[Send[Tracked]], kind: str, t_event: float) -> None:
+        for send in sends:
+            self._jobs.put(_Job([(t, send.first, send.stop) for t in send.tasks], kind, t_event))
+
+    def _discard(self, tasks: Sequence[Tracked]) -> None:
+        if tasks:
+            dones = self._tracker.discard(tasks)
+            if dones:
+                self._jobs.put(lambda: self._finish(dones))
+
+    def _locked(self, fn: Callable[..., Any], *args: Any) -> Any:
+        with self._lock:
+            return fn(*args)
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the owner thread and return its result."""
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def job() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as e:  # handed back to the caller
+                box["error"] = e
+            done.set()
+
+        self._jobs.put(job)
+        if not done.wait(30):
+            raise TimeoutError("kvt owner thread did not answer in 30 s")
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    # -- owner thread -----------------------------------------------------------
+
+    def _run(self) -> None:
+        next_notif_poll = 0.0
+        while True:
+            timeout = self.BUSY_POLL_S if self._writes else self.IDLE_POLL_S
+            try:
+                item = self._jobs.get(timeout=timeout)
+                while True:
+                    if item is None:
+                        return
+                    self._handle(item)
+                    item = self._jobs.get_nowait()
+            except queue.Empty:
+                pass
+            except Exception:
+                log.exception("kvt owner thread: job failed")
+            try:
+                self._poll_writes()
+                now = time.perf_counter()
+                if now >= next_notif_poll:
+                    self._poll_notifs()
+                    next_notif_poll = now + self.IDLE_POLL_S
+            except Exception:
+                log.exception("kvt owner thread: polling failed")
+
+    def _handle(self, item: _Job | Callable[[], None]) -> None:
+        if isinstance(item, _Job):
+            self._post(item)
+        else:
+            item()
+
+    def _post(self, job: _Job) -> None:
+        with self._lock:
+            pieces = [p for p in job.pieces if self._tracker.live(p[0])]
+        by_peer: dict[str, list[tuple[Tracked, int, int]]] = {}
+        for piece in pieces:
+            by_peer.setdefault(piece[0].task.peer, []).append(piece)
+        for peer, group in by_peer.items():
+            peer_layout = self._peers.get(peer)
+            if peer_layout is None:
+                self._fail_pieces(group, f"unknown peer {peer}")
+                continue
+            descs = np.concatenate(
+                [
+                    layer_descs(
+                        self.layout.layers[layer],
+                        peer_layout.layers[layer],
+                        tracked.task.src_blocks,
+                        tracked.task.dst_blocks,
+                    )
+                    for tracked, first, stop in group
+                    for layer in range(first, stop)
+                ]
+            )
+            write_id = self._next_write
+            self._next_write += 1
+            t_post = time.perf_counter()
+            try:
+                handle = self.transport.post_write(peer, descs)
+            except Exception as e:
+                log.warning("kvt rank %d: post to %s failed: %s", self.rank, peer, e)
+                self._fail_pieces(group, f"post failed: {e}")
+                continue
+            nbytes = int(descs[:, 2].sum())
+            self.stats.writes_posted += 1
+            self.stats.bytes_posted += nbytes
+            write = _Write(handle, peer, t_post + self.write_timeout_s)
+            write.pieces = [(t, stop - first) for t, first, stop in group]
+            self._writes[write_id] = write
+            with self._lock:
+                self._tracker.posted(write_id, write.pieces)
+            if self.on_posted is not None:
+                self.on_posted(job.kind, job.t_event, t_post, nbytes)
+
+    def _fail_pieces(self, group: list[tuple[Tracked, int, int]], reason: str) -> None:
+        with self._lock:
+            dones = [
+                d
+                for xfer_id in {t.task.xfer_id for t, _, _ in group}
+                for d in self._tracker.fail(xfer_id, reason)
+            ]
+        self._finish(dones)
+
+    def _poll_writes(self) -> None:
+        now = time.perf_counter()
+        for write_id, write in list(self._writes.items()):
+            state = self.transport.poll(write.handle)
+            if state is XferState.PENDING and now < write.deadline:
+                continue
+            del self._writes[write_id]
+            ok = state is XferState.DONE
+            error = "" if ok else ("write failed" if state is XferState.ERROR else "timeout")
+            if not ok:
+                self.stats.writes_failed += 1
+                log.warning("kvt rank %d: write to %s %s", self.rank, write.peer, error)
+            self.transport.release(write.handle)
+            with self._lock:
+                dones = self._tracker.settled(write_id, ok, error)
+            self._finish(dones)
+
+    def _finish(self, settled: list[Settled]) -> None:
+        for item in settled:
+            done = item.done
+            if done.ok:
+                self.stats.transfers_ok += 1
+            else:
+                self.stats.transfers_failed += 1
+            log.debug("kvt rank %d: %s", self.rank, done)
+            try:
+                self.transport.send_notif(item.peer, encode_send_done(done))
+            except Exception as e:
+                log.warning("kvt rank %d: %s to %s lost: %s", self.rank, done, item.peer, e)
+            if self.on_send_done is not None:
+                self.on_send_done(done)
+
+    def _poll_notifs(self) -> None:
+        notifs = self.transport.take_notifs()
+        if not notifs:
+            return
+        received = []
+        for peer, payload in notifs:
+            try:
+                done = decode_send_done(payload)
+            except (msgspec.DecodeError, ValueError) as e:
+                log.warning("kvt rank %d: bad notification from %s: %s", self.rank, peer, e)
+                continue
+            if done.ok:
+                self.stats.received_ok += 1
+            else:
+                self.stats.received_failed += 1
+            received.append(done)
+        with self._received_lock:
+            self._received.extend(received)
+            if self._received:
+                self._received_event.set()
+
+    def _drop_peer(self, peer: str) -> None:
+        self._peers.pop(peer, None)
+        self.transport.remove_peer(peer)
