@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from rapidkv.models import build as build_mod
-from rapidkv.models import ensure_model, get_spec, model_path
+from rapidkv.models import ensure_model, get_spec, model_path, text_token_ids
 from rapidkv.models import spec as spec_mod
 from rapidkv.models.build import STAMP, build_into
 from rapidkv.models.spec import SIZES, ModelSpec
@@ -151,6 +152,24 @@ def test_weights_scale_and_special_rows() -> None:
     lm_head = f32["lm_head.weight"]
     assert torch.count_nonzero(lm_head[: len(SPECIAL_TOKENS)]) == 0
     assert torch.count_nonzero(lm_head[len(SPECIAL_TOKENS) :]) > 0
+
+
+def test_untextual_ids_cannot_be_generated(tiny_dirs: tuple[Path, Path]) -> None:
+    path = tiny_dirs[0]
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    ok = text_token_ids(path)
+    bad = sorted(set(range(tok.get_vocab_size())) - set(ok))
+    # Specials, the 128 lone non-ASCII bytes and the ASCII control bytes (not \n, \t).
+    assert set(range(len(SPECIAL_TOKENS))) <= set(bad)
+    assert 128 + 3 < len(bad) < 200
+    for i in ok:
+        text = tok.decode([i])
+        assert text and "\ufffd" not in text, (i, text)
+        assert all(c.isprintable() or c in "\n\t" for c in text), (i, text)
+    assert "\ufffd" in tok.decode([bad[-1]]) or not tok.decode([bad[-1]]).isprintable()
+    lm_head = load_file(str(path / "model.safetensors"))["lm_head.weight"]
+    assert torch.count_nonzero(lm_head[bad]) == 0
+    assert bool((lm_head[ok].abs().sum(dim=1) > 0).all())
 
 
 # --- cache behaviour -------------------------------------------------------------

@@ -79,20 +79,35 @@ def build_into(spec: ModelSpec, target: Path) -> Path:
 
 def _write_model(spec: ModelSpec, digest: str, out: Path) -> None:
     # Imported here so `import rapidkv.models` stays light (no torch).
-    from rapidkv.models.tokenizer import train_tokenizer, write_tokenizer
+    from rapidkv.models.tokenizer import train_tokenizer, untextual_token_ids, write_tokenizer
     from rapidkv.models.weights import save_weights, write_config
 
     texts = [data.decode("utf-8") for _, data in corpus_files()]
-    write_tokenizer(train_tokenizer(texts, spec.vocab_size), out, spec.max_position_embeddings)
+    tok = train_tokenizer(texts, spec.vocab_size)
+    suppressed = untextual_token_ids(tok)
+    write_tokenizer(tok, out, spec.max_position_embeddings)
     write_config(spec, out)
-    save_weights(spec, out)
+    save_weights(spec, out, suppressed)
     stamp = {
         "builder_version": BUILDER_VERSION,
         "digest": digest,
         "spec": json.loads(spec.canonical_json()),
+        "suppressed_token_ids": suppressed,
     }
     # Written last: its presence (after the rename) marks a complete model.
     (out / STAMP).write_text(json.dumps(stamp, indent=2, sort_keys=True) + "\n")
+
+
+def text_token_ids(model_dir: Path) -> list[int]:
+    """Ids that greedy decoding can emit: each decodes alone to printable text.
+
+    Use them to draw random token-id prompts: a prompt made of them decodes
+    cleanly (vLLM's incremental detokenizer mis-reports the output text after
+    prompts that end in lone UTF-8 fragment bytes).
+    """
+    stamp = json.loads((Path(model_dir) / STAMP).read_text())
+    suppressed = set(stamp["suppressed_token_ids"])
+    return [i for i in range(stamp["spec"]["vocab_size"]) if i not in suppressed]
 
 
 def _is_complete(target: Path, digest: str) -> bool:

@@ -7,7 +7,10 @@ Invariants:
 - encoding prepends `<s>` (post-processor), decoding is byte-level and
   round-trips any text (no normalizer, no unknown bytes);
 - training is deterministic: same corpus and vocab size give the same
-  `tokenizer.json` bytes.
+  `tokenizer.json` bytes;
+- `untextual_token_ids` are the ids that do not decode, on their own, to
+  printable text (special tokens, lone UTF-8 fragment bytes, control bytes);
+  the weights make sure greedy decoding never emits them (see `weights`).
 """
 
 from __future__ import annotations
@@ -53,6 +56,21 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, BOS_ID)]
     )
     return tok
+
+
+def untextual_token_ids(tok: Tokenizer) -> list[int]:
+    """Sorted ids whose standalone decode is empty, not valid UTF-8, or has control chars.
+
+    Every other id decodes to printable text (plus newline and tab) by itself,
+    so any sequence of them decodes cleanly and incrementally.
+    """
+    bad = []
+    for i in range(tok.get_vocab_size()):
+        text = tok.decode([i], skip_special_tokens=True)
+        printable = all(c.isprintable() or c in "\n\t" for c in text)
+        if not text or "\ufffd" in text or not printable:
+            bad.append(i)
+    return bad
 
 
 def write_tokenizer(tok: Tokenizer, out: Path, model_max_length: int) -> None:

@@ -10,9 +10,12 @@ Invariants:
 - each tensor is drawn from its own generator seeded by (spec.seed, name), in
   float32, then cast to `spec.dtype`: a bfloat16 model is the rounded float32
   model, and tensor values do not depend on drawing order;
-- the `lm_head` rows of the special tokens are zero, so their logit is exactly
-  0 while the max of ~2k ordinary logits is ~3 std above it: greedy decoding
-  never emits `<unk>`, `<s>` or `</s>` (generation runs to `max_tokens`);
+- the `lm_head` rows of the suppressed ids (by default the special tokens; the
+  builder passes `tokenizer.untextual_token_ids`: specials, lone UTF-8
+  fragment and control bytes) are zero, so their logit is exactly 0 while the
+  max of ~2k ordinary logits (std ~1) is ~3 above it: greedy decoding never
+  emits them, so it never stops at `</s>` (it runs to `max_tokens`) and its
+  text always decodes cleanly;
 - `save_weights` output is byte-identical for identical inputs.
 """
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -41,7 +45,9 @@ def _linear(spec: ModelSpec, name: str, out_f: int, in_f: int) -> torch.Tensor:
     return _normal(spec, name, (out_f, in_f), in_f**-0.5)
 
 
-def make_state_dict(spec: ModelSpec) -> dict[str, torch.Tensor]:
+def make_state_dict(
+    spec: ModelSpec, suppressed_ids: Sequence[int] = range(len(SPECIAL_TOKENS))
+) -> dict[str, torch.Tensor]:
     """HF `LlamaForCausalLM` parameter names -> contiguous tensors in spec.dtype."""
     h, hd = spec.hidden_size, spec.head_dim
     q_out, kv_out = spec.num_attention_heads * hd, spec.num_key_value_heads * hd
@@ -61,15 +67,15 @@ def make_state_dict(spec: ModelSpec) -> dict[str, torch.Tensor]:
         sd[p + "mlp.up_proj.weight"] = _linear(spec, p + "up", spec.intermediate_size, h)
         sd[p + "mlp.down_proj.weight"] = _linear(spec, p + "down", h, spec.intermediate_size)
     lm_head = _linear(spec, "lm_head", spec.vocab_size, h)
-    lm_head[: len(SPECIAL_TOKENS)] = 0.0
+    lm_head[list(suppressed_ids)] = 0.0
     sd["lm_head.weight"] = lm_head
     dt = _TORCH_DTYPES[spec.dtype]
     return {k: v.to(dt).contiguous() for k, v in sd.items()}
 
 
-def save_weights(spec: ModelSpec, out: Path) -> None:
+def save_weights(spec: ModelSpec, out: Path, suppressed_ids: Sequence[int]) -> None:
     """Write model.safetensors (tensors sorted by name, fixed metadata)."""
-    sd = make_state_dict(spec)
+    sd = make_state_dict(spec, suppressed_ids)
     save_file(dict(sorted(sd.items())), str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
