@@ -1,0 +1,187 @@
+"""HTTP helpers for vLLM's OpenAI API, shared by tests and benchmarks.
+
+Requests are greedy (`temperature=0`) with `ignore_eos=True` by default, so a
+request of `max_tokens=n` yields exactly n tokens; prompts are token ids; the
+generated token ids come back through vLLM 0.32's `return_token_ids`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One choice of a /v1/completions response, with client-side timing."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    kv_transfer_params: dict[str, Any] | None
+    raw: dict[str, Any]
+    t_start: float  # time.monotonic() when the request was sent
+    t_end: float  # ... and when the response was complete
+
+
+def completion_body(
+    prompt_ids: Sequence[int],
+    max_tokens: int,
+    *,
+    temperature: float = 0.0,
+    ignore_eos: bool = True,
+    model: str | None = None,
+    kv_transfer_params: dict[str, Any] | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """The JSON body of a completions request for a token-id prompt."""
+    body: dict[str, Any] = {
+        "prompt": [int(t) for t in prompt_ids],
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "ignore_eos": ignore_eos,
+        "return_token_ids": True,
+        "stream": False,
+    }
+    if model is not None:
+        body["model"] = model
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = kv_transfer_params
+    body.update(extra)
+    return body
+
+
+def _parse(data: dict[str, Any], t_start: float) -> Completion:
+    choice = data["choices"][0]
+    ids = choice.get("token_ids")
+    if ids is None:
+        raise ValueError(f"response carries no token_ids (is return_token_ids supported?): {data}")
+    return Completion(
+        token_ids=[int(t) for t in ids],
+        text=choice.get("text", ""),
+        finish_reason=choice.get("finish_reason"),
+        kv_transfer_params=data.get("kv_transfer_params"),
+        raw=data,
+        t_start=t_start,
+        t_end=time.monotonic(),
+    )
+
+
+def _check(resp: httpx.Response) -> dict[str, Any]:
+    if resp.status_code != 200:
+        raise httpx.HTTPStatusError(
+            f"{resp.request.url} -> {resp.status_code}: {resp.text[:2000]}",
+            request=resp.request,
+            response=resp,
+        )
+    return resp.json()
+
+
+def complete_full(
+    base_url: str,
+    prompt_ids: Sequence[int],
+    max_tokens: int,
+    *,
+    client: httpx.Client | None = None,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    **kwargs: Any,
+) -> Completion:
+    """POST /v1/completions; raises `httpx.HTTPStatusError` on a non-200 answer."""
+    body = completion_body(prompt_ids, max_tokens, **kwargs)
+    t0 = time.monotonic()
+    if client is None:
+        with httpx.Client(timeout=timeout) as c:
+            data = _check(c.post(f"{base_url}/v1/completions", json=body))
+    else:
+        data = _check(client.post(f"{base_url}/v1/completions", json=body, timeout=timeout))
+    return _parse(data, t0)
+
+
+def complete(base_url: str, prompt_ids: Sequence[int], max_tokens: int, **kwargs: Any) -> list[int]:
+    """The generated token ids (greedy, exactly `max_tokens` of them by default)."""
+    return complete_full(base_url, prompt_ids, max_tokens, **kwargs).token_ids
+
+
+async def acomplete_full(
+    client: httpx.AsyncClient,
+    base_url: str,
+    prompt_ids: Sequence[int],
+    max_tokens: int,
+    *,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    **kwargs: Any,
+) -> Completion:
+    """Async `complete_full` on a caller-owned `httpx.AsyncClient`."""
+    body = completion_body(prompt_ids, max_tokens, **kwargs)
+    t0 = time.monotonic()
+    resp = await client.post(f"{base_url}/v1/completions", json=body, timeout=timeout)
+    return _parse(_check(resp), t0)
+
+
+def complete_many_full(
+    base_url: str,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    *,
+    concurrency: int = 1,
+    **kwargs: Any,
+) -> list[Completion]:
+    """Send every prompt, at most `concurrency` in flight; results in prompt order."""
+    if concurrency < 1:
+        raise ValueError("concurrency must be >= 1")
+
+    async def run() -> list[Completion]:
+        sem = asyncio.Semaphore(concurrency)
+        limits = httpx.Limits(max_connections=concurrency)
+        async with httpx.AsyncClient(limits=limits, timeout=DEFAULT_TIMEOUT_S) as client:
+
+            async def one(p: Sequence[int]) -> Completion:
+                async with sem:
+                    return await acomplete_full(client, base_url, p, max_tokens, **kwargs)
+
+            return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+    return asyncio.run(run())
+
+
+def complete_many(
+    base_url: str,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    *,
+    concurrency: int = 1,
+    **kwargs: Any,
+) -> list[list[int]]:
+    """Token ids for every prompt (see `complete_many_full`)."""
+    results = complete_many_full(base_url, prompts, max_tokens, concurrency=concurrency, **kwargs)
+    return [c.token_ids for c in results]
+
+
+# ------------------------------------------------------------------ metrics
+
+MetricKey = tuple[str, frozenset[tuple[str, str]]]
+
+
+def get_metrics(base_url: str, *, timeout: float = 10.0) -> dict[MetricKey, float]:
+    """Scrape `/metrics`: {(sample name, frozenset(labels)): value}."""
+    resp = httpx.get(f"{base_url}/metrics", timeout=timeout)
+    resp.raise_for_status()
+    out: dict[MetricKey, float] = {}
+    for family in text_string_to_metric_families(resp.text):
+        for sample in family.samples:
+            out[(sample.name, frozenset(sample.labels.items()))] = float(sample.value)
+    return out
+
+
+def metric_sum(metrics: dict[MetricKey, float], name: str, **labels: str) -> float:
+    """Sum of samples called `name` whose labels include `labels` (0.0 if none)."""
+    want = set(labels.items())
+    return sum(v for (n, ls), v in metrics.items() if n == name and want <= ls)

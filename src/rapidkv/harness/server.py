@@ -1,0 +1,346 @@
+"""vLLM OpenAI API servers for tests, demos and benchmarks.
+
+    spec = ServerSpec(model=path, name="prefill", role="prefill", cpus=(0,),
+                      kv_transfer_config={...})
+    with VLLMServer.start(spec, log_dir) as srv:
+        complete(srv.base_url, [1, 2, 3], 16)
+
+Invariants:
+* A server listens on 127.0.0.1 only, on a port that was free when chosen (a
+  port clash at bind time is retried with a new port when the spec left the port
+  open).
+* `VLLM_CPU_KVCACHE_SPACE` is never passed on (it would override
+  `--kv-cache-memory-bytes`); the clone's `src` is first on `PYTHONPATH`, so
+  `kv_connector_module_path: rapidkv.connector` imports this checkout's code.
+* With `cpus` set, the whole tree is pinned (`taskset -c`, inherited by every
+  child) and vLLM's OpenMP threads are bound to the same cores.
+* Every server is a `ManagedProcess`: it is stopped by process group, and the
+  watchdog kills it if the Python process that started it dies.
+* `start` returns only once `/health` answers 200; otherwise it stops the tree
+  and raises `ServerStartError` carrying the log tail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+
+from rapidkv.harness.ports import LOOPBACK, free_port
+from rapidkv.harness.process import ManagedProcess
+
+Role = Literal["single", "prefill", "decode"]
+
+SRC_DIR = Path(__file__).resolve().parents[2]
+"""The `src` directory of the checkout this module was imported from."""
+
+# Environment variables removed from every server's environment.
+DROPPED_ENV = ("VLLM_CPU_KVCACHE_SPACE",)
+
+_PORT_CLASH = ("address already in use", "errno 98")
+PORT_ATTEMPTS = 3
+
+
+class ServerStartError(RuntimeError):
+    """A server exited or did not become healthy in time. The message has its log tail."""
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """What to start: one vLLM OpenAI API server.
+
+    `name` labels logs and errors; `role` ("single" | "prefill" | "decode") is a
+    label as well (exported as `RAPIDKV_ROLE`): what an instance does in a
+    disaggregated pair is decided by its `kv_transfer_config`, passed verbatim
+    as JSON to `--kv-transfer-config`. `extra_args` are appended last, so they
+    win over the defaults.
+
+    `dtype` None means "the dtype in the model's config.json", passed
+    explicitly: left to itself the CPU backend downcasts a float32 model to
+    bfloat16, which breaks the float32 correctness oracle.
+    """
+
+    model: Path
+    name: str = "vllm"
+    role: Role = "single"
+    kv_transfer_config: Mapping[str, Any] | None = None
+    extra_args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    cpus: tuple[int, ...] | None = None
+    port: int | None = None
+    max_model_len: int = 1024
+    max_num_seqs: int = 8
+    kv_cache_memory_bytes: str = "256M"
+    enforce_eager: bool = True
+    seed: int = 0
+    dtype: str | None = None
+    quiet: bool = True
+    startup_timeout: float = 240.0
+
+    def replace(self, **changes: Any) -> ServerSpec:
+        """A copy with `changes` applied."""
+        return dataclasses.replace(self, **changes)
+
+    def argv(self, port: int) -> list[str]:
+        """The command line for a server on `port` (with `taskset` when pinned)."""
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model),
+            "--host",
+            LOOPBACK,
+            "--port",
+            str(port),
+            "--max-model-len",
+            str(self.max_model_len),
+            "--max-num-seqs",
+            str(self.max_num_seqs),
+            "--kv-cache-memory-bytes",
+            self.kv_cache_memory_bytes,
+            "--seed",
+            str(self.seed),
+        ]
+        dtype = self.dtype if self.dtype is not None else model_dtype(self.model)
+        if dtype is not None:
+            cmd += ["--dtype", dtype]
+        if self.enforce_eager:
+            cmd.append("--enforce-eager")
+        if self.quiet:
+            # Drops uvicorn's per-request access lines; request logging is off by
+            # default in 0.32. Stats logging stays on: it feeds /metrics.
+            cmd += ["--uvicorn-log-level", "warning"]
+        if self.kv_transfer_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(dict(self.kv_transfer_config))]
+        cmd += list(self.extra_args)
+        if self.cpus is not None:
+            taskset = shutil.which("taskset")
+            if taskset is None:
+                raise RuntimeError("pinning needs `taskset` (util-linux)")
+            cmd = [taskset, "-c", _cpu_list(self.cpus), *cmd]
+        return cmd
+
+    def environment(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The server's environment, built from `base` (default: this process's)."""
+        env = dict(os.environ if base is None else base)
+        for key in DROPPED_ENV:
+            env.pop(key, None)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC_DIR), env.get("PYTHONPATH")]))
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        env.setdefault("TRANSFORMERS_OFFLINE", "1")
+        env.setdefault("VLLM_NO_USAGE_STATS", "1")
+        env.setdefault("DO_NOT_TRACK", "1")
+        env["RAPIDKV_ROLE"] = self.role
+        if self.cpus is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = _cpu_list(self.cpus)
+        env.update(self.env)
+        return env
+
+
+def model_dtype(model_dir: Path) -> str | None:
+    """The dtype recorded in `model_dir/config.json` (`dtype` or `torch_dtype`), if any."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    value = config.get("dtype") or config.get("torch_dtype")
+    return str(value) if value else None
+
+
+def _cpu_list(cpus: Sequence[int]) -> str:
+    if not cpus:
+        raise ValueError("cpus must name at least one core")
+    return ",".join(str(c) for c in cpus)
+
+
+class VLLMServer:
+    """A running (or stopped) vLLM server started from a `ServerSpec`.
+
+    Attributes once started: `port`, `base_url`, `pid`, `pgid`, `log_path`,
+    `startup_s` (launch → first healthy `/health`, for the launch that succeeded).
+    """
+
+    def __init__(self, spec: ServerSpec, log_dir: Path) -> None:
+        self.spec = spec
+        self.log_dir = Path(log_dir)
+        self.log_path = self.log_dir / f"{spec.name}.log"
+        self.process: ManagedProcess | None = None
+        self.port = 0
+        self.startup_s: float | None = None
+        self._t_launch = 0.0
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------ lifecycle
+
+    @classmethod
+    def start(cls, spec: ServerSpec, log_dir: Path) -> VLLMServer:
+        """Launch a server and wait until it is healthy (see module invariants)."""
+        server = cls(spec, log_dir)
+        server.launch()
+        server.wait_ready()
+        return server
+
+    def launch(self) -> None:
+        """Start the process tree without waiting for it."""
+        self.port = self.spec.port if self.spec.port is not None else free_port()
+        self._t_launch = time.monotonic()
+        self.startup_s = None
+        self.process = ManagedProcess(
+            self.spec.argv(self.port),
+            self.spec.environment(),
+            self.log_path,
+            name=f"{self.spec.name}:{self.port}",
+        )
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until `/health` is 200. On failure stop the tree and raise `ServerStartError`.
+
+        A port clash during bind is retried with a fresh port (when the spec's
+        port is unset), up to `PORT_ATTEMPTS` launches in all.
+        """
+        timeout = self.spec.startup_timeout if timeout is None else timeout
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            proc = self._proc()
+            deadline = self._t_launch + timeout
+            with httpx.Client(timeout=2.0) as http:
+                while True:
+                    rc = proc.returncode()
+                    if rc is not None:
+                        break
+                    if _healthy(http, self.base_url):
+                        self.startup_s = time.monotonic() - self._t_launch
+                        return
+                    if time.monotonic() > deadline:
+                        self._fail(f"not healthy after {timeout:.0f}s")
+                    time.sleep(0.25)
+            tail = proc.log_tail()
+            clash = any(s in tail.lower() for s in _PORT_CLASH)
+            if clash and self.spec.port is None and attempt < PORT_ATTEMPTS:
+                proc.stop()
+                self.launch()
+                continue
+            self._fail(f"exited with status {rc} before becoming healthy")
+
+    def _fail(self, why: str) -> None:
+        proc = self._proc()
+        tail = proc.log_tail()
+        with contextlib.suppress(Exception):
+            proc.stop()
+        raise ServerStartError(
+            f"vLLM server {self.spec.name!r} (port {self.port}, pid {proc.pid}) {why}; "
+            f"log {self.log_path}, last lines:\n{tail}"
+        )
+
+    def stop(self) -> int | None:
+        """Stop the whole tree (idempotent); returns the leader's exit status."""
+        with self._lock:
+            if self.process is None:
+                return None
+            return self.process.stop()
+
+    def restart(self) -> None:
+        """Stop, then start again from the same spec (a new port unless the spec fixes one)."""
+        self.stop()
+        self.launch()
+        self.wait_ready()
+
+    def __enter__(self) -> VLLMServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------ views
+
+    def _proc(self) -> ManagedProcess:
+        if self.process is None:
+            raise RuntimeError(f"server {self.spec.name!r} was never launched")
+        return self.process
+
+    @property
+    def base_url(self) -> str:
+        """`http://127.0.0.1:PORT` (no trailing slash)."""
+        return f"http://{LOOPBACK}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self._proc().pid
+
+    @property
+    def pgid(self) -> int:
+        return self._proc().pgid
+
+    @property
+    def running(self) -> bool:
+        """True if launched, not stopped, and the leader has not exited."""
+        p = self.process
+        return p is not None and not p.stopped and p.returncode() is None
+
+    def log_tail(self, lines: int = 80) -> str:
+        return self._proc().log_tail(lines)
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "stopped"
+        return f"<VLLMServer {self.spec.name} {self.base_url} {state}>"
+
+
+def _healthy(http: httpx.Client, base_url: str) -> bool:
+    try:
+        return http.get(f"{base_url}/health").status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def start_servers(specs: Sequence[ServerSpec], log_dir: Path) -> list[VLLMServer]:
+    """Launch all `specs` at once, then wait for every one to be healthy.
+
+    Either all are returned healthy, or all are stopped and the first error is raised.
+    Names must be unique (they name the log files).
+    """
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"server names must be unique: {names}")
+    servers: list[VLLMServer] = []
+    try:
+        for spec in specs:
+            server = VLLMServer(spec, log_dir)
+            servers.append(server)
+            server.launch()
+        for server in servers:
+            server.wait_ready()
+    except BaseException:
+        for server in servers:
+            with contextlib.suppress(Exception):
+                server.stop()
+        raise
+    return servers
+
+
+@contextlib.contextmanager
+def running(specs: Sequence[ServerSpec], log_dir: Path) -> Iterator[list[VLLMServer]]:
+    """`start_servers` as a context manager that always stops them."""
+    servers = start_servers(specs, log_dir)
+    try:
+        yield servers
+    finally:
+        errors = []
+        for server in servers:
+            try:
+                server.stop()
+            except Exception as e:  # keep stopping the others
+                errors.append(e)
+        if errors:
+            raise errors[0]

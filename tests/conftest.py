@@ -1,0 +1,100 @@
+"""Session-wide fixtures: the tiny test model and lazily started vLLM servers.
+
+Servers live in one `ServerPool` per test session: each configuration is
+started the first time a test asks for it, shared by later tests, and stopped
+at the end of the session (or when the pool needs room: at most two servers run
+at once on this 2-core machine). The harness's watchdog stops them even if the
+test runner is killed. Logs go to `<pytest tmp>/vllm-logs` unless
+`RAPIDKV_LOG_DIR` is set.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rapidkv.harness import ServerPool, ServerSpec, VLLMServer
+from rapidkv.harness.iterations import FLAG as ITERATION_LOG_FLAG
+
+CHUNK_TOKENS = 256
+"""`--max-num-batched-tokens` of the chunked-prefill server."""
+
+_pool: ServerPool | None = None
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    """Directory of the tiny float32 random-weight Llama (built once, cached)."""
+    from rapidkv.models import ensure_model
+
+    return ensure_model("tiny", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def harness_log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where server and watchdog logs of this session go."""
+    env = os.environ.get("RAPIDKV_LOG_DIR")
+    if env:
+        path = Path(env)
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    return tmp_path_factory.mktemp("vllm-logs")
+
+
+@pytest.fixture(scope="session")
+def server_pool(harness_log_dir: Path) -> Iterator[ServerPool]:
+    """The session's pool of shared servers; every server is stopped at session end."""
+    global _pool
+    pool = ServerPool(harness_log_dir, max_running=2)
+    _pool = pool
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+def single_spec(model: Path) -> ServerSpec:
+    """The reference single instance: default batching, pinned to core 0.
+
+    Logs one line per engine step (`rapidkv.harness.iterations`), so tests can
+    see how steps were composed.
+    """
+    return ServerSpec(
+        model=model, name="server", role="single", cpus=(0,), extra_args=(ITERATION_LOG_FLAG,)
+    )
+
+
+def chunked_spec(model: Path) -> ServerSpec:
+    """A single instance that must prefill in chunks of `CHUNK_TOKENS`, on core 1."""
+    return ServerSpec(
+        model=model,
+        name="server",
+        role="single",
+        cpus=(1,),
+        extra_args=(ITERATION_LOG_FLAG, "--max-num-batched-tokens", str(CHUNK_TOKENS)),
+    )
+
+
+@pytest.fixture
+def single_server(server_pool: ServerPool, tiny_model: Path) -> VLLMServer:
+    """Tiny float32 model, default batching (started on first use, then shared)."""
+    return server_pool.get_one("single", single_spec(tiny_model))
+
+
+@pytest.fixture
+def single_server_chunked(server_pool: ServerPool, tiny_model: Path) -> VLLMServer:
+    """Tiny float32 model with `--max-num-batched-tokens 256` (chunked prefill)."""
+    return server_pool.get_one("single_chunked", chunked_spec(tiny_model))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Report every vLLM server start-up of the session and where the logs are."""
+    if _pool is None or not _pool.startups:
+        return
+    terminalreporter.section("vLLM servers")
+    for name, seconds in _pool.startups:
+        terminalreporter.write_line(f"{name}: healthy after {seconds:.1f}s")
+    terminalreporter.write_line(f"logs: {_pool.log_dir}")

@@ -1,0 +1,234 @@
+"""Unit tests of the harness's process handling, with dummy process trees (no vLLM)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rapidkv.harness import ManagedProcess, ServerSpec, free_port, procs, random_prompts, wait_until
+from rapidkv.harness.ports import port_is_free
+from rapidkv.harness.prompts import prompt_vocab
+from rapidkv.harness.server import SRC_DIR
+from rapidkv.harness.watchdog import GRACE_ENV, OWNER_ENV_PREFIX
+
+pytestmark = pytest.mark.unit
+
+# An idle process; argv[1] == "1" makes it ignore SIGTERM, argv[2] == "1" makes
+# it leave its process group (setsid) first.
+IDLE = """
+import os, signal, sys
+if sys.argv[2] == "1":
+    os.setsid()
+if sys.argv[1] == "1":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+while True:
+    signal.pause()
+"""
+
+# A process tree: the root (an IDLE) starts a child in its group and an
+# "escaper" that leaves the group; argv[2] == "1" makes all three ignore SIGTERM.
+TREE = """
+import json, os, signal, subprocess, sys
+pidfile, ignore = sys.argv[1], sys.argv[2]
+IDLE = __IDLE__
+if ignore == "1":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+child = subprocess.Popen([sys.executable, "-c", IDLE, ignore, "0"])
+escaper = subprocess.Popen([sys.executable, "-c", IDLE, ignore, "1"])
+tmp = pidfile + ".tmp"
+with open(tmp, "w") as f:
+    json.dump({"root": os.getpid(), "child": child.pid, "escaper": escaper.pid}, f)
+os.rename(tmp, pidfile)
+while True:
+    signal.pause()
+""".replace("__IDLE__", repr(IDLE))
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC_DIR), env.get("PYTHONPATH")]))
+    return env
+
+
+def _read_json_when_ready(path: Path, timeout: float = 30.0) -> dict:
+    wait_until(path.exists, timeout, what=f"{path} to appear")
+    return json.loads(path.read_text())
+
+
+def _identities(pids: list[int]) -> list[tuple[int, int]]:
+    out = []
+    for pid in pids:
+        st = procs.proc_stat(pid)
+        assert st is not None and st.alive, f"pid {pid} should be running"
+        out.append((pid, st.starttime))
+    return out
+
+
+def _kill_leftovers(idents: list[tuple[int, int]]) -> None:
+    for pid, start in idents:
+        if procs.is_alive(pid, start):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _none_alive(idents: list[tuple[int, int]]) -> bool:
+    return not any(procs.is_alive(pid, start) for pid, start in idents)
+
+
+def test_free_port_is_bindable_and_fresh() -> None:
+    ports = [free_port() for _ in range(20)]
+    assert len(set(ports)) == len(ports)
+    assert all(port_is_free(p) for p in ports)
+
+
+def test_spec_command_line_and_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "float32"}))
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
+    spec = ServerSpec(
+        model=tmp_path,
+        role="prefill",
+        cpus=(1,),
+        kv_transfer_config={"kv_connector": "X", "kv_role": "kv_both"},
+        extra_args=("--max-num-batched-tokens", "256"),
+        env={"EXTRA": "1"},
+    )
+    argv = spec.argv(12345)
+    assert argv[:3] == [argv[0], "-c", "1"] and argv[0].endswith("taskset")
+    joined = " ".join(argv)
+    for flag in (
+        "-m vllm.entrypoints.openai.api_server",
+        "--host 127.0.0.1",
+        "--port 12345",
+        "--enforce-eager",
+        "--max-model-len 1024",
+        "--max-num-seqs 8",
+        "--kv-cache-memory-bytes 256M",
+        "--seed 0",
+        "--dtype float32",
+    ):
+        assert flag in joined
+    cfg = argv[argv.index("--kv-transfer-config") + 1]
+    assert json.loads(cfg) == {"kv_connector": "X", "kv_role": "kv_both"}
+    assert argv[-2:] == ["--max-num-batched-tokens", "256"]
+    env = spec.environment()
+    assert "VLLM_CPU_KVCACHE_SPACE" not in env
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(SRC_DIR)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert env["RAPIDKV_ROLE"] == "prefill" and env["EXTRA"] == "1"
+    unpinned = spec.replace(cpus=None, dtype="bfloat16").argv(1)
+    assert "taskset" not in unpinned[0] and "--dtype bfloat16" in " ".join(unpinned)
+
+
+@pytest.mark.timeout(60)
+def test_stop_kills_whole_tree_even_if_it_ignores_sigterm(tmp_path: Path) -> None:
+    pidfile = tmp_path / "pids.json"
+    mp = ManagedProcess(
+        [sys.executable, "-c", TREE, str(pidfile), "1"], _env(), tmp_path / "tree.log", name="tree"
+    )
+    try:
+        pids = _read_json_when_ready(pidfile)
+        idents = _identities(list(pids.values()))
+        escaped = lambda: procs.proc_stat(pids["escaper"]).pgrp != mp.pgid  # noqa: E731
+        wait_until(escaped, 10, what="the escaper to leave the group")
+        assert set(mp.live_pids()) == set(pids.values())
+        rc = mp.stop(grace=0.5)
+        assert rc == -signal.SIGKILL
+        assert _none_alive(idents)
+        assert mp.live_pids() == []
+        assert mp.stop() == rc  # idempotent
+    finally:
+        mp.stop(grace=0.1)
+
+
+@pytest.mark.timeout(60)
+def test_returncode_does_not_reap_and_log_is_kept(tmp_path: Path) -> None:
+    mp = ManagedProcess(
+        [sys.executable, "-c", "print('hello from child'); raise SystemExit(3)"],
+        _env(),
+        tmp_path / "exit.log",
+        name="exit3",
+    )
+    try:
+        assert wait_until(lambda: mp.returncode() == 3, 30, what="exit 3")
+        st = procs.proc_stat(mp.pid)
+        assert st is not None and st.state == "Z"  # unreaped: the pgid stays ours
+        assert mp.stop() == 3
+        assert procs.proc_stat(mp.pid) is None
+        assert "hello from child" in mp.log_tail()
+    finally:
+        mp.stop()
+
+
+# Parent for the watchdog test: starts a tree through the harness and a
+# stranger process outside it, reports pids, then idles until killed.
+PARENT = r"""
+import json, os, signal, subprocess, sys
+from pathlib import Path
+from rapidkv.harness import ManagedProcess, get_watchdog, wait_until
+out, tree = Path(sys.argv[1]), sys.argv[2]
+pidfile = out.parent / "tree-pids.json"
+mp = ManagedProcess([sys.executable, "-c", tree, str(pidfile), "0"], dict(os.environ),
+                    out.parent / "tree.log", name="tree")
+wait_until(pidfile.exists, 30)
+stranger = subprocess.Popen([sys.executable, "-c", "import signal\nwhile True: signal.pause()"],
+                            start_new_session=True)
+info = json.loads(pidfile.read_text())
+info.update(stranger=stranger.pid, watchdog=get_watchdog().pid, pgid=mp.pgid)
+out.with_suffix(".tmp").write_text(json.dumps(info))
+os.rename(out.with_suffix(".tmp"), out)
+while True:
+    signal.pause()
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_watchdog_kills_tree_when_parent_dies(tmp_path: Path, sig: signal.Signals) -> None:
+    """SIGKILL (no cleanup code runs) or SIGTERM (default action, none either)."""
+    info_path = tmp_path / "info.json"
+    env = _env()
+    env[GRACE_ENV] = "2"
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, str(info_path), TREE], env=env, start_new_session=True
+    )
+    stranger = None
+    tree: list[tuple[int, int]] = []
+    try:
+        info = _read_json_when_ready(info_path, 60)
+        stranger = info["stranger"]
+        tree = _identities([info["root"], info["child"], info["escaper"]])
+        watchdog = _identities([info["watchdog"]])
+        stranger_id = _identities([stranger])
+        marks = [e for e in procs.environ(stranger) if e.startswith(OWNER_ENV_PREFIX.encode())]
+        assert marks == []  # not started by a harness: must survive
+        parent.send_signal(sig)
+        parent.wait(10)
+        wait_until(lambda: _none_alive(tree), 30, what="tree killed by the watchdog")
+        wait_until(lambda: _none_alive(watchdog), 30, what="watchdog to exit")
+        assert procs.live_in_group(info["pgid"]) == []
+        assert not _none_alive(stranger_id), "the watchdog killed a process it did not own"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        if stranger is not None and procs.is_alive(stranger):
+            os.kill(stranger, signal.SIGKILL)
+        _kill_leftovers(tree)  # only if the test failed: never leak its processes
+
+
+def test_random_prompts_are_deterministic_and_valid(tiny_model: Path) -> None:
+    a = random_prompts(tiny_model, [5, 40, 300], seed=7)
+    b = random_prompts(tiny_model, [5, 40, 300], seed=7)
+    c = random_prompts(tiny_model, [5, 40, 300], seed=8)
+    assert a == b and a != c
+    assert [len(p) for p in a] == [5, 40, 300]
+    config = json.loads((tiny_model / "config.json").read_text())
+    vocab = set(prompt_vocab(tiny_model))
+    specials = {config["bos_token_id"], config["eos_token_id"]}
+    assert all(t in vocab and t not in specials for p in a for t in p)
+    assert all(0 <= t < config["vocab_size"] for p in a for t in p)
