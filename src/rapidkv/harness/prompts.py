@@ -2,8 +2,10 @@
 
 Invariant: every id returned is a regular (non-special) token that both the
 model's embedding (`config.json` `vocab_size`) and its tokenizer know, so vLLM
-accepts the prompt and no id ends or restarts a sequence by accident. The same
-(model, seed, lengths) always gives the same prompts.
+accepts the prompt and no id ends or restarts a sequence by accident; for a
+model built by `rapidkv.models`, only its `text_token_ids` (ids that decode
+alone to printable text) are used. The same (model, seed, lengths) always gives
+the same prompts.
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ def prompt_vocab(model_dir: Path) -> tuple[int, ...]:
         special |= {t["id"] for t in tok.get("added_tokens", []) if t.get("special")}
     else:
         ids = set(range(limit))
+    if (model_dir / "rapidkv_model.json").exists():
+        # A rapidkv test model also knows which ids decode cleanly on their own.
+        from rapidkv.models import text_token_ids
+
+        ids &= set(text_token_ids(model_dir))
     usable = tuple(sorted(i for i in ids if 0 <= i < limit and i not in special))
     if len(usable) < 2:
         raise ValueError(f"{model_dir}: fewer than 2 usable prompt token ids")
