@@ -27,11 +27,23 @@ Rules
   failed, so when it arrives no more writes of that transfer can land.
 - Nothing here raises into the engine for a network failure: failures become
   error SendDones. Caller bugs (illegal events, invalid tasks) raise.
+
+Scheduling
+----------
+The owner thread shares its core with the engine's forward pass. Under Linux's
+EEVDF scheduler a woken thread waits for the running one's slice (~3 ms) before
+it gets the core, which put layer_done -> send at 1-3 ms p50 and 5-10 ms p99
+on a busy pinned core. With `realtime=True` (default) the owner thread asks for
+SCHED_FIFO priority 1, so it preempts the forward the moment a job arrives
+(measured: p50 ~0.2 ms, p99 ~0.4 ms). It never spins: it sleeps on its queue
+or between polls, and the kernel's RT throttling bounds it anyway. Without the
+privilege (CAP_SYS_NICE) it logs a warning once and runs at normal priority.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -88,8 +100,16 @@ PostedHook = Callable[[str, float, float, int], None]
 
 
 class KvtWorker:
-    BUSY_POLL_S = 0.0002  # poll interval while writes are in flight
-    IDLE_POLL_S = 0.002  # poll interval for incoming notifications otherwise
+    # While writes are in flight the owner polls them, first every MIN_POLL_S, the
+    # interval doubling up to MAX_POLL_S while nothing settles, and never more
+    # often than POLL_DUTY allows (a poll round of w seconds is followed by at
+    # least w / POLL_DUTY of sleep: the owner preempts the engine, so it must not
+    # take its core). Otherwise it wakes every IDLE_POLL_S to collect incoming
+    # notifications.
+    MIN_POLL_S = 0.0002
+    MAX_POLL_S = 0.001
+    POLL_DUTY = 0.2
+    IDLE_POLL_S = 0.002
 
     def __init__(
         self,
@@ -101,6 +121,7 @@ class KvtWorker:
         on_send_done: Callable[[SendDone], None] | None = None,
         write_timeout_s: float = 10.0,
         on_posted: PostedHook | None = None,
+        realtime: bool = True,
     ) -> None:
         self.transport = transport
         self.layout = layout
@@ -108,6 +129,7 @@ class KvtWorker:
         self.write_timeout_s = write_timeout_s
         self.on_send_done = on_send_done
         self.on_posted = on_posted
+        self.realtime = realtime
         self.stats = KvtStats()
         self._lock = threading.Lock()
         self._coord: StepCoordinator[Tracked] = StepCoordinator(len(layout.layers))
@@ -254,12 +276,26 @@ class KvtWorker:
 
     # -- owner thread -----------------------------------------------------------
 
+    def _raise_priority(self) -> None:
+        try:
+            os.sched_setscheduler(threading.get_native_id(), os.SCHED_FIFO, os.sched_param(1))
+        except (OSError, AttributeError) as e:
+            log.warning(
+                "kvt rank %d: owner thread stays at normal priority (%s); layer sends may "
+                "wait for the forward's time slice",
+                self.rank,
+                e,
+            )
+
     def _run(self) -> None:
+        if self.realtime:
+            self._raise_priority()
         next_notif_poll = 0.0
+        poll_s = self.MIN_POLL_S
         while True:
-            timeout = self.BUSY_POLL_S if self._writes else self.IDLE_POLL_S
             try:
-                item = self._jobs.get(timeout=timeout)
+                item = self._jobs.get(timeout=poll_s if self._writes else self.IDLE_POLL_S)
+                poll_s = self.MIN_POLL_S
                 while True:
                     if item is None:
                         return
@@ -270,7 +306,12 @@ class KvtWorker:
             except Exception:
                 log.exception("kvt owner thread: job failed")
             try:
-                self._poll_writes()
+                t0 = time.perf_counter()
+                settled = self._poll_writes()
+                floor = (time.perf_counter() - t0) / self.POLL_DUTY
+                poll_s = max(
+                    floor, self.MIN_POLL_S if settled else min(poll_s * 2, self.MAX_POLL_S)
+                )
                 now = time.perf_counter()
                 if now >= next_notif_poll:
                     self._poll_notifs()
@@ -336,13 +377,16 @@ class KvtWorker:
             ]
         self._finish(dones)
 
-    def _poll_writes(self) -> None:
+    def _poll_writes(self) -> bool:
+        """Settle the writes that finished; True if any did."""
         now = time.perf_counter()
+        settled_any = False
         for write_id, write in list(self._writes.items()):
             state = self.transport.poll(write.handle)
             if state is XferState.PENDING and now < write.deadline:
                 continue
             del self._writes[write_id]
+            settled_any = True
             ok = state is XferState.DONE
             error = "" if ok else ("write failed" if state is XferState.ERROR else "timeout")
             if not ok:
@@ -352,6 +396,7 @@ class KvtWorker:
             with self._lock:
                 dones = self._tracker.settled(write_id, ok, error)
             self._finish(dones)
+        return settled_any
 
     def _finish(self, settled: list[Settled]) -> None:
         for item in settled:
