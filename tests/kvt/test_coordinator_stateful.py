@@ -12,7 +12,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from rapidkv.kvt.completions import CompletionTracker, Tracked
+from rapidkv.kvt.completions import CompletionTracker, Settled, Tracked
 from rapidkv.kvt.coordinator import Attach, Send, StepCoordinator, StepState
 from rapidkv.kvt.messages import SendDone
 from rapidkv.kvt.task import Task
@@ -133,8 +133,10 @@ class KvtCore(RuleBasedStateMachine):
                 self.writes[self.next_write] = pieces
                 self.next_write += 1
 
-    def record(self, dones: list[SendDone]) -> None:
-        for done in dones:
+    def record(self, settled: list[Settled]) -> None:
+        for item in settled:
+            done = item.done
+            assert item.peer == PEER
             assert done.xfer_id not in self.done, f"second SendDone for {done.xfer_id}"
             self.done[done.xfer_id] = done
             xfer = self.xfers[done.xfer_id]
