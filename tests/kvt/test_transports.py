@@ -98,18 +98,12 @@ class Sender:
     def post(self, peer: Peer, rows: np.ndarray) -> int:
         return self.t.post_write(peer.name, self.descs(peer, rows))
 
-    def expected(
-        self, peer: Peer, rows: np.ndarray, before: np.ndarray | None = None
-    ) -> np.ndarray:
-        """The peer's buffer (guards included) after `rows` land on `before`."""
-        out = before.copy() if before is not None else _blank(peer)
+    def expected(self, peer: Peer, rows: np.ndarray) -> np.ndarray:
+        """The peer's buffer (guards included) after `rows` land on a reset peer."""
+        out = np.full(peer.nbytes + 2 * peer.guard, FILL, dtype=np.uint8)
         for s, d, n in np.asarray(rows, dtype=np.int64).reshape(-1, 3):
             out[peer.guard + d : peer.guard + d + n] = self.src[s : s + n]
         return out
-
-
-def _blank(peer: Peer) -> np.ndarray:
-    return np.full(peer.nbytes + 2 * peer.guard, FILL, dtype=np.uint8)
 
 
 def wait_all(t: Transport, handles: list[int], timeout: float = DEADLINE) -> list[XferState]:
@@ -628,6 +622,17 @@ def test_tcp_inbound_events_do_not_depend_on_how_reads_split_the_stream(
         if kind != 2:
             want[dst : dst + n] = np.frombuffer(_payload(i, n), dtype=np.uint8)
     assert results[0] == want.tobytes()
+
+
+def test_tcp_inbound_acks_a_write_only_when_its_last_byte_is_in_memory() -> None:
+    buf = np.zeros(64, dtype=np.uint8)
+    m = _machine(buf)
+    rows = [(buf.ctypes.data + 40, 3), (buf.ctypes.data + 8, 4)]
+    frame = pack_header(Kind.WRITE, 2, 3) + np.array(rows, dtype="<u8").tobytes() + b"xyzabcd"
+    assert _feed(m, frame[:-1]) == []
+    assert buf[40:43].tobytes() == b"xyz" and buf[8:11].tobytes() == b"abc"
+    assert _feed(m, frame[-1:]) == [Landed(3, 7)]
+    assert buf[11] == ord("d")
 
 
 def test_tcp_inbound_checks_every_row_before_reading_payload() -> None:
