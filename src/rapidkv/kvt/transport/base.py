@@ -17,6 +17,10 @@ Rules
 - `poll` also drives progress: a transport never needs a thread of its own to
   finish a write once the owner keeps polling (a transport may still run one,
   e.g. an asyncio loop for TCP).
+- A receiving transport must be progressed too: its owner or polling thread
+  calls `take_notifs` regularly, also while it expects nothing. NIXL without a
+  progress thread answers a new writer's connection setup only then: until the
+  receiver progresses once, that writer's first write stays PENDING.
 - A write is DONE only when the transport knows the bytes are in the peer's
   memory; ERROR when it knows they may not be. A transfer that never resolves is
   the caller's to time out (`abort`), never the transport's to hang on.
