@@ -3,7 +3,8 @@
 (a) full-send throughput of 1 GiB in 64 KiB blocks (32 layers x 512 blocks),
     contiguous (coalesced runs) and scattered (every block to a random
     destination slot), per transport, next to a memcpy of the same bytes in the
-    same run;
+    same run (all buffers torch-allocated, then backed by huge pages as
+    `KvtWorker` does with registered memory: see `kvt.memory`);
 (b) `layer_done(i)` -> that layer's first byte handed to the transport, and
 (c) `attach_substep` -> the first send of the layers already done,
     both inside busy synthetic steps: 32 layers of torch compute on the sender's
@@ -122,8 +123,12 @@ def percentiles(samples: list[float]) -> dict[str, float]:
 def memcpy_gbps(repeats: int) -> float:
     import torch
 
+    from rapidkv.kvt.memory import advise_hugepages
+
     src = torch.ones(LAYERS * BLOCKS * BLOCK_BYTES, dtype=torch.uint8)
-    dst = torch.empty_like(src)
+    dst = torch.ones_like(src)
+    # the same page size as the KvtWorkers' registered memory
+    advise_hugepages([(t.data_ptr(), t.numel()) for t in (src, dst)])
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
@@ -152,7 +157,7 @@ class Sender:
         meta, dst_layout = self.conn.recv()
         self.posted: list[tuple[str, float, float, int]] = []
         self.done: dict[str, Any] = {}
-        self.done_event = threading.Event()
+        self.done_cond = threading.Condition()
         self.worker = KvtWorker(
             create_transport(kind, "bench-src"),
             layout,
@@ -166,8 +171,9 @@ class Sender:
         self.blocks_of: dict[str, list[int]] = {}  # xfer id -> its destination blocks
 
     def _on_done(self, done: Any) -> None:
-        self.done[done.xfer_id] = done
-        self.done_event.set()
+        with self.done_cond:
+            self.done[done.xfer_id] = done
+            self.done_cond.notify_all()
 
     def task(self, src: list[int], dst: list[int]) -> Any:
         from rapidkv.kvt.task import Task
@@ -180,13 +186,10 @@ class Sender:
         )
 
     def wait(self, xfer_id: str, timeout: float = 60) -> Any:
-        deadline = time.monotonic() + timeout
-        while xfer_id not in self.done:
-            if time.monotonic() > deadline:
+        with self.done_cond:
+            if not self.done_cond.wait_for(lambda: xfer_id in self.done, timeout):
                 raise TimeoutError(f"{xfer_id} did not complete in {timeout} s")
-            self.done_event.wait(0.01)
-            self.done_event.clear()
-        done = self.done[xfer_id]
+            done = self.done[xfer_id]
         if not done.ok:
             raise RuntimeError(f"transfer {xfer_id} failed: {done.error}")
         return done
