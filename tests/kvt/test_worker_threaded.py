@@ -15,7 +15,7 @@ import torch
 from rapidkv.kvt.coordinator import Attach
 from rapidkv.kvt.layout import Layout, layer_layout_from_tensor
 from rapidkv.kvt.messages import SendDone
-from rapidkv.kvt.task import Task
+from rapidkv.kvt.task import InvalidTask, Task
 from rapidkv.kvt.transport import create_transport
 from rapidkv.kvt.worker import KvtWorker
 
@@ -145,3 +145,18 @@ def test_steps_substeps_and_full_sends_from_two_threads(pair) -> None:
     wait_for(lambda: len(src_done) == len(expected), 5, "SendDones at the source")
     assert sorted(d.xfer_id for d in src_done) == sorted(expected)
     assert not src.busy()
+
+
+def test_an_invalid_task_registers_none_of_its_batch() -> None:
+    _, layout = kv_memory(fill=False)
+    worker = KvtWorker(create_transport("tcp", "solo"), layout, rank=0, block_size=BLOCK)
+    try:
+        good = Task("g", "p", (0,), (0,), 0, BLOCK, True)
+        bad = Task("b", "p", (1,), (0,), 0, BLOCK, True)  # same destination block
+        with pytest.raises(InvalidTask, match="already being written"):
+            worker.send_full([good, bad])
+        assert not worker.busy()
+        worker.begin_step(1, [good])  # the good task's blocks were released
+        assert worker.busy()
+    finally:
+        worker.close()

@@ -174,7 +174,7 @@ class KvtWorker:
 
     def begin_step(self, step_id: int, tasks: Sequence[Task]) -> None:
         with self._lock:
-            tracked = [self._tracker.add_task(t) for t in tasks]
+            tracked = self._add_all(tasks)
             dropped = self._coord.begin_step(step_id, tracked)
             self._discard(dropped)
 
@@ -195,7 +195,7 @@ class KvtWorker:
     def attach_substep(self, step_id: int, substep_id: int, tasks: Sequence[Task]) -> Attach:
         t = time.perf_counter()
         with self._lock:
-            tracked = [self._tracker.add_task(x) for x in tasks]
+            tracked = self._add_all(tasks)
             result, sends = self._coord.attach_substep(step_id, substep_id, tracked)
             if result is Attach.REJECTED:
                 self.stats.substeps_rejected += 1
@@ -211,7 +211,7 @@ class KvtWorker:
         """Send every layer of tasks whose KV is complete, now."""
         t = time.perf_counter()
         with self._lock:
-            tracked = [self._tracker.add_task(x) for x in tasks]
+            tracked = self._add_all(tasks)
             self._enqueue(self._coord.send_full(tracked), "full", t)
 
     def fail(self, xfer_id: str, reason: str) -> None:
@@ -251,6 +251,17 @@ class KvtWorker:
     def _enqueue(self, sends: list[Send[Tracked]], kind: str, t_event: float) -> None:
         for send in sends:
             self._jobs.put(_Job([(t, send.first, send.stop) for t in send.tasks], kind, t_event))
+
+    def _add_all(self, tasks: Sequence[Task]) -> list[Tracked]:
+        """Register every task or none (an invalid one raises, nothing stays)."""
+        added: list[Tracked] = []
+        try:
+            for task in tasks:
+                added.append(self._tracker.add_task(task))
+        except Exception:
+            self._tracker.discard(added)
+            raise
+        return added
 
     def _discard(self, tasks: Sequence[Tracked]) -> None:
         if tasks:
