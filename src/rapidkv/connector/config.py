@@ -1,0 +1,38 @@
+"""The connector's settings, read from `kv_connector_extra_config`.
+
+Every key is optional. Unknown keys are refused (a typo must not silently fall
+back to a default).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+TransferKVMode = Literal["step", "bypass", "substep"]
+
+
+class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    # control plane: where this instance's RPC server listens (P side)
+    control_host: str = "127.0.0.1"
+    control_port: int = 0  # 0: pick a free port (logged); give one for the router
+    secret: str | None = None  # shared secret authenticating control messages
+    # data plane
+    transport: Literal["nixl", "tcp"] = "nixl"
+    transfer_kv_mode: TransferKVMode = "step"
+    write_timeout_s: float = 10.0
+    hugepages: bool = True  # back registered KV memory with huge pages
+    # lifecycle bounds (seconds, not milliseconds)
+    park_ttl_s: float = 10.0  # a TransferKV waits this long for its request on P
+    finished_ttl_s: float = 30.0  # P holds a finished request's blocks this long
+    rpc_timeout_s: float = 30.0  # D's wait for a TransferKV reply
+    tombstone_ttl_s: float = 60.0
+    max_parked: int = 1024
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
+        try:
+            return msgspec.convert(extra or {}, cls)
+        except msgspec.ValidationError as e:
+            raise ValueError(f"rapidkv: bad kv_connector_extra_config: {e}") from None

@@ -1,0 +1,164 @@
+"""`RapidKVConnector`: rapidkv as a vLLM KV connector.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "RapidKVConnector",
+        "kv_connector_module_path": "rapidkv.connector", "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"control_port": 9100}}'
+
+One instance can act as P, D or both: the role of each request comes from its
+`kv_transfer_params["rapidkv"]["role"]` (set by the router).
+
+Which side calls what (docs/vllm-connector-contract.md has the details):
+
+| side | method | when |
+|---|---|---|
+| scheduler | `on_new_request` | the engine admits a request (between steps) |
+| scheduler | `get_num_new_matched_tokens` | D: may a waiting request load KV? (no side effects) |
+| scheduler | `update_state_after_alloc` | D: blocks allocated -> TransferKV to P |
+| scheduler | `build_connector_meta` | every step: our step id, tasks, releases |
+| scheduler | `update_connector_output` | every step: settled transfers from the workers |
+| scheduler | `request_finished` | once per request: P holds its blocks (delayed free) |
+| worker | `register_kv_caches` | once: layout, kvt, transport |
+| worker | `bind_connector_metadata` | every step: begin the kvt step |
+| worker | `save_kv_layer` | after each layer's KV is written: kvt `layer_done` |
+| worker | `wait_for_save` | after the forward: kvt `freeze_step` |
+| worker | `get_transfer_results` | every step: finished sending / receiving |
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
+)
+
+from rapidkv.connector.config import ConnectorConfig
+from rapidkv.connector.metadata import RankInfo, StepMeta
+from rapidkv.connector.scheduler_side import SchedulerSide, model_fingerprint
+from rapidkv.connector.worker_side import WorkerSide
+
+log = logging.getLogger(__name__)
+
+
+class RapidKVConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        self.config = ConnectorConfig.from_extra(ktc.kv_connector_extra_config)
+        self.instance_id = str(ktc.engine_id)
+        block_size = vllm_config.cache_config.block_size
+        self.sched: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            if ktc.is_kv_consumer and ktc.kv_load_failure_policy != "recompute":
+                log.warning(
+                    "rapidkv: kv_load_failure_policy is %r; with 'recompute' a failed "
+                    "transfer is prefilled locally instead of failing the request",
+                    ktc.kv_load_failure_policy,
+                )
+            self.sched = SchedulerSide(
+                self.config,
+                self.instance_id,
+                block_size,
+                vllm_config.parallel_config.tensor_parallel_size,
+                model_fingerprint(vllm_config.model_config),
+            )
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self.worker = WorkerSide(
+                self.config, self.instance_id, get_tensor_model_parallel_rank(), block_size
+            )
+
+    # -- worker side ------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self.worker is not None
+        self.worker.register(kv_caches, self._kv_cache_config.num_blocks)
+
+    def get_handshake_metadata(self) -> RankInfo | None:
+        return self.worker.info if self.worker is not None else None
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        assert self.worker is not None and isinstance(connector_metadata, StepMeta)
+        self.worker.bind(connector_metadata)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return  # KV is pushed by P; nothing to pull
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kw: Any) -> None:
+        assert self.worker is not None
+        self.worker.layer_saved(layer_name)
+
+    def wait_for_save(self) -> None:
+        assert self.worker is not None
+        self.worker.step_done()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self.worker is not None
+        sending, recving, failed = self.worker.finished(finished_req_ids)
+        return KVConnectorTransferResults(sending, recving, failed)
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self.worker.worker_meta() if self.worker is not None else None
+
+    # -- scheduler side ---------------------------------------------------------
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self.sched is not None:
+            self.sched.kv_cache_manager = kv_cache_manager
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        assert self.sched is not None
+        self.sched.set_ranks({int(rank): info for rank, info in metadata.items()})
+
+    def on_new_request(self, request: Any) -> None:
+        assert self.sched is not None
+        self.sched.on_new_request(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self.sched is not None
+        return self.sched.matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int):
+        assert self.sched is not None
+        self.sched.after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self.sched is not None
+        return self.sched.build_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        assert self.sched is not None
+        self.sched.update_output(
+            connector_output.kv_connector_worker_meta, connector_output.finished_recving
+        )
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Any]:
+        assert self.sched is not None
+        return self.sched.request_finished(request, block_ids)
+
+    def shutdown(self) -> None:
+        if self.sched is not None:
+            self.sched.close()
+        if self.worker is not None:
+            self.worker.close()

@@ -1,0 +1,87 @@
+"""What the two sides of the connector tell each other each step.
+
+- `StepMeta` (scheduler -> every worker, vLLM's per-step connector metadata):
+  the step id we number ourselves, the tasks of the step and the full sends to
+  start, peers to connect, which requests' blocks may be freed, which D requests
+  wait for which transfer.
+- `WorkerMeta` (worker -> scheduler, `build_connector_worker_meta`, merged over
+  ranks by `aggregate`): the ack of the step and the transfers that settled on
+  this rank as source.
+- `RankInfo` (worker -> scheduler once, `get_handshake_metadata`): what a peer
+  needs to reach this rank's KV memory.
+
+Tasks in `StepMeta` name the destination *instance* as their peer; each worker
+rank sends to the same rank of the destination, whose transport is named
+`peer_name(instance, rank)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+from rapidkv.kvt.task import Task
+
+
+def peer_name(instance_id: str, rank: int) -> str:
+    """The transport name of rank `rank` of instance `instance_id`."""
+    return f"{instance_id}.r{rank}"
+
+
+@dataclass
+class RankInfo(KVConnectorHandshakeMetadata):
+    rank: int
+    transport: str
+    transport_metadata: bytes
+    layout: bytes  # msgspec-encoded kvt Layout
+    num_blocks: int
+    block_bytes: tuple[int, ...]  # per layer
+    runs_per_block: tuple[int, ...]  # per layer
+    dtype: str
+    kernel_blocks_per_block: int
+
+
+@dataclass(frozen=True)
+class NewPeer:
+    instance_id: str
+    rank: int
+    transport_metadata: bytes
+    layout: bytes
+
+
+@dataclass
+class StepMeta(KVConnectorMetadata):
+    step_id: int
+    step_tasks: list[Task] = field(default_factory=list)  # substep 0: sent per layer
+    full_tasks: list[Task] = field(default_factory=list)  # KV complete: sent at once
+    new_peers: list[NewPeer] = field(default_factory=list)
+    fail_xfers: list[tuple[str, str]] = field(default_factory=list)  # (xfer_id, reason)
+    release: list[str] = field(default_factory=list)  # P: req ids whose blocks may go
+    expect_recv: dict[str, str] = field(default_factory=dict)  # D: xfer_id -> req_id
+    recv_failed: list[str] = field(default_factory=list)  # D: req ids to report failed
+
+
+@dataclass(frozen=True)
+class Settled:
+    xfer_id: str
+    rank: int
+    ok: bool
+    tokens_sent: int
+    error: str = ""
+
+
+@dataclass
+class WorkerMeta(KVConnectorWorkerMetadata):
+    """Always truthy (vLLM drops falsy metas): never define __len__/__bool__."""
+
+    acks: list[tuple[int, int, int]] = field(default_factory=list)  # (step, ack, rank)
+    settled: list[Settled] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, WorkerMeta)
+        return WorkerMeta(self.acks + other.acks, self.settled + other.settled)

@@ -1,0 +1,74 @@
+"""P-side bookkeeping of one transfer (one `xfer_id`): what is computed, what D
+asked for, what was sent, and when P's blocks may be freed.
+
+Lifecycle of a `Produced` (all transitions under the scheduler side's lock):
+
+    admitted --(TransferKV)--> window known --(tasks issued)--> sending
+        --(SendDone from every rank)--> settled
+    finished (request_finished; blocks held) + settled          -> released
+    finished + no TransferKV within finished_ttl_s              -> released
+    aborted before anything was sent                            -> released, GONE
+    aborted while sending                                       -> kvt fail, settles
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from rapidkv.connector.plan import Window, plan
+from rapidkv.kvt.task import Task
+
+
+@dataclass
+class Reply:
+    """Where the answer to a waiting TransferKV goes (a future on the RPC loop)."""
+
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+    def resolve(self, value: object) -> None:
+        def set_once() -> None:
+            if not self.future.done():
+                self.future.set_result(value)
+
+        self.loop.call_soon_threadsafe(set_once)
+
+
+@dataclass
+class Produced:
+    xfer_id: str
+    req_id: str
+    prompt_len: int
+    prompt_hash: str
+    computed: int = 0  # tokens whose KV is final at P
+    in_flight_end: int = 0  # computed + tokens of the step being built
+    block_ids: tuple[int, ...] = ()
+    window: Window | None = None
+    reply: Reply | None = None
+    sent_upto: int = 0
+    issued: bool = False  # some task of it went to the workers
+    last_issued: bool = False
+    settled_ranks: dict[int, tuple[bool, int, str]] = field(default_factory=dict)
+    finished: bool = False
+    finished_at: float = 0.0
+    aborted: bool = False
+    released: bool = False
+
+    def accept(self, window: Window, reply: Reply, block_size: int) -> None:
+        self.window = window
+        self.reply = reply
+        self.sent_upto = window.first_block * block_size
+
+    def next_tasks(self, block_size: int, scheduled: bool) -> tuple[Task | None, Task | None]:
+        """Full and per-layer tasks for what is computable and not sent yet."""
+        if self.window is None or self.last_issued or self.aborted:
+            return None, None
+        in_flight = self.in_flight_end if scheduled else self.computed
+        p = plan(self.window, block_size, self.block_ids, self.sent_upto, self.computed, in_flight)
+        self.sent_upto = p.sent_upto
+        for t in (p.full, p.step):
+            if t is not None:
+                self.issued = True
+                self.last_issued |= t.has_last_token
+        return p.full, p.step

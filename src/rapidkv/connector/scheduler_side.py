@@ -1,0 +1,571 @@
+"""The scheduler side of the connector (EngineCore process, engine thread),
+plus this instance's control-plane server (its own thread).
+
+P role (requests with `kv_transfer_params.rapidkv.role == "prefill"`): tracks
+each transfer (`Produced`), parks a TransferKV that arrives before its request,
+plans sends each step (`build_meta`), holds finished requests' blocks until
+their transfer settled, answers TransferKV when it did.
+
+D role (`role == "decode"`): asks vLLM to load `prompt_len - 1 - local hits`
+tokens asynchronously, sends Handshake (once per P) and TransferKV from
+`after_alloc`, tells the workers which transfer each request waits for, and
+turns a refused or failed transfer into a load failure (vLLM's "recompute"
+policy then prefills locally).
+
+Locking: every structure here is shared between the engine thread and the RPC
+server's loop thread and touched only under `self._lock`; the engine thread
+never waits on the network.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import logging
+import threading
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from rapidkv.connector.config import ConnectorConfig
+from rapidkv.connector.metadata import NewPeer, RankInfo, StepMeta, WorkerMeta
+from rapidkv.connector.plan import Window
+from rapidkv.connector.producer import Produced, Reply
+from rapidkv.control.client import RpcClient
+from rapidkv.control.codes import Code
+from rapidkv.control.messages import (
+    Abort,
+    AbortReason,
+    AbortReply,
+    ErrorReply,
+    Handshake,
+    HandshakeReply,
+    KVSpec,
+    RankEndpoint,
+    Stats,
+    StatsRequest,
+    TransferKV,
+    TransferKVReply,
+    answer_handshake,
+    prompt_hash,
+)
+from rapidkv.control.server import RpcServer
+
+log = logging.getLogger(__name__)
+
+
+def rapidkv_params(params: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Our part of a request's `kv_transfer_params`, if any."""
+    if not params:
+        return None
+    ours = params.get("rapidkv")
+    return ours if isinstance(ours, dict) and ours.get("xfer_id") else None
+
+
+@dataclass
+class Consumed:
+    """D-side state of one request."""
+
+    xfer_id: str
+    req_id: str
+    prefill_control: str | None
+    mode: str | None
+    local_hits: int = 0
+    state: str = "new"  # new -> loading -> done | local
+
+
+@dataclass
+class _Parked:
+    msg: TransferKV
+    reply: Reply
+    at: float
+
+
+@dataclass
+class _Pending:
+    """What goes to the workers with the next step's metadata."""
+
+    new_peers: list[NewPeer] = field(default_factory=list)
+    fail: list[tuple[str, str]] = field(default_factory=list)
+    release: list[str] = field(default_factory=list)
+    expect: dict[str, str] = field(default_factory=dict)
+    recv_failed: list[str] = field(default_factory=list)
+
+
+class SchedulerSide:
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        instance_id: str,
+        block_size: int,
+        tp_size: int,
+        fingerprint: str,
+    ) -> None:
+        self.config = config
+        self.instance_id = instance_id
+        self.block_size = block_size
+        self.tp_size = tp_size
+        self.fingerprint = fingerprint
+        self.counters: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._step_id = 0
+        self._produced: dict[str, Produced] = {}  # xfer_id ->
+        self._p_by_req: dict[str, str] = {}  # req_id -> xfer_id
+        self._parked: dict[str, _Parked] = {}
+        self._tombstones: OrderedDict[str, float] = OrderedDict()
+        self._peers: dict[str, list[RankEndpoint]] = {}  # D instances we may write to
+        self._consumed: dict[str, Consumed] = {}  # req_id ->
+        self._known_p: dict[str, concurrent.futures.Future] = {}  # P address -> handshake
+        self._requests: dict[str, Any] = {}  # P requests, for num_computed_tokens
+        self._pending = _Pending()
+        self.spec: KVSpec | None = None
+        self.endpoints: list[RankEndpoint] = []
+        self.kv_cache_manager: Any = None
+        self.client = RpcClient(secret=config.secret)
+        self.server = RpcServer(
+            self._handle, config.control_host, config.control_port, secret=config.secret
+        )
+        self.server.start()
+        log.info("rapidkv %s: control plane on %s", instance_id, self.server.address)
+
+    # -- start-up ---------------------------------------------------------------
+
+    def set_ranks(self, infos: dict[int, RankInfo]) -> None:
+        first = infos[min(infos)]
+        self.spec = KVSpec(
+            block_size=self.block_size,
+            kernel_blocks_per_block=first.kernel_blocks_per_block,
+            dtype=first.dtype,
+            num_layers=len(first.block_bytes),
+            layer_block_bytes=first.block_bytes,
+            layer_runs_per_block=first.runs_per_block,
+            tp_size=self.tp_size,
+            model_fingerprint=self.fingerprint,
+        )
+        self.endpoints = [
+            RankEndpoint(
+                rank=r,
+                transport=i.transport,
+                transport_metadata=i.transport_metadata,
+                layout=i.layout,
+                num_blocks=i.num_blocks,
+            )
+            for r, i in sorted(infos.items())
+        ]
+
+    # -- request lifecycle (engine thread) ---------------------------------------
+
+    def on_new_request(self, request: Any) -> None:
+        ours = rapidkv_params(request.kv_transfer_params)
+        if ours is None:
+            return
+        xfer_id = str(ours["xfer_id"])
+        with self._lock:
+            if ours.get("role") == "prefill":
+                p = Produced(
+                    xfer_id,
+                    request.request_id,
+                    request.num_prompt_tokens,
+                    prompt_hash(request.prompt_token_ids),
+                )
+                self._produced[xfer_id] = p
+                self._p_by_req[request.request_id] = xfer_id
+                self._requests[request.request_id] = request
+                parked = self._parked.pop(xfer_id, None)
+                if parked is not None:
+                    self.counters["parked_served"] += 1
+                    self._accept(p, parked.msg, parked.reply)
+            elif ours.get("role") == "decode":
+                self._consumed[request.request_id] = Consumed(
+                    xfer_id,
+                    request.request_id,
+                    ours.get("prefill_control"),
+                    ours.get("transfer_kv_mode"),
+                )
+
+    def matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
+        """D: tokens to load from P. Side-effect free apart from remembering the
+        local hits of the latest query (overwritten by every call)."""
+        c = self._consumed.get(request.request_id)
+        if c is None or c.state != "new" or not c.prefill_control:
+            return 0, False
+        c.local_hits = num_computed
+        n = request.num_prompt_tokens - 1 - num_computed
+        return (n, True) if n > 0 else (0, False)
+
+    def after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
+        c = self._consumed.get(request.request_id)
+        if c is None or c.state != "new":
+            return
+        if num_external == 0:
+            c.state = "local"
+            if c.prefill_control:  # nothing to load: P may free at once
+                self._abort_p(c, AbortReason.NOTHING_TO_LOAD)
+            return
+        c.state = "loading"
+        num_tokens = request.num_prompt_tokens - 1
+        nblocks = -(-num_tokens // self.block_size)
+        block_ids = list(blocks.get_block_ids()[0][:nblocks])
+        msg = TransferKV(
+            xfer_id=c.xfer_id,
+            dst_instance=self.instance_id,
+            dst_blocks=block_ids,
+            first_block=c.local_hits // self.block_size,
+            num_tokens=num_tokens,
+            prompt_hash=prompt_hash(request.prompt_token_ids),
+            transfer_kv_mode=c.mode,
+        )
+        with self._lock:
+            self._pending.expect[c.xfer_id] = c.req_id
+        self.counters["transfer_kv_sent"] += 1
+        self._send_transfer_kv(c, msg)
+
+    def build_meta(self, so: Any) -> StepMeta:
+        self._step_id += 1
+        meta = StepMeta(self._step_id)
+        now = time.monotonic()
+        scheduled = so.num_scheduled_tokens
+        with self._lock:
+            self._expire(now)
+            for p in list(self._produced.values()):
+                n = scheduled.get(p.req_id)
+                if n is not None:
+                    p.block_ids = tuple(self.kv_cache_manager.get_block_ids(p.req_id)[0])
+                    request = self._requests.get(p.req_id)
+                    p.computed = request.num_computed_tokens if request else p.computed
+                    p.in_flight_end = min(p.computed + n, p.prompt_len)
+                full, step = p.next_tasks(self.block_size, scheduled=n is not None)
+                if full is not None:
+                    meta.full_tasks.append(full)
+                if step is not None:
+                    meta.step_tasks.append(step)
+            pending, self._pending = self._pending, _Pending()
+        meta.new_peers = pending.new_peers
+        meta.fail_xfers = pending.fail
+        meta.release = pending.release
+        meta.expect_recv = pending.expect
+        meta.recv_failed = pending.recv_failed
+        return meta
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
+        req_id = request.request_id
+        self._requests.pop(req_id, None)
+        with self._lock:
+            c = self._consumed.pop(req_id, None)
+            if c is not None and c.state == "loading":
+                # aborted while waiting for KV: vLLM frees the blocks once we report
+                # it in finished_recving, which we do once P answered the Abort
+                self._abort_p(c, AbortReason.CLIENT_ABORT, report=True)
+            xfer_id = self._p_by_req.pop(req_id, None)
+            if xfer_id is None:
+                return False, None
+            p = self._produced[xfer_id]
+            p.finished = True
+            p.finished_at = time.monotonic()
+            p.computed = min(request.num_computed_tokens, p.prompt_len)
+            p.block_ids = tuple(block_ids) or p.block_ids
+            if request.status.name == "FINISHED_ABORTED":
+                self._abort_produced(p, "request aborted on P")
+            self._maybe_release(p)
+        return True, None
+
+    def update_output(self, meta: WorkerMeta | None, finished_recving: set[str] | None) -> None:
+        with self._lock:
+            for req_id in finished_recving or ():
+                c = self._consumed.get(req_id)
+                if c is not None:
+                    c.state = "done"
+            for s in meta.settled if meta is not None else ():
+                p = self._produced.get(s.xfer_id)
+                if p is None:
+                    continue
+                p.settled_ranks[s.rank] = (s.ok, s.tokens_sent, s.error)
+                if len(p.settled_ranks) == self.tp_size:
+                    self._settle(p)
+
+    # -- internals (caller holds the lock) ---------------------------------------
+
+    def _accept(self, p: Produced, msg: TransferKV, reply: Reply) -> None:
+        if msg.prompt_hash != p.prompt_hash:
+            self.counters["prompt_mismatch"] += 1
+            reply.resolve(
+                TransferKVReply(
+                    xfer_id=msg.xfer_id,
+                    code=Code.ERROR,
+                    message="prompt token ids differ between P and D",
+                )
+            )
+            return
+        window = Window(
+            msg.xfer_id, msg.dst_instance, tuple(msg.dst_blocks), msg.first_block, msg.num_tokens
+        )
+        p.accept(window, reply, self.block_size)
+
+    def _settle(self, p: Produced) -> None:
+        oks = [v[0] for v in p.settled_ranks.values()]
+        tokens = min(v[1] for v in p.settled_ranks.values())
+        ok = all(oks)
+        self.counters["transfers_ok" if ok else "transfers_failed"] += 1
+        if p.reply is not None:
+            errors = "; ".join(v[2] for v in p.settled_ranks.values() if v[2])
+            p.reply.resolve(
+                TransferKVReply(
+                    xfer_id=p.xfer_id,
+                    code=Code.OK if ok else Code.ERROR,
+                    tokens_sent=tokens,
+                    message=errors,
+                )
+            )
+        p.window = None  # nothing more to send
+        p.last_issued = True
+        self._tombstone(p.xfer_id)
+        self._maybe_release(p, settled=True)
+
+    def _maybe_release(self, p: Produced, settled: bool = False) -> None:
+        """Free a finished request's blocks once nothing can be sent from them:
+        its transfer settled on every rank, or it was aborted before any send."""
+        if not p.finished or p.released:
+            return
+        settled = settled or len(p.settled_ranks) == self.tp_size
+        if settled or (p.aborted and not p.issued):
+            self._release(p)
+
+    def _release(self, p: Produced) -> None:
+        p.released = True
+        self._pending.release.append(p.req_id)
+        self._produced.pop(p.xfer_id, None)
+
+    def _abort_produced(self, p: Produced, why: str) -> None:
+        p.aborted = True
+        self._tombstone(p.xfer_id)
+        if p.issued and len(p.settled_ranks) < self.tp_size:
+            self._pending.fail.append((p.xfer_id, why))  # settles with an error
+        elif p.reply is not None:
+            p.reply.resolve(TransferKVReply(xfer_id=p.xfer_id, code=Code.GONE, message=why))
+
+    def _expire(self, now: float) -> None:
+        for xfer_id, parked in list(self._parked.items()):
+            if now - parked.at > self.config.park_ttl_s:
+                del self._parked[xfer_id]
+                self.counters["park_expired"] += 1
+                parked.reply.resolve(
+                    TransferKVReply(
+                        xfer_id=xfer_id, code=Code.NOT_FOUND, message="request not seen on P"
+                    )
+                )
+        for p in list(self._produced.values()):
+            if (
+                p.finished
+                and not p.released
+                and p.window is None
+                and not p.issued
+                and now - p.finished_at > self.config.finished_ttl_s
+            ):
+                self.counters["finished_expired"] += 1
+                self._abort_produced(p, "no TransferKV in time")
+                self._release(p)
+        while (
+            self._tombstones
+            and now - next(iter(self._tombstones.values())) > self.config.tombstone_ttl_s
+        ):
+            self._tombstones.popitem(last=False)
+
+    def _tombstone(self, xfer_id: str) -> None:
+        self._tombstones[xfer_id] = time.monotonic()
+
+    # -- D side: talking to P -----------------------------------------------------
+
+    def _handshake(self, address: str) -> Any:
+        """A future of P's HandshakeReply (cached per address while it succeeds)."""
+        fut = self._known_p.get(address)
+        if fut is None or (fut.done() and fut.exception() is not None):
+            assert self.spec is not None
+            fut = self.client.submit(
+                address,
+                Handshake(
+                    instance_id=self.instance_id,
+                    control_address=self.server.address,
+                    spec=self.spec,
+                    endpoints=self.endpoints,
+                ),
+                self.config.rpc_timeout_s,
+            )
+            self._known_p[address] = fut
+        return fut
+
+    def _send_transfer_kv(self, c: Consumed, msg: TransferKV) -> None:
+        address = c.prefill_control
+        assert address is not None
+
+        def failed(why: str) -> None:
+            log.warning(
+                "rapidkv %s: transfer %s fails (%s); D recomputes", self.instance_id, c.xfer_id, why
+            )
+            with self._lock:
+                self.counters["recompute_fallbacks"] += 1
+                self._pending.recv_failed.append(c.req_id)
+
+        def on_reply(fut: Any) -> None:
+            try:
+                reply = fut.result()
+            except Exception as e:
+                failed(f"TransferKV: {type(e).__name__}: {e}")
+                return
+            if reply.code != Code.OK:
+                failed(f"TransferKV answered {reply.code.name}: {reply.message}")
+
+        def on_handshake(fut: Any) -> None:
+            try:
+                reply = fut.result()
+            except Exception as e:
+                failed(f"handshake with {address}: {type(e).__name__}: {e}")
+                return
+            if not isinstance(reply, HandshakeReply) or reply.code != Code.OK:
+                failed(f"handshake refused: {getattr(reply, 'reasons', reply)}")
+                return
+            self.client.submit(address, msg, self.config.rpc_timeout_s).add_done_callback(on_reply)
+
+        self._handshake(address).add_done_callback(on_handshake)
+
+    def _abort_p(self, c: Consumed, reason: AbortReason, report: bool = False) -> None:
+        if not c.prefill_control:
+            if report:
+                self._pending.recv_failed.append(c.req_id)
+            return
+
+        def done(fut: Any) -> None:
+            if report:
+                with self._lock:
+                    self._pending.recv_failed.append(c.req_id)
+
+        self.client.submit(
+            c.prefill_control, Abort(xfer_id=c.xfer_id, reason=reason), self.config.rpc_timeout_s
+        ).add_done_callback(done)
+
+    # -- P side: the control-plane handler (RPC loop thread) ----------------------
+
+    async def _handle(self, msg: Any) -> Any:
+        if isinstance(msg, TransferKV):
+            return await self._on_transfer_kv(msg)
+        if isinstance(msg, Handshake):
+            return self._on_handshake(msg)
+        if isinstance(msg, Abort):
+            return self._on_abort(msg)
+        if isinstance(msg, StatsRequest):
+            return Stats(counters=self.stats())
+        return ErrorReply(code=Code.ERROR, message=f"unexpected {type(msg).__name__}")
+
+    def _on_handshake(self, hs: Handshake) -> HandshakeReply:
+        if self.spec is None:
+            return HandshakeReply(
+                code=Code.BUSY, instance_id=self.instance_id, reasons=["instance still starting"]
+            )
+        reply = answer_handshake(
+            hs, instance_id=self.instance_id, spec=self.spec, endpoints=self.endpoints
+        )
+        if reply.code == Code.OK:
+            with self._lock:
+                if hs.instance_id not in self._peers:
+                    self._peers[hs.instance_id] = list(hs.endpoints)
+                    self._pending.new_peers.extend(
+                        NewPeer(hs.instance_id, e.rank, e.transport_metadata, e.layout)
+                        for e in hs.endpoints
+                    )
+        else:
+            log.warning(
+                "rapidkv %s: handshake from %s refused: %s",
+                self.instance_id,
+                hs.instance_id,
+                reply.reasons,
+            )
+        return reply
+
+    async def _on_transfer_kv(self, msg: TransferKV) -> TransferKVReply:
+        loop = asyncio.get_running_loop()
+        reply = Reply(loop, loop.create_future())
+        problems = (
+            msg.problems(self.block_size, self.endpoints[0].num_blocks)
+            if self.endpoints
+            else ["instance still starting"]
+        )
+        with self._lock:
+            if msg.dst_instance not in self._peers:
+                problems = [*problems, f"no handshake from {msg.dst_instance}"]
+            if problems:
+                return TransferKVReply(
+                    xfer_id=msg.xfer_id, code=Code.ERROR, message="; ".join(problems)
+                )
+            if msg.xfer_id in self._tombstones:
+                return TransferKVReply(
+                    xfer_id=msg.xfer_id, code=Code.GONE, message="transfer aborted or timed out"
+                )
+            p = self._produced.get(msg.xfer_id)
+            if p is not None:
+                self._accept(p, msg, reply)
+            elif len(self._parked) >= self.config.max_parked:
+                return TransferKVReply(
+                    xfer_id=msg.xfer_id, code=Code.BUSY, message="too many parked transfers"
+                )
+            else:
+                self.counters["parked"] += 1
+                self._parked[msg.xfer_id] = _Parked(msg, reply, time.monotonic())
+        try:  # parked: NOT_FOUND once the park TTL passes, even if P never steps
+            return await asyncio.wait_for(asyncio.shield(reply.future), self.config.park_ttl_s)
+        except TimeoutError:
+            with self._lock:
+                if self._parked.pop(msg.xfer_id, None) is not None:
+                    self.counters["park_expired"] += 1
+                    return TransferKVReply(
+                        xfer_id=msg.xfer_id, code=Code.NOT_FOUND, message="request not seen on P"
+                    )
+        return await reply.future
+
+    def _on_abort(self, msg: Abort) -> AbortReply:
+        with self._lock:
+            self.counters[f"aborts_{msg.reason.value}"] += 1
+            parked = self._parked.pop(msg.xfer_id, None)
+            if parked is not None:
+                parked.reply.resolve(
+                    TransferKVReply(xfer_id=msg.xfer_id, code=Code.GONE, message="aborted")
+                )
+            p = self._produced.get(msg.xfer_id)
+            if p is not None and not p.released:
+                self._abort_produced(p, f"aborted by peer: {msg.reason.value}")
+                self._maybe_release(p)
+            self._tombstone(msg.xfer_id)
+        return AbortReply(xfer_id=msg.xfer_id, code=Code.OK)
+
+    # -- observability ------------------------------------------------------------
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            out = {k: float(v) for k, v in self.counters.items()}
+            out["parked_now"] = float(len(self._parked))
+            out["transfers_live"] = float(len(self._produced))
+            out["tombstones"] = float(len(self._tombstones))
+            out["waiting_for_kv"] = float(
+                sum(c.state == "loading" for c in self._consumed.values())
+            )
+        if self.kv_cache_manager is not None:
+            out["free_blocks"] = float(self.kv_cache_manager.block_pool.get_num_free_blocks())
+        return out
+
+    def close(self) -> None:
+        self.server.stop()
+        self.client.close()
+
+
+def model_fingerprint(model_config: Any) -> str:
+    """Hash of what shapes the KV and the tokens: layers, KV heads, head size,
+    dtype, vocabulary size."""
+    hf = model_config.hf_config
+    parts = [
+        getattr(hf, "num_hidden_layers", None),
+        getattr(hf, "num_key_value_heads", None),
+        model_config.get_head_size(),
+        str(model_config.dtype),
+        getattr(hf, "vocab_size", None),
+    ]
+    return hashlib.blake2b(repr(parts).encode(), digest_size=8).hexdigest()

@@ -1,0 +1,185 @@
+"""The worker side of the connector: kvt driven by vLLM's per-step hooks.
+
+Called on the worker's main thread, per step (docs/vllm-connector-contract.md
+§2): `bind` (begin the step, start full sends, connect peers) -> per layer
+`layer_saved` -> `step_done` (freeze: the ack) -> `finished` -> `worker_meta`.
+
+Reporting rules (vLLM kills the engine otherwise):
+- `finished_sending` holds a request only after the scheduler side released it
+  (its free was delayed and its transfer settled or was given up) *and* the
+  request id was handed to us in `finished_req_ids`;
+- `finished_recving` holds a D request once, when its transfer's SendDone
+  arrived (ok or not) or the scheduler side said it failed; failed ones are also
+  in `failed_recving`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable
+
+import msgspec
+import torch
+
+from rapidkv.connector.config import ConnectorConfig
+from rapidkv.connector.metadata import RankInfo, Settled, StepMeta, WorkerMeta, peer_name
+from rapidkv.kvt.layout import Layout, layer_layout_from_tensor
+from rapidkv.kvt.messages import SendDone
+from rapidkv.kvt.task import Task
+from rapidkv.kvt.transport import create_transport
+from rapidkv.kvt.worker import KvtWorker
+
+log = logging.getLogger(__name__)
+
+
+class WorkerSide:
+    def __init__(self, config: ConnectorConfig, instance_id: str, rank: int, block_size: int):
+        self.config = config
+        self.instance_id = instance_id
+        self.rank = rank
+        self.block_size = block_size
+        self.kvt: KvtWorker | None = None
+        self.info: RankInfo | None = None
+        self.layer_index: dict[str, int] = {}
+        self.step_id = -1
+        self._lock = threading.Lock()  # guards what the kvt owner thread hands us
+        self._settled: list[Settled] = []
+        self._acks: list[tuple[int, int, int]] = []
+        self._release: set[str] = set()  # released by the scheduler side
+        self._finished: set[str] = set()  # seen in finished_req_ids
+        self._expect: dict[str, str] = {}  # xfer_id -> D request id
+        self._received: dict[str, SendDone] = {}  # arrived, not yet mapped
+        self._failed_now: set[str] = set()  # D requests the scheduler said failed
+
+    # -- start-up ---------------------------------------------------------------
+
+    def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+        """Describe and register the KV caches (one tensor per attention layer)."""
+        layouts = []
+        for i, (name, kv) in enumerate(kv_caches.items()):
+            self.layer_index[name] = i
+            block_dim = 0 if kv.shape[0] % num_blocks == 0 else 1
+            k = kv.shape[block_dim] // num_blocks
+            layouts.append(
+                layer_layout_from_tensor(
+                    kv.data_ptr(), kv.shape, kv.stride(), kv.element_size(), block_dim, k
+                )
+            )
+        layout = Layout(tuple(layouts), num_blocks)
+        first = next(iter(kv_caches.values()))
+        self.kvt = KvtWorker(
+            create_transport(self.config.transport, peer_name(self.instance_id, self.rank)),
+            layout,
+            rank=self.rank,
+            block_size=self.block_size,
+            on_send_done=self._on_send_done,
+            write_timeout_s=self.config.write_timeout_s,
+            hugepages=self.config.hugepages,
+        )
+        self.info = RankInfo(
+            rank=self.rank,
+            transport=self.config.transport,
+            transport_metadata=self.kvt.metadata,
+            layout=msgspec.msgpack.encode(layout),
+            num_blocks=num_blocks,
+            block_bytes=tuple(x.run_bytes * len(x.run_offsets) for x in layout.layers),
+            runs_per_block=tuple(len(x.run_offsets) for x in layout.layers),
+            dtype=str(first.dtype).removeprefix("torch."),
+            kernel_blocks_per_block=first.shape[0] // num_blocks if num_blocks else 1,
+        )
+        log.info(
+            "rapidkv worker rank %d: %d layers, %d blocks of %d bytes registered (%s)",
+            self.rank,
+            len(layouts),
+            num_blocks,
+            layout.block_bytes,
+            self.config.transport,
+        )
+
+    # -- per step ---------------------------------------------------------------
+
+    def bind(self, meta: StepMeta) -> None:
+        kvt = self._require_kvt()
+        for peer in meta.new_peers:
+            if peer.rank == self.rank:
+                kvt.add_peer(
+                    peer.transport_metadata, msgspec.msgpack.decode(peer.layout, type=Layout)
+                )
+        for xfer_id, reason in meta.fail_xfers:
+            kvt.fail(xfer_id, reason)
+        self._release.update(meta.release)
+        self._expect.update(meta.expect_recv)
+        for req_id in meta.recv_failed:
+            self._fail_recv(req_id)
+        self.step_id = meta.step_id
+        kvt.begin_step(meta.step_id, self._mine(meta.step_tasks))
+        if meta.full_tasks:
+            kvt.send_full(self._mine(meta.full_tasks))
+
+    def layer_saved(self, layer_name: str) -> None:
+        self._require_kvt().layer_done(self.layer_index[layer_name])
+
+    def step_done(self) -> None:
+        ack = self._require_kvt().freeze_step()
+        with self._lock:
+            self._acks.append((self.step_id, ack, self.rank))
+
+    def finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str], set[str], set[str]]:
+        """`(finished_sending, finished_recving, failed_recving)` for this step."""
+        self._finished.update(finished_req_ids)
+        sending = self._release & self._finished
+        self._release -= sending
+        self._finished -= sending
+        recving: set[str] = set()
+        failed: set[str] = set()
+        for done in self._require_kvt().take_received():
+            self._received[done.xfer_id] = done
+        for xfer_id in [x for x in self._received if x in self._expect]:
+            done = self._received.pop(xfer_id)
+            req_id = self._expect.pop(xfer_id)
+            recving.add(req_id)
+            if not done.ok:
+                log.warning("rapidkv: transfer %s failed at source: %s", xfer_id, done.error)
+                failed.add(req_id)
+        with self._lock:
+            recving |= self._failed_now
+            failed |= self._failed_now
+            self._failed_now = set()
+        return sending, recving, failed
+
+    def worker_meta(self) -> WorkerMeta:
+        with self._lock:
+            meta = WorkerMeta(self._acks, self._settled)
+            self._acks, self._settled = [], []
+        return meta
+
+    def close(self) -> None:
+        if self.kvt is not None:
+            self.kvt.close()
+
+    # -- helpers ----------------------------------------------------------------
+
+    def _fail_recv(self, req_id: str) -> None:
+        xfers = [x for x, r in self._expect.items() if r == req_id]
+        if not xfers:
+            return  # already reported (its SendDone came first)
+        for xfer_id in xfers:
+            del self._expect[xfer_id]
+        with self._lock:
+            self._failed_now.add(req_id)
+
+    def _mine(self, tasks: list[Task]) -> list[Task]:
+        """The tasks as this rank sends them: to the same rank of the destination."""
+        return [msgspec.structs.replace(t, peer=peer_name(t.peer, self.rank)) for t in tasks]
+
+    def _on_send_done(self, done: SendDone) -> None:  # kvt owner thread
+        with self._lock:
+            self._settled.append(
+                Settled(done.xfer_id, done.rank, done.ok, done.tokens_sent, done.error)
+            )
+
+    def _require_kvt(self) -> KvtWorker:
+        if self.kvt is None:
+            raise RuntimeError("rapidkv: KV caches were never registered")
+        return self.kvt
