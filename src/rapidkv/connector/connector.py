@@ -48,6 +48,19 @@ from rapidkv.connector.worker_side import WorkerSide
 log = logging.getLogger(__name__)
 
 
+def _log_like_vllm() -> None:
+    """rapidkv's loggers print through vLLM's handlers (vLLM configures only its own)."""
+    ours, theirs = logging.getLogger("rapidkv"), logging.getLogger("vllm")
+    if not ours.handlers and theirs.handlers:
+        for handler in theirs.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(theirs.level or logging.INFO)
+        ours.propagate = False
+
+
+_log_like_vllm()
+
+
 class RapidKVConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config, role, kv_cache_config)
