@@ -133,6 +133,9 @@ def workloads(tiny_model: Path, server_pool: ServerPool) -> dict[str, tuple[list
     for seed, name in enumerate(["dual", "serial"]):
         prompts = random_prompts(tiny_model, LENGTHS * 2, seed=1000 + seed)
         out[name] = (prompts, complete_many(single.base_url, prompts, MAX_TOKENS, concurrency=4))
+    base = random_prompts(tiny_model, [2 * BLOCK + 50], seed=77)[0]
+    prefix = [base, base[: 2 * BLOCK] + random_prompts(tiny_model, [300], seed=78)[0]]
+    out["prefix"] = (prefix, complete_many(single.base_url, prefix, MAX_TOKENS))
     return out
 
 
@@ -192,3 +195,27 @@ def test_pd_output_equals_single_instance_and_nothing_leaks(
             )
 
         assert wait_for(settled, 2.0), f"{w} did not return to its baseline: {pd_pair.stats(w)}"
+
+
+def test_d_prefix_hits_are_not_transferred(pd_pair: Pair, workloads: dict) -> None:
+    """D already holds the first blocks of a prompt (an earlier request shared
+    them): only the missing blocks cross, and the output is still exact."""
+    first, second = workloads["prefix"][0]
+    m0 = get_metrics(pd_pair.d.base_url)
+    p0 = pd_pair.stats("p")
+    out = pd_pair.run([first], "prefix-a", serial=False) + pd_pair.run(
+        [second], "prefix-b", serial=False
+    )
+    m1 = get_metrics(pd_pair.d.base_url)
+
+    def delta(source: str) -> float:
+        return metric_sum(m1, "vllm:prompt_tokens_by_source_total", source=source) - metric_sum(
+            m0, "vllm:prompt_tokens_by_source_total", source=source
+        )
+
+    # the second prompt's first two blocks were prefix hits on D, never sent
+    assert delta("local_cache_hit") == 2 * BLOCK
+    assert delta("external_kv_transfer") == (len(first) - 1) + (len(second) - 1 - 2 * BLOCK)
+    assert pd_pair.stats("p")["transfers_ok"] - p0["transfers_ok"] == 2
+    assert pd_pair.stats("d").get("recompute_fallbacks", 0) == 0
+    assert out == workloads["prefix"][1]
