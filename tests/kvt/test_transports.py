@@ -5,8 +5,11 @@ process; the receiver in a second process (`transport_peer`, multiprocessing
 spawn) that owns ``guard | region | guard`` and registers only the region, so a
 write escaping its bounds is visible. Waits poll with deadlines.
 
-TCP-specific behaviour (authentication, the wire protocol's refusals) is at the
-end, marked by `tcp` in the test names.
+Where a kind promises more than the interface (NIXL: one request per post, rows
+refused at post time, the reason of an ERROR), the generic test checks that too
+under `kind == ...`. NIXL-only behaviour is in test_transport_nixl; TCP-specific
+behaviour (authentication, the wire protocol's refusals) is at the end, marked by
+`tcp` in the test names.
 """
 
 from __future__ import annotations
@@ -21,14 +24,21 @@ import time
 import uuid
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transport_peer import FILL, Peer, start_peer
+from transport_peer import (
+    FILL,
+    Peer,
+    Sender,
+    assert_written,
+    release_all,
+    start_peer,
+    wait_all,
+)
 
 from rapidkv.kvt.transport import Transport, TransportError, XferState, create_transport
 from rapidkv.kvt.transport.tcp_inbound import Event, Inbound, Landed, Notif
@@ -51,6 +61,7 @@ BLOCK = 4096
 REGION = 1 << 20  # the shared peer's registered region
 SRC = 16 << 20  # the sender's registered source buffer
 DEADLINE = 10.0  # seconds any single wait may take before the test fails
+PROMPT = 1.0  # seconds within which NIXL's calls on a dead peer must return
 
 _NIXL_MISSING = importlib.util.find_spec("rapidkv.kvt.transport.nixl") is None
 KINDS = [
@@ -68,68 +79,6 @@ KINDS = [
 
 def _uid(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
-
-
-@dataclass
-class Sender:
-    """The test process's transport and its registered source bytes."""
-
-    t: Transport
-    src: np.ndarray
-    peers: set[str] = field(default_factory=set)
-
-    @property
-    def base(self) -> int:
-        return self.src.ctypes.data
-
-    def connect(self, peer: Peer) -> str:
-        """A fresh link to `peer` (removes any previous one)."""
-        if peer.name in self.peers:
-            self.t.remove_peer(peer.name)
-        name = self.t.add_peer(peer.metadata)
-        self.peers.add(name)
-        return name
-
-    def descs(self, peer: Peer, rows: np.ndarray) -> np.ndarray:
-        """`(src_offset, dst_offset, nbytes)` rows → absolute descriptor rows."""
-        rows = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
-        return rows + np.array([self.base, peer.base, 0], dtype=np.int64)
-
-    def post(self, peer: Peer, rows: np.ndarray) -> int:
-        return self.t.post_write(peer.name, self.descs(peer, rows))
-
-    def expected(self, peer: Peer, rows: np.ndarray) -> np.ndarray:
-        """The peer's buffer (guards included) after `rows` land on a reset peer."""
-        out = np.full(peer.nbytes + 2 * peer.guard, FILL, dtype=np.uint8)
-        for s, d, n in np.asarray(rows, dtype=np.int64).reshape(-1, 3):
-            out[peer.guard + d : peer.guard + d + n] = self.src[s : s + n]
-        return out
-
-
-def wait_all(t: Transport, handles: list[int], timeout: float = DEADLINE) -> list[XferState]:
-    """Poll until no handle is PENDING or the deadline passes; return the states."""
-    deadline = time.monotonic() + timeout
-    states = {h: XferState.PENDING for h in handles}
-    pending = list(handles)
-    while pending:
-        for h in pending:
-            states[h] = t.poll(h)
-        pending = [h for h in pending if states[h] is XferState.PENDING]
-        if time.monotonic() > deadline:
-            break
-    return [states[h] for h in handles]
-
-
-def release_all(t: Transport, handles: list[int]) -> None:
-    for h in handles:
-        t.release(h)
-
-
-def assert_written(sender: Sender, peer: Peer, rows: np.ndarray) -> None:
-    got = peer.memory()
-    want = sender.expected(peer, rows)
-    bad = np.flatnonzero(got != want)
-    assert not len(bad), f"{len(bad)} bytes differ, first at buffer offset {bad[0] - peer.guard}"
 
 
 # --- fixtures --------------------------------------------------------------------------
@@ -186,6 +135,18 @@ def block_map(scenario: str, rng: np.random.Generator) -> np.ndarray:
         n = rng.integers(1, BLOCK - off + 1)
         src = rng.integers(0, SRC - BLOCK, size=len(dst))
         return np.stack([src, dst * BLOCK + off, n], axis=1)
+    if scenario == "many_small":  # thousands of 256-byte rows, scattered
+        k = REGION // 256
+        dst = rng.permutation(k)
+        return np.stack([rng.integers(0, SRC - 256, size=k), dst * 256, np.full(k, 256)], axis=1)
+    if scenario == "mixed_sizes":  # 1 byte .. 64 KiB, gaps of 0..3 bytes
+        rows, pos = [], 0
+        while True:
+            n = int(rng.choice([1, 7, 256, 4096, 5000, 65536]))
+            if pos + n > REGION:
+                return np.array(rows)
+            rows.append((int(rng.integers(0, SRC - n)), pos, n))
+            pos += n + int(rng.integers(0, 4))
     raise ValueError(scenario)
 
 
@@ -193,13 +154,37 @@ def post_in_chunks(sender: Sender, peer: Peer, rows: np.ndarray, chunks: int) ->
     return [sender.post(peer, part) for part in np.array_split(rows, chunks) if len(part)]
 
 
+@contextlib.contextmanager
+def nixl_requests(t: Transport) -> Iterator[list[tuple]]:
+    """The NIXL transfer requests a NixlTransport creates inside the block."""
+    agent = t._agent  # type: ignore[attr-defined]
+    real, calls = agent.initialize_xfer, []
+
+    def counting(*a: object, **k: object) -> object:
+        calls.append(a)
+        return real(*a, **k)
+
+    agent.initialize_xfer = counting
+    try:
+        yield calls
+    finally:
+        del agent.initialize_xfer
+
+
 # --- generic conformance -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("scenario", ["contiguous", "scattered", "partial"])
-def test_destination_equals_source_for_block_maps(link: Sender, peer: Peer, scenario: str) -> None:
+@pytest.mark.parametrize(
+    "scenario", ["contiguous", "scattered", "partial", "many_small", "mixed_sizes"]
+)
+def test_destination_equals_source_for_block_maps(
+    link: Sender, peer: Peer, kind: str, scenario: str
+) -> None:
     rows = block_map(scenario, np.random.default_rng(zlib.crc32(scenario.encode())))
-    handles = post_in_chunks(link, peer, rows, chunks=3)
+    with nixl_requests(link.t) if kind == "nixl" else contextlib.nullcontext([]) as requests:
+        handles = post_in_chunks(link, peer, rows, chunks=3)
+    if kind == "nixl":
+        assert len(requests) == len(handles), "not one NIXL request per post"
     assert wait_all(link.t, handles) == [XferState.DONE] * len(handles)
     release_all(link.t, handles)
     assert_written(link, peer, rows)
@@ -273,9 +258,9 @@ def test_many_writes_in_flight_all_complete(link: Sender, peer: Peer) -> None:
 
 @pytest.mark.parametrize(
     "where",
-    ["straddles_end", "before_start", "far_away", "bad_row_among_good"],
+    ["straddles_end", "before_start", "far_away", "bad_row_among_good", "source_past_end"],
 )
-def test_out_of_bounds_destination_is_refused(
+def test_rows_outside_registered_memory_are_refused(
     link: Sender, peer: Peer, kind: str, where: str
 ) -> None:
     g = peer.guard
@@ -284,25 +269,30 @@ def test_out_of_bounds_destination_is_refused(
         "before_start": [(0, -g, 64)],
         "far_away": [(0, 1 << 40, BLOCK)],
         "bad_row_among_good": [(0, 0, BLOCK), (BLOCK, REGION, 64), (2 * BLOCK, BLOCK, BLOCK)],
+        "source_past_end": [(SRC, 0, 64)],  # just past the sender's registered buffer
     }[where]
     try:
         h = link.post(peer, np.array(rows))
     except TransportError:
         pass  # refused at post time: as good as refused by the receiver
     else:
+        assert kind != "nixl", "NIXL checks every row against the registrations at post time"
         assert wait_all(link.t, [h]) == [XferState.ERROR]
         link.t.release(h)
     mem = peer.memory()
     assert (mem[:g] == FILL).all() and (mem[g + REGION :] == FILL).all(), "bytes landed outside"
-    if kind == "tcp":  # the receiver checks every row before reading any payload
+    # tcp: the receiver checks every row before reading any payload; nixl: refused at post
+    if kind in ("tcp", "nixl"):
         assert (mem == FILL).all(), "part of a refused request landed"
-    # the sender is still usable: reconnect and write
-    link.connect(peer)
-    good = np.array([(5 * BLOCK, 3 * BLOCK, BLOCK)])
-    h = link.post(peer, good)
+    # the sender is still usable: write again (NIXL on the same link, others reconnect)
+    if kind != "nixl":
+        link.connect(peer)
+    h = link.post(peer, np.array([(5 * BLOCK, 3 * BLOCK, BLOCK)]))
     assert wait_all(link.t, [h]) == [XferState.DONE]
     link.t.release(h)
-    assert (peer.memory()[g + 3 * BLOCK : g + 4 * BLOCK] == link.src[5 * BLOCK : 6 * BLOCK]).all()
+    want = mem.copy()
+    want[g + 3 * BLOCK : g + 4 * BLOCK] = link.src[5 * BLOCK : 6 * BLOCK]
+    assert (peer.memory() == want).all(), "the good write did not land exactly"
 
 
 def test_killed_destination_fails_pending_writes_and_sender_stays_usable(
@@ -321,15 +311,25 @@ def test_killed_destination_fails_pending_writes_and_sender_stays_usable(
         states = wait_all(sender.t, handles, timeout=5.0)
         elapsed = time.monotonic() - killed
         assert states.count(XferState.DONE) < len(handles), "killed too late to test anything"
-        if kind == "tcp":  # a reset or EOF fails every pending write promptly
+        # tcp: a reset or EOF, nixl: UCX's peer error handling fails every pending write
+        if kind in ("tcp", "nixl"):
             assert XferState.PENDING not in states, f"still pending {elapsed:.1f}s after the kill"
             assert XferState.ERROR in states
-        # whatever is left PENDING the caller gives up on; releasing must be clean
         t0 = time.monotonic()
+        if kind == "nixl":  # why; later writes fail at once, as states; notifications raise
+            failed = [h for h, s in zip(handles, states, strict=True) if s is XferState.ERROR]
+            reasons = {sender.t.error(h) for h in failed}  # type: ignore[attr-defined]
+            assert all("Disconnect" in (r or "") for r in reasons), reasons
+            handles.append(sender.post(victim, [(0, 0, BLOCK)]))
+            assert wait_all(sender.t, handles[-1:], timeout=PROMPT) == [XferState.ERROR]
+            with pytest.raises(TransportError):
+                sender.t.send_notif(victim.name, b"anyone?")
+        # whatever is left PENDING the caller gives up on; releasing must be clean
         release_all(sender.t, handles)
         sender.t.remove_peer(victim.name)
         sender.peers.discard(victim.name)
-        assert time.monotonic() - t0 < 2.0, "release/remove_peer of a dead peer hung"
+        limit = PROMPT if kind == "nixl" else 2.0
+        assert time.monotonic() - t0 < limit, "calls on a dead peer hung"
     finally:
         victim.stop()
     # a new peer works
@@ -379,9 +379,20 @@ def test_source_outside_registered_memory_is_refused(link: Sender, peer: Peer) -
     link.t.release(h)
 
 
-def test_garbage_metadata_is_refused(sender: Sender) -> None:
+def test_unknown_peer_and_garbage_metadata_are_refused(sender: Sender, kind: str) -> None:
+    row = np.array([[sender.base, 1 << 20, 8]], dtype=np.int64)
     with pytest.raises(TransportError):
-        sender.t.add_peer(b"\x00not metadata\xff")
+        sender.t.post_write("nobody", row)
+    with pytest.raises(TransportError):
+        sender.t.send_notif("nobody", b"x")
+    for garbage in (b"", b"\x00not metadata\xff", b"nixlSerDes|"):
+        with pytest.raises(TransportError):
+            sender.t.add_peer(garbage)
+    sender.t.remove_peer("nobody")  # unknown: no-op
+    sender.t.release(123456789)  # unknown: no-op
+    if kind == "nixl":
+        with pytest.raises(KeyError):
+            sender.t.poll(123456789)
 
 
 # --- TCP only ------------------------------------------------------------------------------
