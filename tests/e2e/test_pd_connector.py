@@ -136,6 +136,9 @@ def workloads(tiny_model: Path, server_pool: ServerPool) -> dict[str, tuple[list
     base = random_prompts(tiny_model, [2 * BLOCK + 50], seed=77)[0]
     prefix = [base, base[: 2 * BLOCK] + random_prompts(tiny_model, [300], seed=78)[0]]
     out["prefix"] = (prefix, complete_many(single.base_url, prefix, MAX_TOKENS))
+    for seed, name in enumerate(["late_p", "gone"]):
+        one = random_prompts(tiny_model, [600], seed=2000 + seed)
+        out[name] = (one, complete_many(single.base_url, one, MAX_TOKENS))
     return out
 
 
@@ -219,3 +222,64 @@ def test_d_prefix_hits_are_not_transferred(pd_pair: Pair, workloads: dict) -> No
     assert pd_pair.stats("p")["transfers_ok"] - p0["transfers_ok"] == 2
     assert pd_pair.stats("d").get("recompute_fallbacks", 0) == 0
     assert out == workloads["prefix"][1]
+
+
+def test_transfer_kv_before_the_request_is_parked_and_served(
+    pd_pair: Pair, workloads: dict
+) -> None:
+    """D's TransferKV reaches P long before P sees the request (the P call is
+    held back until P reports the park): served from the park, no NOT_FOUND."""
+    (ids,), (expected,) = workloads["late_p"]
+    p0 = pd_pair.stats("p")
+    dk = {
+        "do_remote_prefill": True,
+        "rapidkv": {"xfer_id": "late-p", "role": "decode", "prefill_control": pd_pair.p_control},
+    }
+    pk = {"rapidkv": {"xfer_id": "late-p", "role": "prefill"}}
+
+    async def main():
+        async with httpx.AsyncClient() as client:
+            to_d = asyncio.create_task(
+                acomplete_full(client, pd_pair.d.base_url, ids, MAX_TOKENS, kv_transfer_params=dk)
+            )
+            deadline = time.monotonic() + 10
+            while pd_pair.stats("p")["parked_now"] < 1:
+                assert time.monotonic() < deadline, "TransferKV never parked on P"
+                await asyncio.sleep(0.02)
+            await acomplete_full(client, pd_pair.p.base_url, ids, 1, kv_transfer_params=pk)
+            return await to_d
+
+    out = asyncio.run(main())
+    assert out.token_ids == expected
+    p1 = pd_pair.stats("p")
+    assert p1["parked_served"] - p0.get("parked_served", 0) == 1
+    assert p1.get("park_expired", 0) == p0.get("park_expired", 0)
+    assert p1["transfers_ok"] - p0["transfers_ok"] == 1
+    assert pd_pair.stats("d").get("recompute_fallbacks", 0) == 0
+
+
+def test_transfer_kv_for_an_aborted_request_gets_gone_and_d_recomputes(
+    pd_pair: Pair, workloads: dict
+) -> None:
+    from rapidkv.control.messages import Abort, AbortReason
+
+    (ids,), (expected,) = workloads["gone"]
+    d0 = pd_pair.stats("d")
+    reply = pd_pair.rpc.call(
+        pd_pair.p_control, Abort(xfer_id="gone-1", reason=AbortReason.CLIENT_ABORT), 10
+    )
+    assert reply.code.name == "OK"
+    dk = {
+        "do_remote_prefill": True,
+        "rapidkv": {"xfer_id": "gone-1", "role": "decode", "prefill_control": pd_pair.p_control},
+    }
+
+    async def main():
+        async with httpx.AsyncClient() as client:
+            return await acomplete_full(
+                client, pd_pair.d.base_url, ids, MAX_TOKENS, kv_transfer_params=dk
+            )
+
+    assert asyncio.run(main()).token_ids == expected
+    # here, and only here, D prefilled locally
+    assert pd_pair.stats("d")["recompute_fallbacks"] - d0.get("recompute_fallbacks", 0) == 1
