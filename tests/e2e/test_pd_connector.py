@@ -52,6 +52,8 @@ def connector_config(control_port: int) -> dict:
             # every TTL well above the 2 s leak window: a timeout cannot hide a leak
             "park_ttl_s": 30.0,
             "finished_ttl_s": 60.0,
+            # 5 ms after each layer: a step's layer-by-layer sends are observable
+            "debug_layer_delay_s": 0.005,
         },
     }
 
@@ -184,6 +186,15 @@ def test_pd_output_equals_single_instance_and_nothing_leaks(
 
     assert delta("external_kv_transfer") == sum(len(p) - 1 for p in prompts)
     assert delta("local_compute") == len(prompts)
+    if dispatch == "dual":
+        # TransferKV came before P computed: the chunks went layer by layer, each
+        # step's first layer handed to the transport before its last layer was done
+        layered = after_p["steps_with_layer_sends"] - before["p"].get("steps_with_layer_sends", 0)
+        early = after_p["steps_sent_before_last_layer"] - before["p"].get(
+            "steps_sent_before_last_layer", 0
+        )
+        assert layered >= len(prompts) // 2
+        assert early == layered
     # within 2 s of the last response everything is back where it was
     for w, server in (("p", pd_pair.p), ("d", pd_pair.d)):
 

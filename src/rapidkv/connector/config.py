@@ -29,6 +29,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     rpc_timeout_s: float = 30.0  # D's wait for a TransferKV reply
     tombstone_ttl_s: float = 60.0
     max_parked: int = 1024
+    # testing aid: sleep this long after each layer's save (widens a step so that
+    # layer-by-layer sending can be observed); 0 in production
+    debug_layer_delay_s: float = 0.0
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:

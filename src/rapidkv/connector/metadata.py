@@ -81,7 +81,11 @@ class WorkerMeta(KVConnectorWorkerMetadata):
 
     acks: list[tuple[int, int, int]] = field(default_factory=list)  # (step, ack, rank)
     settled: list[Settled] = field(default_factory=list)
+    counters: dict[str, int] = field(default_factory=dict)  # increments, summed over ranks
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, WorkerMeta)
-        return WorkerMeta(self.acks + other.acks, self.settled + other.settled)
+        counters = dict(self.counters)
+        for k, v in other.counters.items():
+            counters[k] = counters.get(k, 0) + v
+        return WorkerMeta(self.acks + other.acks, self.settled + other.settled, counters)

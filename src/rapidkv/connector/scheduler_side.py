@@ -277,6 +277,8 @@ class SchedulerSide:
                 c = self._consumed.get(req_id)
                 if c is not None:
                     c.state = "done"
+            if meta is not None:
+                self.counters.update(meta.counters)
             for s in meta.settled if meta is not None else ():
                 p = self._produced.get(s.xfer_id)
                 if p is None:

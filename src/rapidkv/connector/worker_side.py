@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections import Counter
 from collections.abc import Iterable
 
 import msgspec
@@ -51,6 +53,13 @@ class WorkerSide:
         self._expect: dict[str, str] = {}  # xfer_id -> D request id
         self._received: dict[str, SendDone] = {}  # arrived, not yet mapped
         self._failed_now: set[str] = set()  # D requests the scheduler said failed
+        self._counters: Counter[str] = Counter()
+        # layer-by-layer evidence: when this step began, had step tasks, and when
+        # its first per-layer write was handed to the transport
+        self._step_began = 0.0
+        self._step_has_tasks = False
+        self._first_layer_post: float | None = None
+        self._last_layer_done = 0.0
 
     # -- start-up ---------------------------------------------------------------
 
@@ -74,6 +83,7 @@ class WorkerSide:
             rank=self.rank,
             block_size=self.block_size,
             on_send_done=self._on_send_done,
+            on_posted=self._on_posted,
             write_timeout_s=self.config.write_timeout_s,
             hugepages=self.config.hugepages,
         )
@@ -113,17 +123,30 @@ class WorkerSide:
         for req_id in meta.recv_failed:
             self._fail_recv(req_id)
         self.step_id = meta.step_id
+        with self._lock:
+            self._step_began = time.perf_counter()
+            self._step_has_tasks = bool(meta.step_tasks)
+            self._first_layer_post = None
         kvt.begin_step(meta.step_id, self._mine(meta.step_tasks))
         if meta.full_tasks:
             kvt.send_full(self._mine(meta.full_tasks))
 
     def layer_saved(self, layer_name: str) -> None:
         self._require_kvt().layer_done(self.layer_index[layer_name])
+        self._last_layer_done = time.perf_counter()
+        if self.config.debug_layer_delay_s:
+            time.sleep(self.config.debug_layer_delay_s)
 
     def step_done(self) -> None:
         ack = self._require_kvt().freeze_step()
         with self._lock:
             self._acks.append((self.step_id, ack, self.rank))
+            if self._step_has_tasks:
+                self._counters["steps_with_layer_sends"] += 1
+                first = self._first_layer_post
+                if first is not None and first < self._last_layer_done:
+                    # the step's first layer left before its last layer was computed
+                    self._counters["steps_sent_before_last_layer"] += 1
 
     def finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str], set[str], set[str]]:
         """`(finished_sending, finished_recving, failed_recving)` for this step."""
@@ -150,8 +173,9 @@ class WorkerSide:
 
     def worker_meta(self) -> WorkerMeta:
         with self._lock:
-            meta = WorkerMeta(self._acks, self._settled)
+            meta = WorkerMeta(self._acks, self._settled, dict(self._counters))
             self._acks, self._settled = [], []
+            self._counters.clear()
         return meta
 
     def close(self) -> None:
@@ -172,6 +196,13 @@ class WorkerSide:
     def _mine(self, tasks: list[Task]) -> list[Task]:
         """The tasks as this rank sends them: to the same rank of the destination."""
         return [msgspec.structs.replace(t, peer=peer_name(t.peer, self.rank)) for t in tasks]
+
+    def _on_posted(self, kind: str, t_event: float, t_post: float, nbytes: int) -> None:
+        # kvt owner thread
+        with self._lock:
+            self._counters["bytes_sent"] += nbytes
+            if kind == "layer" and t_event >= self._step_began and self._first_layer_post is None:
+                self._first_layer_post = t_post
 
     def _on_send_done(self, done: SendDone) -> None:  # kvt owner thread
         with self._lock:
