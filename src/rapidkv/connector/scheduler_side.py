@@ -409,13 +409,27 @@ class SchedulerSide:
                 self.counters["recompute_fallbacks"] += 1
                 self._pending.recv_failed.append(c.req_id)
 
+        deadline = time.monotonic() + self.config.rpc_timeout_s
+        backoff = [0.05]
+
+        def send() -> None:
+            self.client.submit(address, msg, self.config.rpc_timeout_s).add_done_callback(on_reply)
+
         def on_reply(fut: Any) -> None:
             try:
                 reply = fut.result()
             except Exception as e:
                 failed(f"TransferKV: {type(e).__name__}: {e}")
                 return
-            if reply.code != Code.OK:
+            if reply.code == Code.NOT_FOUND and time.monotonic() + backoff[0] < deadline:
+                # P has not seen the request within its park TTL: ask again later
+                with self._lock:
+                    self.counters["transfer_kv_retries"] += 1
+                timer = threading.Timer(backoff[0], send)
+                timer.daemon = True
+                timer.start()
+                backoff[0] = min(backoff[0] * 2, 1.0)
+            elif reply.code != Code.OK:
                 failed(f"TransferKV answered {reply.code.name}: {reply.message}")
 
         def on_handshake(fut: Any) -> None:
@@ -427,7 +441,7 @@ class SchedulerSide:
             if not isinstance(reply, HandshakeReply) or reply.code != Code.OK:
                 failed(f"handshake refused: {getattr(reply, 'reasons', reply)}")
                 return
-            self.client.submit(address, msg, self.config.rpc_timeout_s).add_done_callback(on_reply)
+            send()
 
         self._handshake(address).add_done_callback(on_handshake)
 
