@@ -5,6 +5,7 @@ leaks. Dispatch is done here (P and D requests per prompt, as the router does)."
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 
@@ -59,7 +60,10 @@ def connector_config(control_port: int) -> dict:
 
 
 class Pair:
-    def __init__(self, p: VLLMServer, d: VLLMServer, p_control: str, d_control: str) -> None:
+    def __init__(
+        self, model: Path, p: VLLMServer, d: VLLMServer, p_control: str, d_control: str
+    ) -> None:
+        self.model = model
         self.p, self.d = p, d
         self.p_control, self.d_control = p_control, d_control
         self.rpc = RpcClient()
@@ -121,7 +125,7 @@ def pd_pair(server_pool: ServerPool, tiny_model: Path, workloads: dict) -> Pair:
             ),
         ],
     )
-    return Pair(p, d, f"127.0.0.1:{pc}", f"127.0.0.1:{dc}")
+    return Pair(tiny_model, p, d, f"127.0.0.1:{pc}", f"127.0.0.1:{dc}")
 
 
 @pytest.fixture(scope="session")
@@ -142,6 +146,14 @@ def workloads(tiny_model: Path, server_pool: ServerPool) -> dict[str, tuple[list
         one = random_prompts(tiny_model, [600], seed=2000 + seed)
         out[name] = (one, complete_many(single.base_url, one, MAX_TOKENS))
     return out
+
+
+def block_bytes(model: Path) -> int:
+    """Bytes of one KV block across all layers, from the model's config."""
+    cfg = json.loads((model / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_layer = 2 * cfg["num_key_value_heads"] * head_dim * BLOCK * 4  # K and V, float32
+    return cfg["num_hidden_layers"] * per_layer
 
 
 def engine_idle(server: VLLMServer) -> bool:
@@ -186,6 +198,10 @@ def test_pd_output_equals_single_instance_and_nothing_leaks(
 
     assert delta("external_kv_transfer") == sum(len(p) - 1 for p in prompts)
     assert delta("local_compute") == len(prompts)
+    # and the bytes: every block of every prompt's first len-1 tokens, once
+    blocks = sum(-(-(len(p) - 1) // BLOCK) for p in prompts)
+    moved = after_p["bytes_sent"] - before["p"].get("bytes_sent", 0)
+    assert moved == blocks * block_bytes(pd_pair.model)
     if dispatch == "dual":
         # TransferKV came before P computed: the chunks went layer by layer, each
         # step's first layer handed to the transport before its last layer was done
