@@ -105,6 +105,10 @@ class RapidKVConnector(KVConnectorBase_V1):
         assert self.worker is not None and isinstance(connector_metadata, StepMeta)
         self.worker.bind(connector_metadata)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert self.worker is not None and isinstance(kv_connector_metadata, StepMeta)
+        self.worker.preempted(kv_connector_metadata)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         return  # KV is pushed by P; nothing to pull
 

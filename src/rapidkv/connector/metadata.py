@@ -61,6 +61,7 @@ class StepMeta(KVConnectorMetadata):
     full_tasks: list[Task] = field(default_factory=list)  # KV complete: sent at once
     new_peers: list[NewPeer] = field(default_factory=list)
     fail_xfers: list[tuple[str, str]] = field(default_factory=list)  # (xfer_id, reason)
+    preempted_xfers: list[str] = field(default_factory=list)  # P: blocks freed this step
     release: list[str] = field(default_factory=list)  # P: req ids whose blocks may go
     expect_recv: dict[str, str] = field(default_factory=dict)  # D: xfer_id -> req_id
     recv_failed: list[str] = field(default_factory=list)  # D: req ids to report failed

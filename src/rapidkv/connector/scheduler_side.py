@@ -229,6 +229,22 @@ class SchedulerSide:
         scheduled = so.num_scheduled_tokens
         with self._lock:
             self._expire(now)
+            for req_id in so.preempted_req_ids or ():
+                xfer_id = self._p_by_req.get(req_id)
+                p = self._produced.get(xfer_id) if xfer_id else None
+                if p is not None and not p.aborted:
+                    # its blocks are gone: the transfer cannot finish; D recomputes
+                    self.counters["preempted_transfers"] += 1
+                    p.aborted = True
+                    if p.issued:
+                        meta.preempted_xfers.append(p.xfer_id)
+                    elif p.reply is not None:
+                        p.reply.resolve(
+                            TransferKVReply(
+                                xfer_id=p.xfer_id, code=Code.GONE, message="request preempted on P"
+                            )
+                        )
+                    self._tombstone(p.xfer_id)
             for p in list(self._produced.values()):
                 n = scheduled.get(p.req_id)
                 if n is not None:

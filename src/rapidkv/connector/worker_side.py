@@ -109,6 +109,18 @@ class WorkerSide:
 
     # -- per step ---------------------------------------------------------------
 
+    def preempted(self, meta: StepMeta) -> None:
+        """vLLM freed these P requests' blocks this step and may overwrite them in
+        this step's forward: stop their transfers and wait until no write from
+        those blocks is in flight."""
+        if not meta.preempted_xfers:
+            return
+        kvt = self._require_kvt()
+        for xfer_id in meta.preempted_xfers:
+            kvt.fail(xfer_id, "request preempted on P")
+        if not kvt.wait_settled(meta.preempted_xfers, self.config.write_timeout_s + 1):
+            log.error("rapidkv: sends of preempted %s still in flight", meta.preempted_xfers)
+
     def bind(self, meta: StepMeta) -> None:
         kvt = self._require_kvt()
         for peer in meta.new_peers:

@@ -158,6 +158,10 @@ class CompletionTracker:
     def live_transfers(self) -> int:
         return len(self._xfers)
 
+    def is_live(self, xfer_id: str) -> bool:
+        """The transfer is registered and has not settled yet."""
+        return xfer_id in self._xfers
+
     def outstanding_writes(self) -> int:
         return len(self._writes)
 

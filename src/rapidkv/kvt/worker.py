@@ -238,6 +238,18 @@ class KvtWorker:
         with self._lock:
             return bool(self._tracker.live_transfers())
 
+    def wait_settled(self, xfer_ids: Sequence[str], timeout: float) -> bool:
+        """Block until none of `xfer_ids` has a write that may still land (each
+        settled or was never registered); False if `timeout` passed first."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if not any(self._tracker.is_live(x) for x in xfer_ids):
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.0005)
+
     def close(self) -> None:
         if self._stopping:
             return
