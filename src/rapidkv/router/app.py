@@ -1,0 +1,130 @@
+"""The router's HTTP application (Starlette): its routes and their answers.
+
+=========================== ================================================
+``POST /v1/completions``    routed through P and D (`proxy.Router.serve`)
+``POST /v1/chat/completions`` likewise
+``GET /v1/models``          relayed from the first decode instance that answers
+``GET /health``             200 when at least one P (unless dispatch is
+                            ``local``) and one D answer ``/health`` with 200,
+                            else 503; the JSON body says which did
+``GET /metrics``            the router's Prometheus metrics
+anything else               404 (405 for a known path with the wrong method),
+                            as an OpenAI-format JSON error
+=========================== ================================================
+
+The upstream HTTP client lives on the serving loop: it is opened at lifespan
+startup and closed (with background prefill requests cancelled) at shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from rapidkv.router.config import Instance, RouterConfig
+from rapidkv.router.proxy import Router
+from rapidkv.router.rewrite import Endpoint, error_body
+
+
+class _ProxyEndpoint:
+    """ASGI endpoint routing one OpenAI endpoint (`Route` calls it with raw ASGI)."""
+
+    def __init__(self, router: Router, endpoint: Endpoint) -> None:
+        self.router = router
+        self.endpoint = endpoint
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.router.serve(self.endpoint, scope, receive, send)
+
+
+def build_app(config: RouterConfig) -> Starlette:
+    """The ASGI app of a router with `config` (its `Router` is ``app.state.router``)."""
+    router = Router(config)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.close()
+
+    async def health(request: Request) -> Response:
+        timeout = config.health_timeout_s
+        roles = {"prefill": config.prefill, "decode": config.decode}
+        checks = {
+            role: await asyncio.gather(*(_check_health(router.http, i, timeout) for i in insts))
+            for role, insts in roles.items()
+        }
+        needed = ["decode"] if config.dispatch == "local" else ["prefill", "decode"]
+        ok = all(any(c["healthy"] for c in checks[role]) for role in needed)
+        body = {"status": "ok" if ok else "unavailable", "dispatch": config.dispatch, **checks}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    async def models(request: Request) -> Response:
+        failures = []
+        for inst in config.decode:
+            try:
+                resp = await router.http.get(
+                    f"{inst.url}/v1/models", headers=_auth(request), timeout=config.health_timeout_s
+                )
+            except httpx.HTTPError as e:
+                failures.append(f"{inst.url}: {e!r}")
+                continue
+            if resp.status_code == 200:
+                return Response(resp.content, media_type=resp.headers.get("content-type"))
+            failures.append(f"{inst.url}: HTTP {resp.status_code}")
+        message = "no decode instance listed its models: " + "; ".join(failures)
+        return _error(503, message)
+
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        response = _error(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}")
+        response.headers.update(exc.headers or {})
+        return response
+
+    app = Starlette(
+        routes=[
+            Route("/v1/completions", _ProxyEndpoint(router, "completions"), methods=["POST"]),
+            Route("/v1/chat/completions", _ProxyEndpoint(router, "chat"), methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+        ],
+        exception_handlers={HTTPException: http_error},
+        lifespan=lifespan,
+    )
+    app.state.router = router
+    return app
+
+
+async def _check_health(http: httpx.AsyncClient, inst: Instance, timeout: float) -> dict[str, Any]:
+    try:
+        resp = await http.get(f"{inst.url}/health", timeout=timeout)
+    except httpx.HTTPError as e:
+        return {"url": inst.url, "healthy": False, "detail": repr(e)}
+    healthy = resp.status_code == 200
+    return {"url": inst.url, "healthy": healthy, "detail": f"HTTP {resp.status_code}"}
+
+
+def _auth(request: Request) -> dict[str, str]:
+    value = request.headers.get("authorization")
+    return {"authorization": value} if value else {}
+
+
+def _error(status: int, message: str) -> Response:
+    return Response(error_body(status, message), status_code=status, media_type="application/json")

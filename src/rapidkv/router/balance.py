@@ -1,0 +1,49 @@
+"""Choosing an instance: least outstanding requests, ties taken in turn.
+
+`LeastOutstanding` is pure bookkeeping (no I/O, no clock, no lock: the router
+calls it from its one event loop).
+
+Invariants:
+- ``outstanding(i)`` is the number of `acquire` calls that returned ``i`` and
+  have not been `release`d; it never goes negative (releasing more than was
+  acquired is a bug and raises).
+- `acquire` returns an instance with the fewest outstanding requests. Among
+  several such instances it returns the first at or after a cursor that moves
+  past each pick, so equal loads are served round-robin.
+"""
+
+from __future__ import annotations
+
+
+class LeastOutstanding:
+    """Least-outstanding choice among `n` instances (indices ``0..n-1``)."""
+
+    def __init__(self, n: int) -> None:
+        if n < 1:
+            raise ValueError("need at least one instance")
+        self._counts = [0] * n
+        self._cursor = 0
+
+    def acquire(self) -> int:
+        """Pick an instance and count one more request outstanding on it."""
+        n = len(self._counts)
+        low = min(self._counts)
+        for k in range(n):
+            i = (self._cursor + k) % n
+            if self._counts[i] == low:
+                break
+        self._counts[i] += 1
+        self._cursor = (i + 1) % n
+        return i
+
+    def release(self, i: int) -> None:
+        """One request on instance `i` is over."""
+        if self._counts[i] <= 0:
+            raise ValueError(f"instance {i} has no outstanding request to release")
+        self._counts[i] -= 1
+
+    def outstanding(self, i: int) -> int:
+        return self._counts[i]
+
+    def __len__(self) -> int:
+        return len(self._counts)

@@ -1,0 +1,83 @@
+"""`rapidkv router`: serve the OpenAI-compatible PD router until interrupted."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from rapidkv.router.config import DISPATCH_MODES, Instance, RouterConfig, read_secret
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
+    """Add the router's options to `parser`; return the runner."""
+    inst = "URL[=CONTROL_ADDR]"
+    parser.add_argument(
+        "--prefill",
+        action="append",
+        default=[],
+        metavar=inst,
+        help="a prefill instance: its base URL (http://host:port) and, optionally, its "
+        "rapidkv control address host:port (repeatable)",
+    )
+    parser.add_argument(
+        "--decode", action="append", default=[], metavar=inst, help="a decode instance (repeatable)"
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default %(default)s)")
+    parser.add_argument(
+        "--dispatch",
+        choices=DISPATCH_MODES,
+        default="dual",
+        help="dual: P and D at once; serial: P, then D; local: D only (default %(default)s)",
+    )
+    parser.add_argument(
+        "--secret-file",
+        type=Path,
+        default=None,
+        help="file holding the control plane's shared secret (for Abort messages)",
+    )
+    parser.add_argument(
+        "--upstream-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="seconds to wait for each piece of an upstream answer (default %(default)s)",
+    )
+    parser.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    return run
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    """The `RouterConfig` the parsed command line asks for; ValueError if it is invalid."""
+    return RouterConfig(
+        prefill=tuple(Instance.parse(text) for text in args.prefill),
+        decode=tuple(Instance.parse(text) for text in args.decode),
+        host=args.host,
+        port=args.port,
+        dispatch=args.dispatch,
+        secret=read_secret(args.secret_file) if args.secret_file is not None else None,
+        upstream_read_timeout_s=args.upstream_timeout,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until SIGINT/SIGTERM; 2 for a bad configuration."""
+    from rapidkv.router.server import run_router
+
+    try:
+        config = config_from_args(args)
+    except (ValueError, OSError) as e:
+        print(f"rapidkv router: error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    for chatty in ("httpx", "httpcore"):  # a line per upstream request otherwise
+        logging.getLogger(chatty).setLevel(logging.WARNING)
+    run_router(config)
+    return 0

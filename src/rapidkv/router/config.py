@@ -1,0 +1,114 @@
+"""What a router is configured with: its instances, where it listens, how it dispatches.
+
+Invariants (checked on construction, so a running router never meets a bad value):
+- an `Instance` URL is an ``http(s)://host[:port][/prefix]`` base URL with no
+  trailing slash, query or fragment (OpenAI paths such as ``/v1/completions``
+  are appended to it), and its control address, when given, parses as
+  ``host:port``;
+- a `RouterConfig` has at least one decode instance, and at least one prefill
+  instance unless it dispatches `local`;
+- URLs are unique within each role (the least-outstanding choice counts per URL).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, get_args
+from urllib.parse import urlsplit
+
+from rapidkv.control.address import parse_address
+
+Dispatch = Literal["dual", "serial", "local"]
+DISPATCH_MODES: tuple[str, ...] = get_args(Dispatch)
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One vLLM instance: its HTTP base URL and, when known, its rapidkv control address."""
+
+    url: str
+    control: str | None = None
+
+    def __post_init__(self) -> None:
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"instance URL {self.url!r} is not an http(s)://host[:port] URL")
+        if parts.query or parts.fragment or self.url.endswith("/"):
+            raise ValueError(
+                f"instance URL {self.url!r} must be a base URL (no query, fragment or "
+                "trailing slash)"
+            )
+        try:
+            parts.port  # noqa: B018 (raises ValueError on a bad port)
+        except ValueError as e:
+            raise ValueError(f"instance URL {self.url!r}: {e}") from None
+        if self.control is not None:
+            parse_address(self.control)
+
+    @classmethod
+    def parse(cls, text: str) -> Instance:
+        """``URL`` or ``URL=CONTROL_ADDR`` (the last ``=`` splits); a trailing slash is dropped."""
+        url, sep, control = text.rpartition("=")
+        if not sep:
+            url, control = text, ""
+        return cls(url=url.strip().rstrip("/"), control=control.strip() or None)
+
+    def __str__(self) -> str:
+        return self.url if self.control is None else f"{self.url}={self.control}"
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Everything `rapidkv router` needs. Timeouts are in seconds.
+
+    `upstream_read_timeout_s` bounds the wait for each piece of an upstream
+    answer (the first byte of a queued request, then each streamed chunk), not
+    the whole request. `secret` authenticates control-plane messages (Abort).
+    """
+
+    prefill: tuple[Instance, ...]
+    decode: tuple[Instance, ...]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    dispatch: Dispatch = "dual"
+    secret: bytes | None = None
+    connect_timeout_s: float = 10.0
+    upstream_read_timeout_s: float = 600.0
+    health_timeout_s: float = 2.0
+    abort_timeout_s: float = 5.0
+    max_connections: int = 1024
+    max_body_bytes: int = 64 << 20
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prefill", tuple(self.prefill))
+        object.__setattr__(self, "decode", tuple(self.decode))
+        if self.dispatch not in DISPATCH_MODES:
+            raise ValueError(f"dispatch must be one of {DISPATCH_MODES}, not {self.dispatch!r}")
+        if not self.decode:
+            raise ValueError("a router needs at least one decode instance")
+        if not self.prefill and self.dispatch != "local":
+            raise ValueError(f"dispatch {self.dispatch!r} needs at least one prefill instance")
+        for role, instances in (("prefill", self.prefill), ("decode", self.decode)):
+            urls = [i.url for i in instances]
+            if len(set(urls)) != len(urls):
+                raise ValueError(f"{role} URLs must be unique: {urls}")
+        if not self.host:
+            raise ValueError("give the host to bind explicitly (0.0.0.0 for every interface)")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port {self.port} out of range")
+        if self.secret is not None and not self.secret:
+            raise ValueError("an empty shared secret authenticates nothing; use None")
+
+    def replace(self, **changes: object) -> RouterConfig:
+        """A copy with `changes` applied (validated again)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+def read_secret(path: Path) -> bytes:
+    """The shared secret in `path`, surrounding whitespace (a trailing newline) removed."""
+    secret = Path(path).read_bytes().strip()
+    if not secret:
+        raise ValueError(f"secret file {path} is empty")
+    return secret

@@ -1,0 +1,106 @@
+"""The router's Prometheus metrics, in a registry of their own (served at ``/metrics``).
+
+Names and labels (``endpoint`` is ``completions`` | ``chat``; ``dispatch`` is
+``dual`` | ``serial`` | ``local``; ``role`` is ``prefill`` | ``decode``;
+``instance`` is the instance's base URL):
+
+- ``rapidkv_router_requests_total{endpoint,dispatch,outcome}``: requests by
+  how they ended (`OUTCOMES`).
+- ``rapidkv_router_requests_in_flight``: client requests being served.
+- ``rapidkv_router_ttft_seconds{endpoint,dispatch}``: request received → first
+  output event relayed to the client (streaming answers only).
+- ``rapidkv_router_e2e_seconds{endpoint,dispatch}``: request received → answer
+  fully relayed (successful requests only).
+- ``rapidkv_router_upstream_errors_total{role,instance,kind}``: failed upstream
+  requests; ``kind`` is ``status`` (an HTTP error answer), ``connect`` (no
+  status line: refused, reset, timed out) or ``stream`` (the answer broke off).
+  Prefill errors do not fail the client: D recomputes the prompt.
+- ``rapidkv_router_outstanding{role,instance}``: requests in flight per instance
+  (what instance choice balances).
+- ``rapidkv_router_control_aborts_total{outcome}``: control-plane Aborts sent to
+  P after a client disconnect; ``outcome`` is ``ok`` (P answered) or ``failed``.
+
+Invariant: every label set a request can produce is created up front for the
+configured instances, so a scrape shows zeros rather than missing series.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from rapidkv.router.config import RouterConfig
+from rapidkv.router.rewrite import ENDPOINTS
+
+OUTCOMES = (
+    "ok",  # D answered 2xx and it was relayed in full
+    "upstream_error",  # D answered an error status; relayed to the client
+    "unreachable",  # D did not answer at all (502 to the client)
+    "stream_error",  # D's answer broke off mid-way (client connection closed)
+    "client_abort",  # the client went away first
+    "bad_request",  # refused by the router (400/413)
+    "error",  # the router failed, or shut down, while serving it
+)
+UPSTREAM_ERROR_KINDS = ("status", "connect", "stream")
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class RouterMetrics:
+    """The metric objects of one router (one registry each, so routers can coexist)."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "rapidkv_router_requests",
+            "Client requests by endpoint, dispatch mode and outcome",
+            ["endpoint", "dispatch", "outcome"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "rapidkv_router_requests_in_flight", "Client requests being served", registry=r
+        )
+        self.ttft = Histogram(
+            "rapidkv_router_ttft_seconds",
+            "Request received to first output event relayed (streaming answers)",
+            ["endpoint", "dispatch"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "rapidkv_router_e2e_seconds",
+            "Request received to answer fully relayed (successful requests)",
+            ["endpoint", "dispatch"],
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            "rapidkv_router_upstream_errors",
+            "Failed upstream requests by role, instance and kind",
+            ["role", "instance", "kind"],
+            registry=r,
+        )
+        self.outstanding = Gauge(
+            "rapidkv_router_outstanding",
+            "Upstream requests in flight per instance",
+            ["role", "instance"],
+            registry=r,
+        )
+        self.control_aborts = Counter(
+            "rapidkv_router_control_aborts",
+            "Control-plane Aborts sent to prefill instances after a client disconnect",
+            ["outcome"],
+            registry=r,
+        )
+        for endpoint in ENDPOINTS:
+            self.ttft.labels(endpoint, config.dispatch)
+            self.e2e.labels(endpoint, config.dispatch)
+            for outcome in OUTCOMES:
+                self.requests.labels(endpoint, config.dispatch, outcome)
+        for role, instances in (("prefill", config.prefill), ("decode", config.decode)):
+            for inst in instances:
+                self.outstanding.labels(role, inst.url).set(0)
+                for kind in UPSTREAM_ERROR_KINDS:
+                    self.upstream_errors.labels(role, inst.url, kind)
+        for outcome in ("ok", "failed"):
+            self.control_aborts.labels(outcome)

@@ -1,0 +1,419 @@
+"""Serving one OpenAI request through a prefill (P) and a decode (D) instance.
+
+Theory of operation
+-------------------
+`Router.serve` is the ASGI handler of ``POST /v1/completions`` and
+``POST /v1/chat/completions``. It reads and checks the client's body
+(`rewrite.parse_request`), gives the request a fresh ``xfer_id``, picks P and D
+(least outstanding, ties in turn) and dispatches by the configured mode:
+
+- ``dual``: P's request is started, and D's at once, without waiting for P;
+- ``serial``: P's request is sent and its answer awaited, then D's is sent
+  (the conventional flow, for comparison);
+- ``local``: only D, sent the client's bytes untouched.
+
+P's answer is always dropped. D's answer (status, headers, body bytes) is
+relayed to the client as it arrives, streaming or not, byte for byte.
+
+While it serves, a watcher waits for the client's ``http.disconnect``. If it
+comes before the answer is relayed in full, both upstream requests are
+cancelled (closing an upstream connection makes vLLM abort the request) and,
+when P's control address is known, P is sent a control-plane Abort
+(`aborts.ControlAborter`, fire and forget).
+
+Rules
+-----
+- A failed P request (error status, no answer) never fails the client in
+  ``dual`` or ``serial`` mode: D's connector recomputes what P did not send. It
+  is logged (warning) and counted.
+- A D error status is relayed as is (status and body); a D that does not
+  answer gives the client 502; a D answer that breaks off closes the client's
+  connection before the end of the answer, so the client sees it truncated.
+- In ``dual`` mode P's request outlives the client's answer when it is slower:
+  it runs to its end in the background (cancelled only by a client disconnect
+  or shutdown), so the connector on P sees a normal request.
+- Every upstream request counts as outstanding on its instance from the moment
+  the instance is picked until the request is over, whatever the outcome.
+- All state lives on the event loop that runs the ASGI app: no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from starlette.types import Message, Receive, Scope, Send
+
+from rapidkv.router.aborts import ControlAborter
+from rapidkv.router.balance import LeastOutstanding
+from rapidkv.router.config import Instance, RouterConfig
+from rapidkv.router.metrics import RouterMetrics
+from rapidkv.router.rewrite import (
+    BadRequest,
+    Endpoint,
+    decode_body,
+    encode,
+    error_body,
+    new_xfer_id,
+    parse_request,
+    prefill_body,
+)
+from rapidkv.router.sse import FirstTokenDetector
+
+log = logging.getLogger(__name__)
+
+PATHS: dict[Endpoint, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+# Response headers not relayed from D: per-connection ones, and those the
+# router's own HTTP server sets.
+NOT_RELAYED = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"trailers",
+        b"transfer-encoding",
+        b"upgrade",
+        b"date",
+        b"server",
+    }
+)
+# Request headers passed from the client to P and D.
+PASSED_ON = (b"authorization", b"accept-encoding")
+XFER_HEADER = b"x-rapidkv-xfer-id"
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+@dataclass
+class Exchange:
+    """One client request on its way through the router."""
+
+    endpoint: Endpoint
+    xfer_id: str
+    t_start: float
+    upstream_headers: dict[str, str]
+    prefill: Instance | None = None
+    decode: Instance | None = None
+    status: int | None = None  # D's status
+
+    @property
+    def path(self) -> str:
+        return PATHS[self.endpoint]
+
+
+class Router:
+    """The request-serving state of one router: config, HTTP client, balancers, metrics."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.metrics = RouterMetrics(config)
+        self._instances = {"prefill": config.prefill, "decode": config.decode}
+        self._balancers = {
+            role: LeastOutstanding(len(instances))
+            for role, instances in self._instances.items()
+            if instances
+        }
+        self._aborter = ControlAborter(config.secret, config.abort_timeout_s, self.metrics)
+        self._http: httpx.AsyncClient | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Open the shared upstream HTTP client (on the serving loop)."""
+        c = self.config
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(
+                connect=c.connect_timeout_s,
+                read=c.upstream_read_timeout_s,
+                write=c.upstream_read_timeout_s,
+                pool=c.upstream_read_timeout_s,
+            ),
+            limits=httpx.Limits(
+                max_connections=c.max_connections,
+                max_keepalive_connections=min(c.max_connections, 256),
+            ),
+            trust_env=False,  # upstreams are reached directly, never through a proxy
+        )
+
+    async def close(self) -> None:
+        """Cancel background prefill requests, close the HTTP and RPC clients."""
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        if self._http is not None:
+            await self._http.aclose()
+        await asyncio.to_thread(self._aborter.close)
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        if self._http is None:
+            raise RuntimeError("router not started")
+        return self._http
+
+    # ------------------------------------------------------------------ serving
+
+    async def serve(self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send) -> None:
+        """ASGI handler of one completions / chat completions request."""
+        t_start = time.monotonic()
+        dispatch = self.config.dispatch
+        try:
+            raw = await _read_body(receive, self.config.max_body_bytes)
+        except BodyTooLarge:
+            limit = self.config.max_body_bytes
+            await _send_error(send, 413, f"request body larger than {limit} bytes")
+            self.metrics.requests.labels(endpoint, dispatch, "bad_request").inc()
+            return
+        if raw is None:  # the client left while sending its body
+            self.metrics.requests.labels(endpoint, dispatch, "client_abort").inc()
+            return
+        try:
+            body = parse_request(raw)
+        except BadRequest as e:
+            log.debug("%s request refused: %s", endpoint, e.message)
+            await _send_error(send, 400, e.message, e.param)
+            self.metrics.requests.labels(endpoint, dispatch, "bad_request").inc()
+            return
+
+        ex = Exchange(endpoint, new_xfer_id(), t_start, _upstream_headers(scope))
+        ex.upstream_headers["x-request-id"] = ex.xfer_id
+        outcome = "error"  # unless _route returns: a router failure, or shutdown
+        self.metrics.in_flight.inc()
+        try:
+            outcome = await self._route(ex, body, raw, receive, send)
+        finally:
+            self.metrics.in_flight.dec()
+            self.metrics.requests.labels(endpoint, dispatch, outcome).inc()
+            log.debug(
+                "xfer %s: %s %s P=%s D=%s -> %s (D status %s) in %.3fs",
+                ex.xfer_id,
+                dispatch,
+                endpoint,
+                ex.prefill.url if ex.prefill else None,
+                ex.decode.url if ex.decode else None,
+                outcome,
+                ex.status,
+                time.monotonic() - t_start,
+            )
+
+    async def _route(
+        self, ex: Exchange, body: dict[str, Any], raw: bytes, receive: Receive, send: Send
+    ) -> str:
+        """Dispatch `ex`; return its outcome (see `metrics.OUTCOMES`)."""
+        mode = self.config.dispatch
+        gone = asyncio.create_task(_wait_disconnect(receive))
+        prefill: asyncio.Task[bool] | None = None
+        relay: asyncio.Task[str] | None = None
+        try:
+            if mode == "local":
+                d_content = raw
+            else:
+                p_index, ex.prefill = self._acquire("prefill")
+                p_content = encode(prefill_body(body, ex.endpoint, ex.xfer_id))
+                prefill = self._spawn(self._prefill(p_index, ex.prefill, p_content, ex))
+                if mode == "serial":
+                    await asyncio.wait({prefill, gone}, return_when=asyncio.FIRST_COMPLETED)
+                    if not prefill.done():
+                        self._client_gone(ex, prefill)
+                        return "client_abort"
+                d_content = encode(decode_body(body, ex.xfer_id, ex.prefill))
+            d_index, ex.decode = self._acquire("decode")
+            relay = asyncio.create_task(self._relay(d_index, ex.decode, d_content, ex, send))
+            await asyncio.wait({relay, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if relay.done():
+                return relay.result()
+            relay.cancel()
+            await asyncio.gather(relay, return_exceptions=True)
+            self._client_gone(ex, prefill)
+            return "client_abort"
+        except asyncio.CancelledError:  # shutdown: nothing may outlive the request
+            if prefill is not None:
+                prefill.cancel()
+            raise
+        finally:
+            gone.cancel()
+            if relay is not None and not relay.done():
+                relay.cancel()
+
+    def _client_gone(self, ex: Exchange, prefill: asyncio.Task[bool] | None) -> None:
+        """The client left before its answer was relayed: stop P too, and tell its connector."""
+        log.debug("xfer %s: client disconnected; cancelling upstream requests", ex.xfer_id)
+        if prefill is not None and not prefill.done():
+            prefill.cancel()
+        if ex.prefill is not None and ex.prefill.control is not None:
+            self._aborter.abort(ex.prefill.control, ex.xfer_id)
+
+    async def _prefill(self, index: int, inst: Instance, content: bytes, ex: Exchange) -> bool:
+        """P's request: sent, its answer read and dropped. True if P answered 2xx."""
+        url = inst.url + ex.path
+        answered = False  # P's status line arrived
+        try:
+            try:
+                async with self.http.stream(
+                    "POST", url, content=content, headers=ex.upstream_headers
+                ) as resp:
+                    answered = True
+                    data = await resp.aread()
+            except httpx.HTTPError as e:
+                kind = "stream" if answered else "connect"
+                self._upstream_error("prefill", inst, kind, ex, repr(e))
+                return False
+            if resp.status_code >= 400:
+                detail = f"HTTP {resp.status_code}: {data[:500]!r}"
+                self._upstream_error("prefill", inst, "status", ex, detail)
+                return False
+            log.debug(
+                "xfer %s: prefill on %s answered %d after %.3fs",
+                ex.xfer_id,
+                inst.url,
+                resp.status_code,
+                time.monotonic() - ex.t_start,
+            )
+            return True
+        finally:
+            self._release("prefill", index)
+
+    async def _relay(
+        self, index: int, inst: Instance, content: bytes, ex: Exchange, send: Send
+    ) -> str:
+        """D's request, its answer relayed to the client as it comes; returns the outcome."""
+        try:
+            request = self.http.build_request(
+                "POST", inst.url + ex.path, content=content, headers=ex.upstream_headers
+            )
+            try:
+                resp = await self.http.send(request, stream=True)
+            except httpx.HTTPError as e:
+                self._upstream_error("decode", inst, "connect", ex, repr(e))
+                await _send_error(send, 502, f"decode instance {inst.url} did not answer: {e!r}")
+                return "unreachable"
+            try:
+                ex.status = resp.status_code
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": resp.status_code,
+                        "headers": _relayed_headers(resp.headers, ex.xfer_id),
+                    }
+                )
+                content_type = resp.headers.get("content-type", "")
+                streaming = resp.status_code < 400 and content_type.startswith("text/event-stream")
+                detector = FirstTokenDetector() if streaming else None
+                try:
+                    async for chunk in resp.aiter_raw():
+                        if detector is not None and detector.feed(chunk):
+                            self.metrics.ttft.labels(ex.endpoint, self.config.dispatch).observe(
+                                time.monotonic() - ex.t_start
+                            )
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                except httpx.HTTPError as e:
+                    self._upstream_error("decode", inst, "stream", ex, repr(e))
+                    return "stream_error"  # the response stays incomplete: the client sees it cut
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            finally:
+                await resp.aclose()
+            if resp.status_code >= 400:
+                self._upstream_error("decode", inst, "status", ex, f"HTTP {resp.status_code}")
+                return "upstream_error"
+            self.metrics.e2e.labels(ex.endpoint, self.config.dispatch).observe(
+                time.monotonic() - ex.t_start
+            )
+            return "ok"
+        finally:
+            self._release("decode", index)
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def _spawn(self, coro: Coroutine[Any, Any, bool]) -> asyncio.Task[bool]:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    def _acquire(self, role: str) -> tuple[int, Instance]:
+        index = self._balancers[role].acquire()
+        inst = self._instances[role][index]
+        self.metrics.outstanding.labels(role, inst.url).inc()
+        return index, inst
+
+    def _release(self, role: str, index: int) -> None:
+        self._balancers[role].release(index)
+        self.metrics.outstanding.labels(role, self._instances[role][index].url).dec()
+
+    def outstanding(self, role: str) -> list[int]:
+        """Requests in flight on each instance of `role`, in configuration order."""
+        balancer = self._balancers.get(role)
+        return [balancer.outstanding(i) for i in range(len(balancer))] if balancer else []
+
+    def _upstream_error(
+        self, role: str, inst: Instance, kind: str, ex: Exchange, detail: str
+    ) -> None:
+        self.metrics.upstream_errors.labels(role, inst.url, kind).inc()
+        consequence = " (decode will compute the prompt itself)" if role == "prefill" else ""
+        log.warning(
+            "xfer %s: %s request to %s failed (%s): %s%s",
+            ex.xfer_id,
+            role,
+            inst.url,
+            kind,
+            detail,
+            consequence,
+        )
+
+
+# ---------------------------------------------------------------------- ASGI helpers
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    """The whole request body; None if the client disconnected first."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message: Message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    """Return when the client disconnects (call once the body has been read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _send_error(send: Send, status: int, message: str, param: str | None = None) -> None:
+    body = error_body(status, message, param)
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def _upstream_headers(scope: Scope) -> dict[str, str]:
+    headers = {"content-type": "application/json", "accept-encoding": "identity"}
+    for name, value in scope.get("headers", []):
+        if name.lower() in PASSED_ON:
+            headers[name.lower().decode("latin-1")] = value.decode("latin-1")
+    return headers
+
+
+def _relayed_headers(headers: httpx.Headers, xfer_id: str) -> list[tuple[bytes, bytes]]:
+    out = [(k, v) for k, v in headers.raw if k.lower() not in NOT_RELAYED]
+    out.append((XFER_HEADER, xfer_id.encode()))
+    return out

@@ -1,0 +1,141 @@
+"""Request rewriting for PD disaggregation: the router's side of `kv_transfer_params`.
+
+Pure functions: bytes or dicts in, dicts out, no I/O. The connector implements
+the other end of this contract (see docs/vllm-connector-contract.md §4.5, §8):
+
+- every request gets a fresh ``xfer_id`` (uuid4 hex), sent to P and D both in
+  `kv_transfer_params` and as the ``X-Request-Id`` header;
+- P gets the client's body with ``max_tokens=1`` (and ``max_completion_tokens=1``
+  for chat), no ``min_tokens``, ``stream=false`` (vLLM returns
+  `kv_transfer_params` only in non-streaming answers), no ``stream_options``
+  (vLLM refuses them without streaming), and
+  ``kv_transfer_params = {"rapidkv": {"xfer_id": X, "role": "prefill"}}``;
+- D gets the client's body unchanged except
+  ``kv_transfer_params = {"do_remote_prefill": true, "rapidkv": {"xfer_id": X,
+  "role": "decode", "prefill_control": <P's control address or null>,
+  "prefill_url": <P's URL>}}``, plus the client's own
+  ``kv_transfer_params.rapidkv.transfer_kv_mode`` when it gave one (a
+  per-request mode choice for tests and benchmarks);
+- any other `kv_transfer_params` the client sent are dropped: routing owns them.
+
+Invariants: the input dict is never mutated; the P and D bodies carry the same
+``xfer_id``; requests the router cannot serve faithfully (``n > 1`` or
+``best_of > 1``: one engine request per ``xfer_id``) are refused with
+`BadRequest` before anything is sent.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Literal, get_args
+
+from rapidkv.router.config import Instance
+
+Endpoint = Literal["completions", "chat"]
+ENDPOINTS: tuple[str, ...] = get_args(Endpoint)
+TRANSFER_KV_MODES = ("step", "bypass", "substep")  # = control.messages.TransferKVMode
+
+Body = dict[str, Any]
+
+
+class BadRequest(ValueError):
+    """The client's request cannot be routed; answered 400 in OpenAI's error format."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+def new_xfer_id() -> str:
+    """A fresh transfer id: 32 lowercase hex digits."""
+    return uuid.uuid4().hex
+
+
+def parse_request(raw: bytes) -> Body:
+    """The client's JSON body, checked for what the router itself must refuse.
+
+    Everything else (model names, sampling parameters) is vLLM's to validate.
+    """
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadRequest(f"request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    for param in ("n", "best_of"):
+        value = body.get(param)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+            raise BadRequest(
+                f"{param}={value} is not supported by the PD router: it serves one "
+                f"sequence per request (send {param}=1, or several requests)",
+                param,
+            )
+    mode = client_transfer_kv_mode(body)
+    if mode is not None and mode not in TRANSFER_KV_MODES:
+        raise BadRequest(
+            f"kv_transfer_params.rapidkv.transfer_kv_mode must be one of "
+            f"{', '.join(TRANSFER_KV_MODES)}, not {mode!r}",
+            "kv_transfer_params",
+        )
+    return body
+
+
+def client_transfer_kv_mode(body: Body) -> Any:
+    """The client's ``kv_transfer_params.rapidkv.transfer_kv_mode``, or None."""
+    params = body.get("kv_transfer_params")
+    if not isinstance(params, dict):
+        return None
+    ours = params.get("rapidkv")
+    return ours.get("transfer_kv_mode") if isinstance(ours, dict) else None
+
+
+def prefill_body(body: Body, endpoint: Endpoint, xfer_id: str) -> Body:
+    """What P is sent: a one-token, non-streaming copy of the client's request."""
+    out = dict(body)
+    out["max_tokens"] = 1
+    if endpoint == "chat":
+        out["max_completion_tokens"] = 1
+    out.pop("min_tokens", None)
+    out.pop("stream_options", None)
+    out["stream"] = False
+    out["kv_transfer_params"] = {"rapidkv": {"xfer_id": xfer_id, "role": "prefill"}}
+    return out
+
+
+def decode_body(body: Body, xfer_id: str, prefill: Instance) -> Body:
+    """What D is sent: the client's request, told where its prompt's KV comes from."""
+    ours: dict[str, Any] = {
+        "xfer_id": xfer_id,
+        "role": "decode",
+        "prefill_control": prefill.control,
+        "prefill_url": prefill.url,
+    }
+    mode = client_transfer_kv_mode(body)
+    if mode is not None:
+        ours["transfer_kv_mode"] = mode
+    out = dict(body)
+    out["kv_transfer_params"] = {"do_remote_prefill": True, "rapidkv": ours}
+    return out
+
+
+def encode(body: Body) -> bytes:
+    """A body as compact UTF-8 JSON."""
+    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+ERROR_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
+    502: "BadGatewayError",
+    503: "ServiceUnavailableError",
+}
+
+
+def error_body(status: int, message: str, param: str | None = None) -> bytes:
+    """An OpenAI-format error, shaped as vLLM's own (``{"error": {...}}``)."""
+    kind = ERROR_TYPES.get(status, "BadRequestError" if status < 500 else "InternalServerError")
+    return encode({"error": {"message": message, "type": kind, "param": param, "code": status}})

@@ -1,0 +1,183 @@
+"""Running a router: in this process on a thread (`start_router`), or as the program (`run_router`).
+
+    config = RouterConfig(prefill=(Instance(p_url, p_control),), decode=(Instance(d_url),))
+    with start_router(config.replace(port=0)) as router:
+        complete(router.url, prompt_ids, 16)
+
+Invariants:
+- The listening socket is bound to exactly ``config.host`` before anything else
+  happens, so a bad host or a taken port raises at once (`OSError`); port 0
+  picks a free port, and `ThreadedServer.port` is the one bound.
+- `start_router` returns only once the app has started (its upstream client is
+  open) and the socket accepts connections; `stop` returns once the server
+  thread has ended (in-flight requests get `GRACE_S` seconds to finish, then are
+  cancelled) and is idempotent.
+- uvicorn never configures logging here: the caller's logging setup stands.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import threading
+import time
+from types import FrameType, TracebackType
+from typing import Literal
+
+import uvicorn
+from starlette.types import ASGIApp
+
+from rapidkv.router.app import build_app
+from rapidkv.router.config import RouterConfig
+
+log = logging.getLogger(__name__)
+
+GRACE_S = 3.0  # how long in-flight requests may finish at shutdown
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on exactly (`host`, `port`)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=2048)
+
+
+def _uvicorn_config(app: ASGIApp, lifespan: Literal["on", "off"]) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        lifespan=lifespan,
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=int(GRACE_S),
+        server_header=False,
+    )
+
+
+class ThreadedServer:
+    """An ASGI app served by uvicorn on a thread of its own (see module invariants)."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        lifespan: Literal["on", "off"] = "on",
+        name: str = "asgi",
+        start_timeout: float = 30.0,
+    ) -> None:
+        self.app = app
+        sock = bind_socket(host, port)
+        self.host = host
+        self.port = int(sock.getsockname()[1])
+        self._server = uvicorn.Server(_uvicorn_config(app, lifespan))
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(sock,), name=f"{name}-{self.port}", daemon=True
+        )
+        self._thread.start()
+        deadline = time.monotonic() + start_timeout
+        while not self._server.started:  # set by uvicorn once lifespan startup is done
+            if not self._thread.is_alive():
+                raise RuntimeError(f"{name} on {self.url} failed to start: {self._failure!r}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"{name} on {self.url} not started after {start_timeout}s")
+            self._thread.join(0.01)
+
+    def _run(self, sock: socket.socket) -> None:
+        try:
+            asyncio.run(self._server.serve(sockets=[sock]))
+        except BaseException as e:  # reported by the constructor or stop()
+            self._failure = e
+        finally:
+            sock.close()
+
+    @property
+    def url(self) -> str:
+        """``http://host:port`` (IPv6 hosts bracketed), no trailing slash."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self, timeout: float = GRACE_S + 10.0) -> None:
+        """Ask the server to exit and wait for its thread (idempotent)."""
+        self._server.should_exit = True
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"server on {self.url} did not stop within {timeout}s")
+
+    def __enter__(self) -> ThreadedServer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class RunningRouter(ThreadedServer):
+    """A router served in this process; `.url`, `.config`, `.stop()`."""
+
+    def __init__(self, config: RouterConfig, *, start_timeout: float = 30.0) -> None:
+        self.config = config
+        app = build_app(config)
+        self.router = app.state.router
+        super().__init__(
+            app, config.host, config.port, name="rapidkv-router", start_timeout=start_timeout
+        )
+
+
+def start_router(config: RouterConfig) -> RunningRouter:
+    """Serve a router in this process, on a thread; returns once it accepts requests."""
+    router = RunningRouter(config)
+    log.info("router on %s: %s", router.url, describe(config))
+    return router
+
+
+def run_router(config: RouterConfig) -> None:
+    """Serve a router until SIGINT/SIGTERM, then shut down gracefully and return.
+
+    Blocks; for the command line. Called on the main thread, it turns those
+    signals into a normal return (uvicorn re-raises them after its shutdown).
+    """
+    sock = bind_socket(config.host, config.port)
+    port = sock.getsockname()[1]
+    log.info("router on %s:%d: %s", config.host, port, describe(config))
+    server = uvicorn.Server(_uvicorn_config(build_app(config), "on"))
+    main = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, _stop_quietly) for s in _SIGNALS} if main else {}
+    try:
+        server.run(sockets=[sock])
+    except _Stopped:
+        pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        sock.close()
+    log.info("router on %s:%d stopped", config.host, port)
+
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class _Stopped(Exception):
+    """A stop signal arrived outside uvicorn's own handling."""
+
+
+def _stop_quietly(signum: int, frame: FrameType | None) -> None:
+    raise _Stopped(signal.Signals(signum).name)
+
+
+def describe(config: RouterConfig) -> str:
+    """One line: dispatch mode and instances."""
+    prefill = ", ".join(map(str, config.prefill)) or "-"
+    decode = ", ".join(map(str, config.decode))
+    return f"dispatch {config.dispatch}; prefill {prefill}; decode {decode}"

@@ -1,0 +1,277 @@
+"""A stand-in for a vLLM OpenAI server, for the router's routing tests.
+
+It is a real HTTP server on loopback (a raw ASGI app under uvicorn, on a thread)
+that records every request it receives and answers like vLLM: completions and
+chat, JSON or server-sent events, ids built from ``X-Request-Id``, `usage`.
+What it does with one request is chosen by the request itself, through an extra
+body field the router passes on untouched: ``"fake": {"<role>": BEHAVIOUR}``,
+where role is this fake's ``role`` ("prefill" / "decode"):
+
+- ``ok`` (default): answer at once;
+- ``hang``: answer nothing until `release()` (then answer), recording a client
+  disconnect if one comes first;
+- ``hang_stream``: send the headers and the first event, then like ``hang``;
+- ``error``: answer 503 with a vLLM-style error body;
+- ``cut``: start a streamed answer, then drop the connection mid-way.
+
+Every answer's exact bytes are recorded (`sent`), so a test can check that the
+router relayed them byte for byte. Order across fakes is recorded with one
+process-wide sequence (`Seen.seq`, `Seen.answered_seq`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from rapidkv.harness import wait_until
+from rapidkv.router import ThreadedServer
+
+_sequence = itertools.count(1)
+
+
+@dataclass
+class Seen:
+    """One request a fake received."""
+
+    path: str
+    headers: dict[str, str]
+    raw: bytes
+    body: dict[str, Any]
+    seq: int  # process-wide order of arrival
+    answered_seq: int | None = None  # ... and of the answer's end
+    disconnected: bool = False  # the caller went away before the answer was complete
+    sent: bytearray = field(default_factory=bytearray)  # the answer body, exactly
+
+    @property
+    def request_id(self) -> str:
+        return self.headers.get("x-request-id", "")
+
+    @property
+    def kv_transfer_params(self) -> Any:
+        return self.body.get("kv_transfer_params")
+
+
+def fake_tokens(body: dict[str, Any]) -> list[int]:
+    """The 'generated' tokens: a function of the prompt and max_tokens only."""
+    prompt = body.get("prompt", body.get("messages"))
+    seed = sum(json.dumps(prompt, sort_keys=True).encode()) % 997
+    n = body.get("max_completion_tokens") or body.get("max_tokens") or 16
+    return [(seed + 31 * i) % 1000 for i in range(int(n))]
+
+
+class FakeVLLM:
+    """See the module docstring. `url` is its base URL; `stop()` ends it."""
+
+    def __init__(self, name: str, role: str) -> None:
+        self.name = name
+        self.role = role
+        self.healthy = True
+        self.seen: list[Seen] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._gate: asyncio.Event | None = None
+        self._released = False
+        self._server = ThreadedServer(self, lifespan="off", name=f"fake-{name}")
+        self.url = self._server.url
+
+    def stop(self) -> None:
+        self.release()
+        self._server.stop()
+
+    # ------------------------------------------------------------ test side
+
+    def release(self) -> None:
+        """Let every hanging request (now and later) answer."""
+        self._released = True
+        if self._loop is not None and self._gate is not None:
+            self._loop.call_soon_threadsafe(self._gate.set)
+
+    def requests(self, path: str | None = None) -> list[Seen]:
+        return [s for s in list(self.seen) if path is None or s.path == path]
+
+    def by_id(self, request_id: str) -> Seen | None:
+        return next((s for s in list(self.seen) if s.request_id == request_id), None)
+
+    def wait_seen(self, n: int = 1, timeout: float = 10.0) -> list[Seen]:
+        """Wait until at least `n` requests arrived; return them all."""
+        return wait_until(
+            lambda: self.requests() if len(self.seen) >= n else None,
+            timeout,
+            what=f"{self.name} to receive {n} request(s)",
+        )
+
+    def wait_disconnected(self, request_id: str, timeout: float = 10.0) -> Seen:
+        return wait_until(
+            lambda: (s := self.by_id(request_id)) is not None and s.disconnected and s,
+            timeout,
+            what=f"{self.name} to see request {request_id} disconnected",
+        )
+
+    def wait_answered(self, request_id: str, timeout: float = 10.0) -> Seen:
+        return wait_until(
+            lambda: (s := self.by_id(request_id)) is not None and s.answered_seq and s,
+            timeout,
+            what=f"{self.name} to answer request {request_id}",
+        )
+
+    # ------------------------------------------------------------ ASGI side
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        assert scope["type"] == "http"
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            self._gate = asyncio.Event()
+            if self._released:
+                self._gate.set()
+        path = scope["path"]
+        raw = b""
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            raw += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        if scope["method"] == "GET":
+            await self._get(path, send)
+            return
+        headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
+        body = json.loads(raw)
+        seen = Seen(path, headers, raw, body, next(_sequence))
+        self.seen.append(seen)
+        behaviour = (body.get("fake") or {}).get(self.role, "ok")
+        chat = path == "/v1/chat/completions"
+        streaming = body.get("stream") is True
+        if behaviour == "error":
+            err = {"error": {"message": f"{self.name} failed", "type": "X", "code": 503}}
+            await self._answer(seen, send, 503, "application/json", [json.dumps(err).encode()])
+            return
+        events = _events(seen, chat, self.name) if streaming else None
+        if behaviour in ("hang", "hang_stream"):
+            first = []
+            if behaviour == "hang_stream" and events:
+                first = [events.pop(0)]
+                await self._start(send, 200, "text/event-stream")
+                await self._chunk(seen, send, first[0], more=True)
+            if not await self._hold(receive):
+                seen.disconnected = True
+                return
+            if first:
+                for event in events:
+                    await self._chunk(seen, send, event, more=True)
+                await self._chunk(seen, send, b"", more=False)
+                seen.answered_seq = next(_sequence)
+                return
+        if behaviour == "cut":
+            assert events, "cut needs a streaming request"
+            await self._start(send, 200, "text/event-stream")
+            await self._chunk(seen, send, events[0], more=True)
+            raise ConnectionAbortedError(f"{self.name}: cutting the answer on purpose")
+        if events is not None:
+            await self._answer(seen, send, 200, "text/event-stream", events)
+        else:
+            answer = json.dumps(_full(seen, chat, self.name)).encode()
+            await self._answer(seen, send, 200, "application/json", [answer])
+
+    async def _hold(self, receive: Any) -> bool:
+        """Wait for release (True) or the caller's disconnect (False)."""
+        assert self._gate is not None
+        released = asyncio.ensure_future(self._gate.wait())
+        gone = asyncio.ensure_future(receive())
+        done, pending = await asyncio.wait({released, gone}, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+        return released in done
+
+    async def _get(self, path: str, send: Any) -> None:
+        if path == "/health":
+            status = 200 if self.healthy else 503
+            await self._start(send, status, "text/plain")
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        elif path == "/v1/models":
+            models = {
+                "object": "list",
+                "data": [{"id": f"model-of-{self.name}", "object": "model"}],
+            }
+            await self._start(send, 200, "application/json")
+            await send({"type": "http.response.body", "body": json.dumps(models).encode()})
+        else:
+            await self._start(send, 404, "text/plain")
+            await send({"type": "http.response.body", "body": b"not found"})
+
+    async def _start(self, send: Any, status: int, content_type: str) -> None:
+        headers = [(b"content-type", content_type.encode()), (b"x-fake-name", self.name.encode())]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def _chunk(self, seen: Seen, send: Any, data: bytes, *, more: bool) -> None:
+        seen.sent += data
+        await send({"type": "http.response.body", "body": data, "more_body": more})
+
+    async def _answer(
+        self, seen: Seen, send: Any, status: int, content_type: str, chunks: list[bytes]
+    ) -> None:
+        await self._start(send, status, content_type)
+        for data in chunks:
+            await self._chunk(seen, send, data, more=True)
+            await asyncio.sleep(0)  # let each event leave as its own chunk
+        await self._chunk(seen, send, b"", more=False)
+        seen.answered_seq = next(_sequence)
+
+
+def _full(seen: Seen, chat: bool, name: str) -> dict[str, Any]:
+    tokens = fake_tokens(seen.body)
+    text = "".join(f" t{t}" for t in tokens)
+    if chat:
+        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
+    else:
+        choice = {"index": 0, "text": text}
+    choice.update(token_ids=tokens, finish_reason="length")
+    return {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{seen.request_id}",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": f"model-of-{name}",
+        "choices": [choice],
+        "usage": {
+            "prompt_tokens": 3,
+            "completion_tokens": len(tokens),
+            "total_tokens": 3 + len(tokens),
+        },
+        "served_by": name,
+        "kv_transfer_params": None,
+    }
+
+
+def _events(seen: Seen, chat: bool, name: str) -> list[bytes]:
+    tokens = fake_tokens(seen.body)
+    base = {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{seen.request_id}",
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "model": f"model-of-{name}",
+        "served_by": name,
+    }
+    out = []
+    if chat:  # vLLM's chat stream opens with a role-only chunk
+        out.append(
+            {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+        )
+    for i, t in enumerate(tokens):
+        last = i == len(tokens) - 1
+        if chat:
+            choice: dict[str, Any] = {"index": 0, "delta": {"content": f" t{t}"}}
+        else:
+            choice = {"index": 0, "text": f" t{t}"}
+        choice.update(token_ids=[t], finish_reason="length" if last else None)
+        out.append({**base, "choices": [choice]})
+    if (seen.body.get("stream_options") or {}).get("include_usage"):
+        usage = {
+            "prompt_tokens": 3,
+            "completion_tokens": len(tokens),
+            "total_tokens": 3 + len(tokens),
+        }
+        out.append({**base, "choices": [], "usage": usage})
+    return [b"data: " + json.dumps(e).encode() + b"\n\n" for e in out] + [b"data: [DONE]\n\n"]

@@ -1,0 +1,70 @@
+"""Instance choice: least outstanding requests, ties served in turn."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rapidkv.router.balance import LeastOutstanding
+
+pytestmark = pytest.mark.unit
+
+
+def test_equal_loads_are_served_round_robin() -> None:
+    b = LeastOutstanding(3)
+    picks = []
+    for _ in range(6):
+        i = b.acquire()
+        picks.append(i)
+        b.release(i)
+    assert picks == [0, 1, 2, 0, 1, 2]
+
+
+def test_the_least_loaded_instance_is_picked() -> None:
+    b = LeastOutstanding(3)
+    assert [b.acquire() for _ in range(3)] == [0, 1, 2]  # 1 each
+    b.release(1)  # 1 now has the fewest
+    assert b.acquire() == 1
+    assert b.acquire() == 2  # all at 1 again: the turn passes to the one after 1
+    assert [b.outstanding(i) for i in range(3)] == [1, 1, 2]
+    assert b.acquire() == 0
+
+
+def test_a_busy_instance_is_skipped_until_the_others_catch_up() -> None:
+    b = LeastOutstanding(2)
+    first = b.acquire()  # long request stays outstanding on 0
+    assert first == 0
+    picks = []
+    for _ in range(3):
+        i = b.acquire()
+        picks.append(i)
+        b.release(i)
+    assert picks == [1, 1, 1]
+
+
+def test_releasing_more_than_acquired_is_a_bug() -> None:
+    b = LeastOutstanding(2)
+    with pytest.raises(ValueError, match="no outstanding"):
+        b.release(0)
+    with pytest.raises(ValueError):
+        LeastOutstanding(0)
+
+
+@given(
+    n=st.integers(1, 5),
+    ops=st.lists(st.one_of(st.none(), st.integers(0, 100)), max_size=200),
+)
+def test_every_pick_has_the_fewest_outstanding(n: int, ops: list[int | None]) -> None:
+    """None acquires; an integer k releases the (k mod len)-th outstanding request."""
+    b = LeastOutstanding(n)
+    held: list[int] = []
+    for op in ops:
+        if op is None or not held:
+            before = [b.outstanding(i) for i in range(n)]
+            i = b.acquire()
+            assert before[i] == min(before)
+            held.append(i)
+        else:
+            b.release(held.pop(op % len(held)))
+        assert [b.outstanding(i) for i in range(n)] == [held.count(i) for i in range(n)]

@@ -1,0 +1,132 @@
+"""Router configuration and the `rapidkv router` command line."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import MakeFake
+
+from rapidkv.harness import free_port, wait_until
+from rapidkv.router.cli import config_from_args, register
+from rapidkv.router.config import Instance, RouterConfig, read_secret
+
+pytestmark = pytest.mark.unit
+
+
+def test_instance_parses_url_and_optional_control_address() -> None:
+    assert Instance.parse("http://10.0.0.1:8100") == Instance("http://10.0.0.1:8100")
+    assert Instance.parse("http://10.0.0.1:8100/=10.0.0.1:7100") == Instance(
+        "http://10.0.0.1:8100", "10.0.0.1:7100"
+    )
+    assert Instance.parse("http://h:1=[::1]:7").control == "[::1]:7"
+    assert str(Instance("http://h:1", "h:2")) == "http://h:1=h:2"
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["10.0.0.1:8100", "ftp://h:1", "http://h:1?x=1", "http://h:1=nonsense", "http://h:99999"],
+)
+def test_bad_instances_are_refused(text: str) -> None:
+    with pytest.raises(ValueError):
+        Instance.parse(text)
+
+
+def test_config_needs_the_instances_its_dispatch_uses() -> None:
+    d = (Instance("http://d:1"),)
+    with pytest.raises(ValueError, match="decode"):
+        RouterConfig(prefill=(Instance("http://p:1"),), decode=())
+    with pytest.raises(ValueError, match="prefill"):
+        RouterConfig(prefill=(), decode=d)
+    with pytest.raises(ValueError, match="prefill"):
+        RouterConfig(prefill=(), decode=d, dispatch="serial")
+    assert RouterConfig(prefill=(), decode=d, dispatch="local").dispatch == "local"
+    with pytest.raises(ValueError, match="dispatch"):
+        RouterConfig(prefill=(), decode=d, dispatch="fast")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unique"):
+        RouterConfig(prefill=(), decode=d + d, dispatch="local")
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    register(parser)
+    return parser.parse_args(argv)
+
+
+def test_command_line_builds_the_config(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret\n")
+    args = parse(
+        [
+            "--prefill=http://127.0.0.1:8100=127.0.0.1:7100",
+            "--prefill=http://127.0.0.1:8101",
+            "--decode=http://127.0.0.1:8200",
+            "--port=9000",
+            "--dispatch=serial",
+            f"--secret-file={secret}",
+        ]
+    )
+    config = config_from_args(args)
+    assert config.prefill == (
+        Instance("http://127.0.0.1:8100", "127.0.0.1:7100"),
+        Instance("http://127.0.0.1:8101"),
+    )
+    assert config.decode == (Instance("http://127.0.0.1:8200"),)
+    assert (config.host, config.port, config.dispatch) == ("127.0.0.1", 9000, "serial")
+    assert config.secret == b"s3cret"
+
+
+def test_secret_file_must_not_be_empty(tmp_path: Path) -> None:
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="empty"):
+        read_secret(tmp_path / "empty")
+
+
+def test_rapidkv_router_is_a_subcommand_and_refuses_a_bad_config() -> None:
+    run = [sys.executable, "-m", "rapidkv.cli", "router"]
+    out = subprocess.run([*run, "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "--dispatch" in out.stdout
+    bad = subprocess.run([*run, "--decode", "http://127.0.0.1:1"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "needs at least one prefill" in bad.stderr
+
+
+def test_router_imports_neither_vllm_nor_torch() -> None:
+    code = (
+        "import sys\n"
+        "import rapidkv.router, rapidkv.router.app, rapidkv.router.cli\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch'))\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_rapidkv_router_serves_until_sigterm(make_fake: MakeFake) -> None:
+    d = make_fake("D0", "decode")
+    port = free_port()
+    argv = [sys.executable, "-m", "rapidkv.cli", "router", f"--decode={d.url}"]
+    argv += ["--dispatch=local", f"--port={port}", "--log-level=warning"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        def healthy() -> bool:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            try:
+                return httpx.get(f"{url}/health", trust_env=False).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(healthy, 60, what="the router process to serve")
+        body = {"prompt": [1, 2], "max_tokens": 2}
+        assert httpx.post(f"{url}/v1/completions", json=body, trust_env=False).status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

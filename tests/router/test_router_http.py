@@ -1,0 +1,493 @@
+"""The router over real loopback HTTP, against fake vLLM upstreams (`fake_vllm`).
+
+These prove routing behaviour that does not need a model: what P and D are sent,
+when, which instance gets it, what the client gets back byte for byte, and what
+happens when a client, P or D goes away.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+from conftest import MakeFake, MakeRouter
+from fake_vllm import FakeVLLM, Seen
+
+from rapidkv.control.codes import Code
+from rapidkv.control.messages import Abort, AbortReason, AbortReply, ErrorReply, Request
+from rapidkv.control.server import RpcServer
+from rapidkv.harness import free_port, get_metrics, metric_sum, wait_until
+from rapidkv.router import Instance, RunningRouter
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
+
+PROMPT = [11, 12, 13, 14]
+COMPLETION = {"model": "m", "prompt": PROMPT, "max_tokens": 5, "temperature": 0.0}
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 4}
+
+
+@pytest.fixture
+def pd(make_fake: MakeFake) -> tuple[FakeVLLM, FakeVLLM]:
+    return make_fake("P0", "prefill"), make_fake("D0", "decode")
+
+
+@pytest.fixture
+def http() -> Iterator[httpx.Client]:
+    with httpx.Client(timeout=30, trust_env=False) as client:
+        yield client
+
+
+def the_one(fake: FakeVLLM) -> Seen:
+    seen = fake.wait_seen(1)
+    assert len(seen) == 1, f"{fake.name} got {len(seen)} requests"
+    return seen[0]
+
+
+def metric(router: RunningRouter, name: str, **labels: str) -> float:
+    return metric_sum(get_metrics(router.url), name, **labels)
+
+
+def dead_url() -> str:
+    return f"http://127.0.0.1:{free_port()}"  # nothing listens there
+
+
+# ------------------------------------------------------------------ the contract
+
+
+def test_dual_sends_p_and_d_the_contract_under_one_request_id(
+    pd: tuple[FakeVLLM, FakeVLLM], make_router: MakeRouter, http: httpx.Client
+) -> None:
+    p, d = pd
+    router = make_router([Instance(p.url, "127.0.0.1:7001")], [d])
+    body = dict(
+        COMPLETION, min_tokens=2, kv_transfer_params={"rapidkv": {"transfer_kv_mode": "step"}}
+    )
+    resp = http.post(f"{router.url}/v1/completions", json=body)
+    assert resp.status_code == 200
+
+    p_seen, d_seen = the_one(p), the_one(d)
+    xfer = resp.headers["x-rapidkv-xfer-id"]
+    assert len(xfer) == 32
+    assert p_seen.request_id == d_seen.request_id == xfer
+    assert p_seen.path == d_seen.path == "/v1/completions"
+
+    assert p_seen.body["max_tokens"] == 1
+    assert "min_tokens" not in p_seen.body
+    assert p_seen.body["stream"] is False
+    assert p_seen.kv_transfer_params == {"rapidkv": {"xfer_id": xfer, "role": "prefill"}}
+    assert p_seen.body["prompt"] == PROMPT
+
+    assert d_seen.kv_transfer_params == {
+        "do_remote_prefill": True,
+        "rapidkv": {
+            "xfer_id": xfer,
+            "role": "decode",
+            "prefill_control": "127.0.0.1:7001",
+            "prefill_url": p.url,
+            "transfer_kv_mode": "step",
+        },
+    }
+    assert {k: v for k, v in d_seen.body.items() if k != "kv_transfer_params"} == {
+        k: v for k, v in body.items() if k != "kv_transfer_params"
+    }
+    # D's answer, byte for byte: ids and usage come from D.
+    assert resp.content == bytes(d_seen.sent)
+    assert resp.json()["id"] == f"cmpl-{xfer}"
+    assert resp.headers["x-fake-name"] == "D0"
+
+
+def test_streamed_chat_is_relayed_byte_for_byte_and_p_gets_a_one_token_request(
+    pd: tuple[FakeVLLM, FakeVLLM], make_router: MakeRouter, http: httpx.Client
+) -> None:
+    p, d = pd
+    router = make_router([p], [d])
+    body = dict(CHAT, stream=True, stream_options={"include_usage": True})
+    with http.stream("POST", f"{router.url}/v1/chat/completions", json=body) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        received = resp.read()
+    d_seen, p_seen = the_one(d), the_one(p)
+    assert received == bytes(d_seen.sent)
+    assert received.endswith(b"data: [DONE]\n\n")
+    assert b'"usage"' in received
+    assert d_seen.body["stream"] is True
+    assert d_seen.body["stream_options"] == {"include_usage": True}
+    assert p_seen.body["max_tokens"] == p_seen.body["max_completion_tokens"] == 1
+    assert p_seen.body["stream"] is False
+    assert "stream_options" not in p_seen.body
+    assert p_seen.body["messages"] == CHAT["messages"]
+    assert d_seen.kv_transfer_params["rapidkv"]["prefill_control"] is None
+
+
+def test_dual_answers_without_waiting_for_p(
+    pd: tuple[FakeVLLM, FakeVLLM], make_router: MakeRouter, http: httpx.Client
+) -> None:
+    p, d = pd
+    router = make_router([p], [d])
+    resp = http.post(
+        f"{router.url}/v1/completions", json=dict(COMPLETION, fake={"prefill": "hang"})
+    )
+    assert resp.status_code == 200
+    p_seen = the_one(p)
+    assert p_seen.answered_seq is None  # P is still working: D did not wait for it
+    assert router.router.outstanding("prefill") == [1]
+    p.release()
+    p.wait_answered(p_seen.request_id)
+    wait_until(lambda: router.router.outstanding("prefill") == [0], 10, what="P released")
+
+
+def test_serial_sends_d_only_after_p_answered(
+    pd: tuple[FakeVLLM, FakeVLLM], make_router: MakeRouter, http: httpx.Client
+) -> None:
+    p, d = pd
+    router = make_router([p], [d], dispatch="serial")
+    result: dict[str, httpx.Response] = {}
+    body = dict(COMPLETION, fake={"prefill": "hang"})
+    client = threading.Thread(
+        target=lambda: result.update(r=http.post(f"{router.url}/v1/completions", json=body))
+    )
+    client.start()
+    p_seen = the_one(p)
+    assert d.requests() == []  # P has not answered: D must not have been asked
+    p.release()
+    client.join(30)
+    assert result["r"].status_code == 200
+    d_seen = the_one(d)
+    assert p_seen.answered_seq is not None and d_seen.seq > p_seen.answered_seq
+    assert d_seen.request_id == p_seen.request_id
+    assert d_seen.kv_transfer_params["do_remote_prefill"] is True
+
+
+def test_local_sends_the_client_bytes_to_d_only(
+    pd: tuple[FakeVLLM, FakeVLLM], make_router: MakeRouter, http: httpx.Client
+) -> None:
+    p, d = pd
+    router = make_router([p], [d], dispatch="local")
+    raw = b'{ "prompt": [1, 2],  "max_tokens": 3, "n": 1 }'
+    resp = http.post(
+        f"{router.url}/v1/completions", content=raw, headers={"content-type": "application/json"}
+    )
+    assert resp.status_code == 200
+    d_seen = the_one(d)
+    assert d_seen.raw == raw
+    assert "kv_transfer_params" not in d_seen.body
+    assert resp.content == bytes(d_seen.sent)
+    assert p.requests() == []
+
+
+def test_local_needs_no_prefill_instance(make_fake: MakeFake, make_router: MakeRouter) -> None:
+    d = make_fake("D0", "decode")
+    router = make_router([], [d], dispatch="local")
+    with httpx.Client(trust_env=False) as http:
+        assert http.post(f"{router.url}/v1/chat/completions", json=CHAT).status_code == 200
+        assert http.get(f"{router.url}/health").status_code == 200
+
+
+# ------------------------------------------------------------------ refusals
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", dict(COMPLETION, n=2), "n"),
+        ("/v1/chat/completions", dict(CHAT, n=3), "n"),
+        ("/v1/completions", dict(COMPLETION, best_of=2), "best_of"),
+    ],
+)
+def test_more_than_one_sequence_gets_400_and_reaches_no_instance(
+    pd: tuple[FakeVLLM, FakeVLLM],
+    make_router: MakeRouter,
+    http: httpx.Client,
+    path: str,
+    body: dict[str, Any],
+    param: str,
+) -> None:
+    p, d = pd
+    router = make_router([p], [d])
+    resp = http.post(router.url + path, json=body)
+    assert resp.status_code == 400
+    error = resp.json()["error"]
+    assert error["param"] == param and error["code"] == 400 and "not supported" in error["message"]
+    assert p.requests() == [] and d.requests() == []
+    assert metric(router, "rapidkv_router_requests_total", outcome="bad_request") == 1
+
+
+def test_malformed_json_unknown_routes_and_wrong_methods_get_json_errors(
+    pd: tuple[FakeVLLM, FakeVLLM], make_router: MakeRouter, http: httpx.Client
+) -> None:
+    p, d = pd
+    router = make_router([p], [d])
+    bad = http.post(f"{router.url}/v1/completions", content=b'{"prompt": [1,')
+    assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]["message"]
+    missing = http.post(f"{router.url}/v1/embeddings", json={})
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == 404
+    wrong = http.get(f"{router.url}/v1/chat/completions")
+    assert wrong.status_code == 405 and wrong.json()["error"]["code"] == 405
+    assert p.requests() == [] and d.requests() == []
+
+
+# ------------------------------------------------------------------ failures upstream
+
+
+@pytest.mark.parametrize("failure", ["error", "unreachable"])
+def test_a_failed_prefill_does_not_fail_the_client(
+    make_fake: MakeFake, make_router: MakeRouter, http: httpx.Client, failure: str
+) -> None:
+    d = make_fake("D0", "decode")
+    p_url = dead_url() if failure == "unreachable" else make_fake("P0", "prefill").url
+    router = make_router([p_url], [d])
+    resp = http.post(
+        f"{router.url}/v1/completions", json=dict(COMPLETION, fake={"prefill": "error"})
+    )
+    assert resp.status_code == 200
+    assert resp.content == bytes(the_one(d).sent)
+    kind = "connect" if failure == "unreachable" else "status"
+    wait_until(
+        lambda: (
+            metric(router, "rapidkv_router_upstream_errors_total", role="prefill", kind=kind) == 1
+        ),
+        10,
+        what="the prefill failure to be counted",
+    )
+    assert metric(router, "rapidkv_router_requests_total", outcome="ok") == 1
+
+
+def test_a_decode_error_is_relayed_as_is(
+    pd: tuple[FakeVLLM, FakeVLLM], make_router: MakeRouter, http: httpx.Client
+) -> None:
+    p, d = pd
+    router = make_router([p], [d])
+    resp = http.post(
+        f"{router.url}/v1/completions", json=dict(COMPLETION, fake={"decode": "error"})
+    )
+    assert resp.status_code == 503
+    assert resp.content == bytes(the_one(d).sent)
+    assert resp.json()["error"]["message"] == "D0 failed"
+    assert metric(router, "rapidkv_router_requests_total", outcome="upstream_error") == 1
+    assert metric(router, "rapidkv_router_upstream_errors_total", role="decode", kind="status") == 1
+
+
+def test_an_unreachable_decode_gives_502(
+    make_fake: MakeFake, make_router: MakeRouter, http: httpx.Client
+) -> None:
+    router = make_router([make_fake("P0", "prefill")], [dead_url()])
+    resp = http.post(f"{router.url}/v1/completions", json=COMPLETION)
+    assert resp.status_code == 502
+    assert resp.json()["error"]["type"] == "BadGatewayError"
+    assert metric(router, "rapidkv_router_requests_total", outcome="unreachable") == 1
+
+
+def test_a_decode_answer_that_breaks_off_reaches_the_client_truncated(
+    pd: tuple[FakeVLLM, FakeVLLM], make_router: MakeRouter, http: httpx.Client
+) -> None:
+    p, d = pd
+    router = make_router([p], [d])
+    body = dict(COMPLETION, stream=True, fake={"decode": "cut"})
+    with (
+        pytest.raises(httpx.RemoteProtocolError),
+        http.stream("POST", f"{router.url}/v1/completions", json=body) as resp,
+    ):
+        resp.read()
+    wait_until(
+        lambda: metric(router, "rapidkv_router_requests_total", outcome="stream_error") == 1,
+        10,
+        what="the broken stream to be counted",
+    )
+    assert metric(router, "rapidkv_router_upstream_errors_total", role="decode", kind="stream") == 1
+
+
+# ------------------------------------------------------------------ instance choice
+
+
+def test_instances_are_chosen_by_least_outstanding_with_ties_in_turn(
+    make_fake: MakeFake, make_router: MakeRouter, http: httpx.Client
+) -> None:
+    ps = [make_fake(f"P{i}", "prefill") for i in range(2)]
+    ds = [make_fake(f"D{i}", "decode") for i in range(2)]
+    # serial: each P request is over before its D request starts, so P choice is
+    # deterministic too.
+    router = make_router(ps, ds, dispatch="serial")
+    url = f"{router.url}/v1/completions"
+
+    long = threading.Thread(
+        target=http.post, args=(url,), kwargs={"json": dict(COMPLETION, fake={"decode": "hang"})}
+    )
+    long.start()
+    ds[0].wait_seen(1)  # the first request holds D0
+    assert metric(router, "rapidkv_router_outstanding", role="decode", instance=ds[0].url) == 1
+
+    served = [http.post(url, json=COMPLETION).json()["served_by"] for _ in range(3)]
+    assert served == ["D1", "D1", "D1"]  # D0 is busy: D1 has fewer outstanding
+    ds[0].release()
+    long.join(30)
+    assert metric(router, "rapidkv_router_outstanding", role="decode", instance=ds[0].url) == 0
+
+    served = [http.post(url, json=COMPLETION).json()["served_by"] for _ in range(4)]
+    assert served == ["D0", "D1", "D0", "D1"]  # equal loads: in turn
+    assert [len(p.requests()) for p in ps] == [4, 4]  # P choices alternated throughout
+
+
+# ------------------------------------------------------------------ client disconnect
+
+
+class AbortRecorder:
+    """A control-plane server standing in for P's connector: records Aborts."""
+
+    def __init__(self, secret: bytes | None) -> None:
+        self.aborts: list[Abort] = []
+        self.server = RpcServer(self.handle, secret=secret)
+        self.server.start()
+
+    async def handle(self, request: Request) -> AbortReply | ErrorReply:
+        if isinstance(request, Abort):
+            self.aborts.append(request)
+            return AbortReply(xfer_id=request.xfer_id, code=Code.OK)
+        return ErrorReply(Code.ERROR, "unexpected")
+
+
+@pytest.fixture
+def recorder() -> Iterator[AbortRecorder]:
+    rec = AbortRecorder(secret=b"router-test-secret")
+    yield rec
+    rec.server.stop()
+
+
+def abandon(url: str, path: str, body: dict[str, Any], read_first: bool) -> socket.socket:
+    """Send a request on a raw socket (optionally read the answer's first bytes)."""
+    parts = urlsplit(url)
+    sock = socket.create_connection((parts.hostname, parts.port), timeout=30)
+    data = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + data)
+    if read_first:
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+    return sock
+
+
+@pytest.mark.parametrize(
+    ("dispatch", "stream", "behaviour"),
+    [
+        ("dual", True, {"prefill": "hang", "decode": "hang_stream"}),  # gone mid-stream
+        ("dual", False, {"prefill": "hang", "decode": "hang"}),  # gone while D computes
+        ("serial", False, {"prefill": "hang"}),  # gone while P computes: D never asked
+    ],
+)
+def test_client_disconnect_cancels_both_upstreams_and_aborts_p(
+    pd: tuple[FakeVLLM, FakeVLLM],
+    make_router: MakeRouter,
+    recorder: AbortRecorder,
+    dispatch: str,
+    stream: bool,
+    behaviour: dict[str, str],
+) -> None:
+    p, d = pd
+    router = make_router(
+        [Instance(p.url, recorder.server.address)],
+        [d],
+        dispatch=dispatch,
+        secret=b"router-test-secret",
+    )
+    body = dict(COMPLETION, stream=stream, fake=behaviour)
+    waits_for_d = "decode" in behaviour
+    sock = abandon(router.url, "/v1/completions", body, read_first=stream)
+    xfer = the_one(p).request_id
+    if waits_for_d:
+        the_one(d)
+    sock.close()
+
+    p.wait_disconnected(xfer)
+    if waits_for_d:
+        d.wait_disconnected(xfer)
+    else:
+        assert d.requests() == []
+    wait_until(lambda: recorder.aborts, 10, what="P's connector to get an Abort")
+    assert recorder.aborts == [Abort(xfer_id=xfer, reason=AbortReason.CLIENT_ABORT)]
+    wait_until(
+        lambda: metric(router, "rapidkv_router_control_aborts_total", outcome="ok") == 1,
+        10,
+        what="the abort to be counted",
+    )
+    assert metric(router, "rapidkv_router_requests_total", outcome="client_abort") == 1
+    assert router.router.outstanding("prefill") == [0]
+    assert router.router.outstanding("decode") == [0]
+    assert metric(router, "rapidkv_router_requests_in_flight") == 0
+
+
+def test_an_unreachable_control_address_makes_the_abort_fail_harmlessly(
+    pd: tuple[FakeVLLM, FakeVLLM], make_router: MakeRouter, http: httpx.Client
+) -> None:
+    p, d = pd
+    router = make_router([Instance(p.url, f"127.0.0.1:{free_port()}")], [d])
+    body = dict(COMPLETION, stream=True, fake={"prefill": "hang", "decode": "hang_stream"})
+    sock = abandon(router.url, "/v1/completions", body, read_first=True)
+    xfer = the_one(d).request_id
+    sock.close()
+    d.wait_disconnected(xfer)
+    wait_until(
+        lambda: metric(router, "rapidkv_router_control_aborts_total", outcome="failed") == 1,
+        15,
+        what="the failed abort to be counted",
+    )
+    resp = http.post(f"{router.url}/v1/completions", json=COMPLETION)  # still serving
+    assert resp.status_code == 200
+
+
+# ------------------------------------------------------------------ health, models, metrics
+
+
+def test_health_needs_one_answering_p_and_one_answering_d(
+    make_fake: MakeFake, make_router: MakeRouter, http: httpx.Client
+) -> None:
+    p, d = make_fake("P0", "prefill"), make_fake("D0", "decode")
+    router = make_router([dead_url(), p], [d])
+    ok = http.get(f"{router.url}/health")
+    assert ok.status_code == 200
+    report = ok.json()
+    assert [c["healthy"] for c in report["prefill"]] == [False, True]
+    assert report["decode"] == [{"url": d.url, "healthy": True, "detail": "HTTP 200"}]
+
+    d.healthy = False
+    down = http.get(f"{router.url}/health")
+    assert down.status_code == 503
+    assert down.json()["status"] == "unavailable"
+    assert down.json()["decode"][0]["detail"] == "HTTP 503"
+
+
+def test_models_come_from_the_first_decode_that_answers(
+    make_fake: MakeFake, make_router: MakeRouter, http: httpx.Client
+) -> None:
+    d1 = make_fake("D1", "decode")
+    router = make_router([dead_url()], [dead_url(), d1])
+    resp = http.get(f"{router.url}/v1/models")
+    assert resp.status_code == 200
+    assert [m["id"] for m in resp.json()["data"]] == ["model-of-D1"]
+
+
+def test_metrics_count_and_time_requests(
+    pd: tuple[FakeVLLM, FakeVLLM], make_router: MakeRouter, http: httpx.Client
+) -> None:
+    p, d = pd
+    router = make_router([p], [d])
+    with http.stream(
+        "POST", f"{router.url}/v1/completions", json=dict(COMPLETION, stream=True)
+    ) as r:
+        r.read()
+    http.post(f"{router.url}/v1/chat/completions", json=CHAT)
+    m = get_metrics(router.url)
+    ok = {"dispatch": "dual", "outcome": "ok"}
+    assert metric_sum(m, "rapidkv_router_requests_total", endpoint="completions", **ok) == 1
+    assert metric_sum(m, "rapidkv_router_requests_total", endpoint="chat", **ok) == 1
+    assert metric_sum(m, "rapidkv_router_ttft_seconds_count", endpoint="completions") == 1
+    assert metric_sum(m, "rapidkv_router_ttft_seconds_count", endpoint="chat") == 0  # not streamed
+    assert metric_sum(m, "rapidkv_router_e2e_seconds_count") == 2
+    assert metric_sum(m, "rapidkv_router_requests_in_flight") == 0
+    assert metric_sum(m, "rapidkv_router_outstanding", role="decode") == 0
