@@ -14,6 +14,7 @@ Lifecycle of a `Produced` (all transitions under the scheduler side's lock):
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 from rapidkv.connector.plan import Window, plan
@@ -46,6 +47,7 @@ class Produced:
     block_ids: tuple[int, ...] = ()
     window: Window | None = None
     reply: Reply | None = None
+    accepted_at: float = 0.0  # time.monotonic() the TransferKV was taken up
     sent_upto: int = 0
     issued: bool = False  # some task of it went to the workers
     last_issued: bool = False
@@ -58,6 +60,7 @@ class Produced:
     def accept(self, window: Window, reply: Reply, block_size: int) -> None:
         self.window = window
         self.reply = reply
+        self.accepted_at = time.monotonic()
         self.sent_upto = window.first_block * block_size
 
     def next_tasks(self, block_size: int, scheduled: bool) -> tuple[Task | None, Task | None]:

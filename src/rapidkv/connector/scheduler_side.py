@@ -326,6 +326,9 @@ class SchedulerSide:
         tokens = min(v[1] for v in p.settled_ranks.values())
         ok = all(oks)
         self.counters["transfers_ok" if ok else "transfers_failed"] += 1
+        if ok and p.accepted_at:
+            # TransferKV taken up -> every rank confirmed: the hand-off as D sees it
+            self.counters["transfer_ms_sum"] += (time.monotonic() - p.accepted_at) * 1000
         if p.reply is not None:
             errors = "; ".join(v[2] for v in p.settled_ranks.values() if v[2])
             p.reply.resolve(
