@@ -17,10 +17,12 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rapidkv.harness.client import Streamed
 
 
 def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
@@ -42,36 +44,6 @@ def connector_config(control_port: int) -> dict[str, Any]:
     }
 
 
-async def stream_one(client: Any, url: str, ids: list[int], max_tokens: int, params: Any) -> dict:
-    """One streaming completion: token ids, TTFT and per-token times."""
-    body = {
-        "prompt": ids,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "return_token_ids": True,
-    }
-    if params is not None:
-        body["kv_transfer_params"] = params
-    t0 = time.monotonic()
-    times: list[float] = []
-    tokens: list[int] = []
-    async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as resp:
-        resp.raise_for_status()
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            choice = json.loads(line[6:])["choices"][0]
-            new = choice.get("token_ids") or []
-            if new:
-                tokens.extend(new)
-                times.extend([time.monotonic()] * len(new))
-    ttft = times[0] - t0 if times else float("nan")
-    tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else float("nan")
-    return {"tokens": tokens, "ttft_ms": ttft * 1000, "tpot_ms": tpot * 1000}
-
-
 def run_workload(
     url: str,
     prompts: list[list[int]],
@@ -82,15 +54,19 @@ def run_workload(
 ) -> list[dict]:
     import httpx
 
+    from rapidkv.harness.client import acomplete_stream
+
     done = [0]
 
-    async def main() -> list[dict]:
+    async def main() -> list[Streamed]:
         sem = asyncio.Semaphore(concurrency)
         async with httpx.AsyncClient() as client:
 
-            async def one(ids: list[int]) -> dict:
+            async def one(ids: list[int]) -> Streamed:
                 async with sem:
-                    r = await stream_one(client, url, ids, max_tokens, params)
+                    r = await acomplete_stream(
+                        client, url, ids, max_tokens, kv_transfer_params=params
+                    )
                 done[0] += 1
                 end = "\n" if done[0] == len(prompts) or not sys.stderr.isatty() else ""
                 if end or sys.stderr.isatty():
@@ -164,16 +140,16 @@ def run(args: argparse.Namespace) -> int:
         return after.get(key, 0) - before.get(key, 0)
 
     transfers = delta("transfers_ok")
-    mismatches = sum(a["tokens"] != b["tokens"] for a, b in zip(pd, ref, strict=True))
+    mismatches = sum(a.token_ids != b.token_ids for a, b in zip(pd, ref, strict=True))
     result = {
         "requests": len(prompts),
         "ttft_ms": {
-            "p50": statistics.median(r["ttft_ms"] for r in pd),
-            "single_p50": statistics.median(r["ttft_ms"] for r in ref),
+            "p50": statistics.median(r.ttft_ms for r in pd),
+            "single_p50": statistics.median(r.ttft_ms for r in ref),
         },
         "tpot_ms": {
-            "p50": statistics.median(r["tpot_ms"] for r in pd),
-            "single_p50": statistics.median(r["tpot_ms"] for r in ref),
+            "p50": statistics.median(r.tpot_ms for r in pd),
+            "single_p50": statistics.median(r.tpot_ms for r in ref),
         },
         "kv_transfers": transfers,
         "kv_bytes_moved": delta("bytes_sent"),

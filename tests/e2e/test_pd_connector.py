@@ -142,6 +142,9 @@ def workloads(tiny_model: Path, server_pool: ServerPool) -> dict[str, tuple[list
     base = random_prompts(tiny_model, [2 * BLOCK + 50], seed=77)[0]
     prefix = [base, base[: 2 * BLOCK] + random_prompts(tiny_model, [300], seed=78)[0]]
     out["prefix"] = (prefix, complete_many(single.base_url, prefix, MAX_TOKENS))
+    for seed, name in enumerate(["router-dual", "router-serial"]):  # distinct: no D prefix hits
+        router = random_prompts(tiny_model, LENGTHS[::2], seed=3000 + seed)
+        out[name] = (router, complete_many(single.base_url, router, MAX_TOKENS, concurrency=4))
     for seed, name in enumerate(["late_p", "gone"]):
         one = random_prompts(tiny_model, [600], seed=2000 + seed)
         out[name] = (one, complete_many(single.base_url, one, MAX_TOKENS))
@@ -185,10 +188,15 @@ def test_pd_output_equals_single_instance_and_nothing_leaks(
     mismatches = [i for i, (a, b) in enumerate(zip(outputs, expected, strict=True)) if a != b]
     assert not mismatches, f"{len(mismatches)} outputs differ from the single instance"
     # the KV really crossed: every prompt's KV came from P, none recomputed
+    assert wait_for(
+        lambda: (
+            pd_pair.stats("p").get("transfers_ok", 0) - before["p"].get("transfers_ok", 0)
+            == len(prompts)
+        ),
+        2.0,
+    ), "P did not confirm every transfer"
     after_d, after_p = pd_pair.stats("d"), pd_pair.stats("p")
     assert after_d.get("recompute_fallbacks", 0) == before["d"].get("recompute_fallbacks", 0)
-    sent = after_p.get("transfers_ok", 0) - before["p"].get("transfers_ok", 0)
-    assert sent == len(prompts)
     m = get_metrics(pd_pair.d.base_url)
 
     def delta(source: str) -> float:
@@ -310,3 +318,44 @@ def test_transfer_kv_for_an_aborted_request_gets_gone_and_d_recomputes(
     assert asyncio.run(main()).token_ids == expected
     # here, and only here, D prefilled locally
     assert pd_pair.stats("d")["recompute_fallbacks"] - d0.get("recompute_fallbacks", 0) == 1
+
+
+@pytest.mark.parametrize("dispatch", ["dual", "serial"])
+def test_router_streams_pd_outputs_equal_to_single_instance(
+    pd_pair: Pair, workloads: dict, dispatch: str
+) -> None:
+    from rapidkv.harness.client import acomplete_stream
+    from rapidkv.router.config import Instance, RouterConfig
+    from rapidkv.router.server import start_router
+
+    prompts, expected = workloads[f"router-{dispatch}"]
+    p0, d0 = pd_pair.stats("p"), pd_pair.stats("d")
+    config = RouterConfig(
+        prefill=(Instance(pd_pair.p.base_url, pd_pair.p_control),),
+        decode=(Instance(pd_pair.d.base_url, pd_pair.d_control),),
+        port=0,
+        dispatch=dispatch,
+    )
+
+    async def main(url: str):
+        async with httpx.AsyncClient() as client:
+            sem = asyncio.Semaphore(4)
+
+            async def one(ids):
+                async with sem:
+                    return await acomplete_stream(client, url, ids, MAX_TOKENS)
+
+            return await asyncio.gather(*(one(ids) for ids in prompts))
+
+    with start_router(config) as router:
+        outs = asyncio.run(main(router.url))
+    assert [o.token_ids for o in outs] == expected
+    # P counts a transfer when its workers' confirmation reaches its scheduler,
+    # a step or so after D got the KV
+    assert wait_for(
+        lambda: (
+            pd_pair.stats("p").get("transfers_ok", 0) - p0.get("transfers_ok", 0) == len(prompts)
+        ),
+        2.0,
+    )
+    assert pd_pair.stats("d").get("recompute_fallbacks", 0) == d0.get("recompute_fallbacks", 0)

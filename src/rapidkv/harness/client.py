@@ -8,6 +8,7 @@ generated token ids come back through vLLM 0.32's `return_token_ids`.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -185,3 +186,43 @@ def metric_sum(metrics: dict[MetricKey, float], name: str, **labels: str) -> flo
     """Sum of samples called `name` whose labels include `labels` (0.0 if none)."""
     want = set(labels.items())
     return sum(v for (n, ls), v in metrics.items() if n == name and want <= ls)
+
+
+@dataclass(frozen=True)
+class Streamed:
+    """A streamed /v1/completions choice: its token ids and client-side timing."""
+
+    token_ids: list[int]
+    ttft_ms: float  # request sent -> first token received
+    tpot_ms: float  # mean gap between later tokens (nan with fewer than 2 tokens)
+
+
+async def acomplete_stream(
+    client: httpx.AsyncClient,
+    base_url: str,
+    prompt_ids: Sequence[int],
+    max_tokens: int,
+    *,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    **kwargs: Any,
+) -> Streamed:
+    """A streaming completion (greedy, token ids returned per chunk)."""
+    body = completion_body(prompt_ids, max_tokens, stream=True, **kwargs)
+    t0 = time.monotonic()
+    times: list[float] = []
+    tokens: list[int] = []
+    async with client.stream(
+        "POST", f"{base_url}/v1/completions", json=body, timeout=timeout
+    ) as resp:
+        if resp.status_code != 200:
+            await resp.aread()
+            raise RuntimeError(f"{base_url}: HTTP {resp.status_code}: {resp.text[:500]}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            new = json.loads(line[6:])["choices"][0].get("token_ids") or []
+            tokens.extend(new)
+            times.extend([time.monotonic()] * len(new))
+    ttft = (times[0] - t0) * 1000 if times else float("nan")
+    tpot = (times[-1] - times[0]) * 1000 / (len(times) - 1) if len(times) > 1 else float("nan")
+    return Streamed(tokens, ttft, tpot)
