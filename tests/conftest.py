@@ -84,6 +84,13 @@ def single_server(server_pool: ServerPool, tiny_model: Path) -> VLLMServer:
     return server_pool.get_one("single", single_spec(tiny_model))
 
 
+@pytest.fixture(scope="session")
+def single_server_starter(server_pool: ServerPool, tiny_model: Path):
+    """For session fixtures: a function returning the reference single instance
+    (started, or restarted if the pool stopped it to make room)."""
+    return lambda: server_pool.get_one("single", single_spec(tiny_model))
+
+
 @pytest.fixture
 def single_server_chunked(server_pool: ServerPool, tiny_model: Path) -> VLLMServer:
     """Tiny float32 model with `--max-num-batched-tokens 256` (chunked prefill)."""

@@ -129,12 +129,10 @@ def pd_pair(server_pool: ServerPool, tiny_model: Path, workloads: dict) -> Pair:
 
 
 @pytest.fixture(scope="session")
-def workloads(tiny_model: Path, server_pool: ServerPool) -> dict[str, tuple[list, list]]:
+def workloads(tiny_model: Path, single_server_starter) -> dict[str, tuple[list, list]]:
     """Prompts per test and the single instance's outputs for them, computed once
     (before the P/D pair takes the cores)."""
-    from conftest import single_spec
-
-    single = server_pool.get_one("single", single_spec(tiny_model))
+    single = single_server_starter()
     out = {}
     for seed, name in enumerate(["dual", "serial"]):
         prompts = random_prompts(tiny_model, LENGTHS * 2, seed=1000 + seed)
