@@ -5,6 +5,7 @@ leaks. Dispatch is done here (P and D requests per prompt, as the router does)."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -141,10 +142,12 @@ def workloads(tiny_model: Path, single_server_starter) -> dict[str, tuple[list, 
     prefix = [base, base[: 2 * BLOCK] + random_prompts(tiny_model, [300], seed=78)[0]]
     out["prefix"] = (prefix, complete_many(single.base_url, prefix, MAX_TOKENS))
     for seed, name in enumerate(["router-dual", "router-serial"]):  # distinct: no D prefix hits
-        router = random_prompts(tiny_model, LENGTHS[::2], seed=3000 + seed)
+        router = random_prompts(tiny_model, LENGTHS * 2, seed=3000 + seed)
         out[name] = (router, complete_many(single.base_url, router, MAX_TOKENS, concurrency=4))
-    for seed, name in enumerate(["late_p", "gone"]):
-        one = random_prompts(tiny_model, [600], seed=2000 + seed)
+    for seed, name in enumerate(["late_p", "gone", "abort_d", "nothing"]):
+        one = random_prompts(
+            tiny_model, [BLOCK + 1 if name == "nothing" else 600], seed=2000 + seed
+        )
         out[name] = (one, complete_many(single.base_url, one, MAX_TOKENS))
     return out
 
@@ -171,6 +174,24 @@ def wait_for(cond, timeout: float) -> bool:
             return True
         time.sleep(0.05)
     return cond()
+
+
+def assert_back_to_baseline(pair: Pair, before: dict[str, dict[str, float]]) -> None:
+    """Within 2 s: vLLM's free blocks as before, nothing parked, held or awaited,
+    no request running or waiting, on P and on D."""
+    for w, server in (("p", pair.p), ("d", pair.d)):
+
+        def settled(w=w, server=server) -> bool:
+            s = pair.stats(w)
+            return (
+                s["free_blocks"] == before[w]["free_blocks"]
+                and s["parked_now"] == 0
+                and s["transfers_live"] == 0
+                and s["waiting_for_kv"] == 0
+                and engine_idle(server)
+            )
+
+        assert wait_for(settled, 2.0), f"{w} did not return to its baseline: {pair.stats(w)}"
 
 
 @pytest.mark.parametrize("dispatch", ["dual", "serial"])
@@ -218,19 +239,7 @@ def test_pd_output_equals_single_instance_and_nothing_leaks(
         assert layered >= len(prompts) // 2
         assert early == layered
     # within 2 s of the last response everything is back where it was
-    for w, server in (("p", pd_pair.p), ("d", pd_pair.d)):
-
-        def settled(w=w, server=server) -> bool:
-            s = pd_pair.stats(w)
-            return (
-                s["free_blocks"] == before[w]["free_blocks"]
-                and s["parked_now"] == 0
-                and s["transfers_live"] == 0
-                and s["waiting_for_kv"] == 0
-                and engine_idle(server)
-            )
-
-        assert wait_for(settled, 2.0), f"{w} did not return to its baseline: {pd_pair.stats(w)}"
+    assert_back_to_baseline(pd_pair, before)
 
 
 def test_d_prefix_hits_are_not_transferred(pd_pair: Pair, workloads: dict) -> None:
@@ -328,6 +337,7 @@ def test_router_streams_pd_outputs_equal_to_single_instance(
 
     prompts, expected = workloads[f"router-{dispatch}"]
     p0, d0 = pd_pair.stats("p"), pd_pair.stats("d")
+    before = {"p": p0, "d": d0}
     config = RouterConfig(
         prefill=(Instance(pd_pair.p.base_url, pd_pair.p_control),),
         decode=(Instance(pd_pair.d.base_url, pd_pair.d_control),),
@@ -357,3 +367,52 @@ def test_router_streams_pd_outputs_equal_to_single_instance(
         2.0,
     )
     assert pd_pair.stats("d").get("recompute_fallbacks", 0) == d0.get("recompute_fallbacks", 0)
+    assert_back_to_baseline(pd_pair, before)
+
+
+def test_d_request_aborted_while_waiting_for_kv_frees_everything(
+    pd_pair: Pair, workloads: dict
+) -> None:
+    """The client gives up on D while its TransferKV is parked on P (P never gets
+    the request): D aborts, tells P, and only then reports the request done; P
+    drops the park. Nothing is held afterwards on either side."""
+    (ids,), _ = workloads["abort_d"]
+    before = {"p": pd_pair.stats("p"), "d": pd_pair.stats("d")}
+    dk = {
+        "do_remote_prefill": True,
+        "rapidkv": {"xfer_id": "abort-d", "role": "decode", "prefill_control": pd_pair.p_control},
+    }
+
+    async def main():
+        async with httpx.AsyncClient() as client:
+            to_d = asyncio.create_task(
+                acomplete_full(client, pd_pair.d.base_url, ids, MAX_TOKENS, kv_transfer_params=dk)
+            )
+            deadline = time.monotonic() + 10
+            while pd_pair.stats("p")["parked_now"] < 1:
+                assert time.monotonic() < deadline, "TransferKV never parked on P"
+                await asyncio.sleep(0.02)
+            to_d.cancel()  # the client disconnects: vLLM aborts the request on D
+            with contextlib.suppress(asyncio.CancelledError):
+                await to_d
+
+    asyncio.run(main())
+    assert_back_to_baseline(pd_pair, before)
+    assert pd_pair.stats("p").get("aborts_client_abort", 0) > before["p"].get(
+        "aborts_client_abort", 0
+    )
+
+
+def test_nothing_to_load_releases_p_at_once(pd_pair: Pair, workloads: dict) -> None:
+    """D's prefix cache already covers all but the last token: D asks for nothing
+    and tells P, which frees the finished request now (not after its TTL)."""
+    (ids,), (expected,) = workloads["nothing"]
+    assert len(ids) == BLOCK + 1
+    pd_pair.run([ids], "nothing-warm", serial=True)  # D now caches the first block
+    before = {"p": pd_pair.stats("p"), "d": pd_pair.stats("d")}
+    assert pd_pair.run([ids], "nothing", serial=True) == [expected]
+    assert_back_to_baseline(pd_pair, before)
+    assert (
+        pd_pair.stats("p").get("aborts_nothing_to_load", 0)
+        == before["p"].get("aborts_nothing_to_load", 0) + 1
+    )
