@@ -261,7 +261,11 @@ def test_d_prefix_hits_are_not_transferred(pd_pair: Pair, workloads: dict) -> No
     # the second prompt's first two blocks were prefix hits on D, never sent
     assert delta("local_cache_hit") == 2 * BLOCK
     assert delta("external_kv_transfer") == (len(first) - 1) + (len(second) - 1 - 2 * BLOCK)
-    assert pd_pair.stats("p")["transfers_ok"] - p0["transfers_ok"] == 2
+    assert pd_pair.stats("p")["transfers_ok"] - p0.get("transfers_ok", 0) == 2
+    # bytes: all of the first prompt's blocks, the second's minus the 2 shared ones
+    sent_blocks = -(-(len(first) - 1) // BLOCK) + -(-(len(second) - 1) // BLOCK) - 2
+    moved = pd_pair.stats("p")["bytes_sent"] - p0.get("bytes_sent", 0)
+    assert moved == sent_blocks * block_bytes(pd_pair.model)
     assert pd_pair.stats("d").get("recompute_fallbacks", 0) == 0
     assert out == workloads["prefix"][1]
 

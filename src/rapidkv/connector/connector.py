@@ -20,6 +20,7 @@ Which side calls what (docs/vllm-connector-contract.md has the details):
 | scheduler | `build_connector_meta` | every step: our step id, tasks, releases |
 | scheduler | `update_connector_output` | every step: settled transfers from the workers |
 | scheduler | `request_finished` | once per request: P holds its blocks (delayed free) |
+| scheduler | `has_pending_block_frees` | blocks short: held P blocks will free soon |
 | worker | `register_kv_caches` | once: layout, kvt, transport |
 | worker | `bind_connector_metadata` | every step: begin the kvt step |
 | worker | `save_kv_layer` | after each layer's KV is written: kvt `layer_done` |
@@ -173,6 +174,9 @@ class RapidKVConnector(KVConnectorBase_V1):
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Any]:
         assert self.sched is not None
         return self.sched.request_finished(request, block_ids)
+
+    def has_pending_block_frees(self) -> bool:
+        return self.sched is not None and self.sched.pending_block_frees()
 
     def shutdown(self) -> None:
         if self.sched is not None:

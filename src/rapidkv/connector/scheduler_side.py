@@ -303,6 +303,12 @@ class SchedulerSide:
                 if len(p.settled_ranks) == self.tp_size:
                     self._settle(p)
 
+    def pending_block_frees(self) -> bool:
+        """Finished P requests still hold blocks that their transfers will free:
+        vLLM then waits a step instead of preempting a running request."""
+        with self._lock:
+            return any(p.finished and not p.released for p in self._produced.values())
+
     # -- internals (caller holds the lock) ---------------------------------------
 
     def _accept(self, p: Produced, msg: TransferKV, reply: Reply) -> None:
