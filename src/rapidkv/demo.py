@@ -34,16 +34,6 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     return run
 
 
-def connector_config(control_port: int) -> dict[str, Any]:
-    return {
-        "kv_connector": "RapidKVConnector",
-        "kv_connector_module_path": "rapidkv.connector",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"control_port": control_port},
-    }
-
-
 def run_workload(
     url: str,
     prompts: list[list[int]],
@@ -82,6 +72,7 @@ def run_workload(
 
 
 def run(args: argparse.Namespace) -> int:
+    from rapidkv.connector.config import kv_transfer_config
     from rapidkv.control.client import RpcClient
     from rapidkv.control.messages import StatsRequest
     from rapidkv.harness import ServerSpec, free_port, random_prompts, running
@@ -104,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
             name="prefill",
             role="prefill",
             cpus=(0,),
-            kv_transfer_config=connector_config(pc),
+            kv_transfer_config=kv_transfer_config(pc),
             extra_args=chunked,
         ),
         ServerSpec(
@@ -112,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
             name="decode",
             role="decode",
             cpus=(1,),
-            kv_transfer_config=connector_config(dc),
+            kv_transfer_config=kv_transfer_config(dc),
             extra_args=chunked,
         ),
     ]

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from rapidkv.connector.config import kv_transfer_config
 from rapidkv.control.client import RpcClient
 from rapidkv.control.messages import StatsRequest
 from rapidkv.harness import ServerPool, ServerSpec, VLLMServer, free_port, random_prompts
@@ -44,20 +45,11 @@ LENGTHS = [
 
 
 def connector_config(control_port: int) -> dict:
-    return {
-        "kv_connector": "RapidKVConnector",
-        "kv_connector_module_path": "rapidkv.connector",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "control_port": control_port,
-            # every TTL well above the 2 s leak window: a timeout cannot hide a leak
-            "park_ttl_s": 30.0,
-            "finished_ttl_s": 60.0,
-            # 5 ms after each layer: a step's layer-by-layer sends are observable
-            "debug_layer_delay_s": 0.005,
-        },
-    }
+    # every TTL well above the 2 s leak window: a timeout cannot hide a leak;
+    # 5 ms after each layer: a step's layer-by-layer sends are observable
+    return kv_transfer_config(
+        control_port, park_ttl_s=30.0, finished_ttl_s=60.0, debug_layer_delay_s=0.005
+    )
 
 
 class Pair:
@@ -69,16 +61,35 @@ class Pair:
         self.p_control, self.d_control = p_control, d_control
         self.rpc = RpcClient()
 
-    def stats(self, which: str) -> dict[str, float]:
-        address = self.p_control if which == "p" else self.d_control
-        return self.rpc.call(address, StatsRequest(), 10).counters
-
-    async def _one(self, client: httpx.AsyncClient, xfer_id: str, ids: list[int], serial: bool):
+    def params(self, xfer_id: str) -> tuple[dict, dict]:
+        """`kv_transfer_params` for P and for D of one transfer (as the router sets)."""
         pk = {"rapidkv": {"xfer_id": xfer_id, "role": "prefill"}}
         dk = {
             "do_remote_prefill": True,
             "rapidkv": {"xfer_id": xfer_id, "role": "decode", "prefill_control": self.p_control},
         }
+        return pk, dk
+
+    async def start_d_and_wait_parked(
+        self, client: httpx.AsyncClient, xfer_id: str, ids: list[int]
+    ) -> asyncio.Task:
+        """Send only D's request; return once its TransferKV is parked on P."""
+        _, dk = self.params(xfer_id)
+        to_d = asyncio.create_task(
+            acomplete_full(client, self.d.base_url, ids, MAX_TOKENS, kv_transfer_params=dk)
+        )
+        deadline = time.monotonic() + 10
+        while self.stats("p")["parked_now"] < 1:
+            assert time.monotonic() < deadline, "TransferKV never parked on P"
+            await asyncio.sleep(0.02)
+        return to_d
+
+    def stats(self, which: str) -> dict[str, float]:
+        address = self.p_control if which == "p" else self.d_control
+        return self.rpc.call(address, StatsRequest(), 10).counters
+
+    async def _one(self, client: httpx.AsyncClient, xfer_id: str, ids: list[int], serial: bool):
+        pk, dk = self.params(xfer_id)
         to_p = acomplete_full(client, self.p.base_url, ids, 1, kv_transfer_params=pk)
         to_d = acomplete_full(client, self.d.base_url, ids, MAX_TOKENS, kv_transfer_params=dk)
         if serial:
@@ -277,21 +288,11 @@ def test_transfer_kv_before_the_request_is_parked_and_served(
     held back until P reports the park): served from the park, no NOT_FOUND."""
     (ids,), (expected,) = workloads["late_p"]
     p0 = pd_pair.stats("p")
-    dk = {
-        "do_remote_prefill": True,
-        "rapidkv": {"xfer_id": "late-p", "role": "decode", "prefill_control": pd_pair.p_control},
-    }
-    pk = {"rapidkv": {"xfer_id": "late-p", "role": "prefill"}}
+    pk, _ = pd_pair.params("late-p")
 
     async def main():
         async with httpx.AsyncClient() as client:
-            to_d = asyncio.create_task(
-                acomplete_full(client, pd_pair.d.base_url, ids, MAX_TOKENS, kv_transfer_params=dk)
-            )
-            deadline = time.monotonic() + 10
-            while pd_pair.stats("p")["parked_now"] < 1:
-                assert time.monotonic() < deadline, "TransferKV never parked on P"
-                await asyncio.sleep(0.02)
+            to_d = await pd_pair.start_d_and_wait_parked(client, "late-p", ids)
             await acomplete_full(client, pd_pair.p.base_url, ids, 1, kv_transfer_params=pk)
             return await to_d
 
@@ -315,10 +316,7 @@ def test_transfer_kv_for_an_aborted_request_gets_gone_and_d_recomputes(
         pd_pair.p_control, Abort(xfer_id="gone-1", reason=AbortReason.CLIENT_ABORT), 10
     )
     assert reply.code.name == "OK"
-    dk = {
-        "do_remote_prefill": True,
-        "rapidkv": {"xfer_id": "gone-1", "role": "decode", "prefill_control": pd_pair.p_control},
-    }
+    _, dk = pd_pair.params("gone-1")
 
     async def main():
         async with httpx.AsyncClient() as client:
@@ -382,20 +380,10 @@ def test_d_request_aborted_while_waiting_for_kv_frees_everything(
     drops the park. Nothing is held afterwards on either side."""
     (ids,), _ = workloads["abort_d"]
     before = {"p": pd_pair.stats("p"), "d": pd_pair.stats("d")}
-    dk = {
-        "do_remote_prefill": True,
-        "rapidkv": {"xfer_id": "abort-d", "role": "decode", "prefill_control": pd_pair.p_control},
-    }
 
     async def main():
         async with httpx.AsyncClient() as client:
-            to_d = asyncio.create_task(
-                acomplete_full(client, pd_pair.d.base_url, ids, MAX_TOKENS, kv_transfer_params=dk)
-            )
-            deadline = time.monotonic() + 10
-            while pd_pair.stats("p")["parked_now"] < 1:
-                assert time.monotonic() < deadline, "TransferKV never parked on P"
-                await asyncio.sleep(0.02)
+            to_d = await pd_pair.start_d_and_wait_parked(client, "abort-d", ids)
             to_d.cancel()  # the client disconnects: vLLM aborts the request on D
             with contextlib.suppress(asyncio.CancelledError):
                 await to_d

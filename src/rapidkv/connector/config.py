@@ -39,3 +39,17 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             return msgspec.convert(extra or {}, cls)
         except msgspec.ValidationError as e:
             raise ValueError(f"rapidkv: bad kv_connector_extra_config: {e}") from None
+
+
+def kv_transfer_config(control_port: int, **extra: Any) -> dict[str, Any]:
+    """vLLM's `--kv-transfer-config` for an instance running RapidKVConnector
+    (P, D or both) whose control plane listens on `control_port`; `extra` goes
+    into `kv_connector_extra_config` (validated here, as the connector will)."""
+    ConnectorConfig.from_extra({"control_port": control_port, **extra})
+    return {
+        "kv_connector": "RapidKVConnector",
+        "kv_connector_module_path": "rapidkv.connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"control_port": control_port, **extra},
+    }
