@@ -4,8 +4,9 @@ Builds the tiny float32 model if needed, starts a prefill and a decode vLLM
 server with RapidKVConnector (pinned to cores 0 and 1, chunked prefill) and the
 rapidkv router (dual dispatch), streams a mixed workload through the router at
 concurrency 4 with a progress line, then serves the same prompts by the decode
-instance alone (no transfer: the single-instance reference) and checks every
-output token for token. Prints TTFT, TPOT, KV bytes moved and transfer time.
+instance alone (no transfer: the single-instance reference; prefix caching is
+off on both so the reference is not a cache hit) and checks every output token
+for token. Prints TTFT, TPOT, KV bytes moved and transfer time.
 Everything it started is stopped on exit, also on Ctrl-C.
 """
 
@@ -88,7 +89,9 @@ def run(args: argparse.Namespace) -> int:
         model, [lengths[i % len(lengths)] for i in range(args.requests)], seed=2026
     )
     pc, dc = free_port(), free_port()
-    chunked = ("--max-num-batched-tokens", "256")
+    # Prefix caching off: the reference run serves the same prompts on D after
+    # the P + D run, and cached blocks would make its TTFT look like a cache hit.
+    chunked = ("--max-num-batched-tokens", "256", "--no-enable-prefix-caching")
     specs = [
         ServerSpec(
             model=model,
