@@ -5,15 +5,12 @@ Everything here is stopped at the end of the test that made it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
-from fake_vllm import FakeVLLM
+from fake_vllm import FakeVLLM, MakeFake, MakeRouter
 
 from rapidkv.router import Instance, RouterConfig, RunningRouter, start_router
-
-MakeFake = Callable[..., FakeVLLM]
-MakeRouter = Callable[..., RunningRouter]
 
 
 @pytest.fixture

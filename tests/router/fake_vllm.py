@@ -25,11 +25,12 @@ import asyncio
 import itertools
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from rapidkv.harness import wait_until
-from rapidkv.router import ThreadedServer
+from rapidkv.router import RunningRouter, ThreadedServer
 
 _sequence = itertools.count(1)
 
@@ -275,3 +276,9 @@ def _events(seen: Seen, chat: bool, name: str) -> list[bytes]:
         }
         out.append({**base, "choices": [], "usage": usage})
     return [b"data: " + json.dumps(e).encode() + b"\n\n" for e in out] + [b"data: [DONE]\n\n"]
+
+
+# Fixture factories' types (tests import them from here, not from `conftest`,
+# whose module name is shared with tests/conftest.py).
+MakeFake = Callable[..., FakeVLLM]
+MakeRouter = Callable[..., RunningRouter]

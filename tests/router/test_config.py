@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import MakeFake
+from fake_vllm import MakeFake
 
 from rapidkv.harness import free_port, wait_until
 from rapidkv.router.cli import config_from_args, register

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from conftest import MakeRouter
+from fake_vllm import MakeRouter
 
 from rapidkv.harness import (
     VLLMServer,

@@ -16,8 +16,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from conftest import MakeFake, MakeRouter
-from fake_vllm import FakeVLLM, Seen
+from fake_vllm import FakeVLLM, MakeFake, MakeRouter, Seen
 
 from rapidkv.control.codes import Code
 from rapidkv.control.messages import Abort, AbortReason, AbortReply, ErrorReply, Request
