@@ -109,7 +109,9 @@ class SchedulerSide:
         self.tp_size = tp_size
         self.fingerprint = fingerprint
         self.counters: Counter[str] = Counter()
-        self._lock = threading.Lock()
+        # re-entrant: a future that is already done runs its callback (which takes
+        # the lock) inside add_done_callback, on the thread that holds it
+        self._lock = threading.RLock()
         self._step_id = 0
         self._produced: dict[str, Produced] = {}  # xfer_id ->
         self._p_by_req: dict[str, str] = {}  # req_id -> xfer_id
