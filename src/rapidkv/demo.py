@@ -76,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
     from rapidkv.connector.config import kv_transfer_config
     from rapidkv.control.client import RpcClient
     from rapidkv.control.messages import StatsRequest
-    from rapidkv.harness import ServerSpec, free_port, random_prompts, running
+    from rapidkv.harness import free_port, random_prompts, running
+    from rapidkv.harness.server import pd_specs
     from rapidkv.models import ensure_model
     from rapidkv.router.config import Instance, RouterConfig
     from rapidkv.router.server import start_router
@@ -92,24 +93,7 @@ def run(args: argparse.Namespace) -> int:
     # Prefix caching off: the reference run serves the same prompts on D after
     # the P + D run, and cached blocks would make its TTFT look like a cache hit.
     chunked = ("--max-num-batched-tokens", "256", "--no-enable-prefix-caching")
-    specs = [
-        ServerSpec(
-            model=model,
-            name="prefill",
-            role="prefill",
-            cpus=(0,),
-            kv_transfer_config=kv_transfer_config(pc),
-            extra_args=chunked,
-        ),
-        ServerSpec(
-            model=model,
-            name="decode",
-            role="decode",
-            cpus=(1,),
-            kv_transfer_config=kv_transfer_config(dc),
-            extra_args=chunked,
-        ),
-    ]
+    specs = pd_specs(model, kv_transfer_config(pc), kv_transfer_config(dc), chunked)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="rapidkv-demo-"))
     say(f"starting P (core 0) and D (core 1), logs in {log_dir} ...")
     with running(specs, log_dir) as (p, d), RpcClient() as rpc:

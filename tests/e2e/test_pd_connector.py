@@ -16,8 +16,9 @@ import pytest
 from rapidkv.connector.config import kv_transfer_config
 from rapidkv.control.client import RpcClient
 from rapidkv.control.messages import StatsRequest
-from rapidkv.harness import ServerPool, ServerSpec, VLLMServer, free_port, random_prompts
+from rapidkv.harness import ServerPool, VLLMServer, free_port, random_prompts
 from rapidkv.harness.client import acomplete_full, complete_many, get_metrics, metric_sum
+from rapidkv.harness.server import pd_specs
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -117,25 +118,7 @@ def pd_pair(server_pool: ServerPool, tiny_model: Path, workloads: dict) -> Pair:
     pc, dc = free_port(), free_port()
     chunked = ("--max-num-batched-tokens", "256")
     p, d = server_pool.get(
-        "pd",
-        [
-            ServerSpec(
-                model=tiny_model,
-                name="prefill",
-                role="prefill",
-                cpus=(0,),
-                kv_transfer_config=connector_config(pc),
-                extra_args=chunked,
-            ),
-            ServerSpec(
-                model=tiny_model,
-                name="decode",
-                role="decode",
-                cpus=(1,),
-                kv_transfer_config=connector_config(dc),
-                extra_args=chunked,
-            ),
-        ],
+        "pd", pd_specs(tiny_model, connector_config(pc), connector_config(dc), chunked)
     )
     return Pair(tiny_model, p, d, f"127.0.0.1:{pc}", f"127.0.0.1:{dc}")
 

@@ -150,6 +150,26 @@ class ServerSpec:
         return env
 
 
+def pd_specs(
+    model: Path,
+    prefill_kv_config: dict[str, Any],
+    decode_kv_config: dict[str, Any],
+    extra_args: Sequence[str] = (),
+) -> list[ServerSpec]:
+    """A prefill instance pinned to core 0 and a decode instance on core 1."""
+    return [
+        ServerSpec(
+            model=model,
+            name=role,
+            role=role,
+            cpus=(cpu,),
+            kv_transfer_config=cfg,
+            extra_args=tuple(extra_args),
+        )
+        for role, cpu, cfg in (("prefill", 0, prefill_kv_config), ("decode", 1, decode_kv_config))
+    ]
+
+
 def model_dtype(model_dir: Path) -> str | None:
     """The dtype recorded in `model_dir/config.json` (`dtype` or `torch_dtype`), if any."""
     try:
