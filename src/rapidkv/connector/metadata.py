@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from rapidkv.kvt.messages import SendDone
 from rapidkv.kvt.task import Task
 
 
@@ -67,21 +68,12 @@ class StepMeta(KVConnectorMetadata):
     recv_failed: list[str] = field(default_factory=list)  # D: req ids to report failed
 
 
-@dataclass(frozen=True)
-class Settled:
-    xfer_id: str
-    rank: int
-    ok: bool
-    tokens_sent: int
-    error: str = ""
-
-
 @dataclass
 class WorkerMeta(KVConnectorWorkerMetadata):
     """Always truthy (vLLM drops falsy metas): never define __len__/__bool__."""
 
     acks: list[tuple[int, int, int]] = field(default_factory=list)  # (step, ack, rank)
-    settled: list[Settled] = field(default_factory=list)
+    settled: list[SendDone] = field(default_factory=list)  # transfers settled as source
     counters: dict[str, int] = field(default_factory=dict)  # increments, summed over ranks
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:

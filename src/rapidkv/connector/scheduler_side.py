@@ -80,7 +80,6 @@ class Consumed:
 class _Parked:
     msg: TransferKV
     reply: Reply
-    at: float
 
 
 @dataclass
@@ -375,15 +374,8 @@ class SchedulerSide:
             p.reply.resolve(TransferKVReply(xfer_id=p.xfer_id, code=Code.GONE, message=why))
 
     def _expire(self, now: float) -> None:
-        for xfer_id, parked in list(self._parked.items()):
-            if now - parked.at > self.config.park_ttl_s:
-                del self._parked[xfer_id]
-                self.counters["park_expired"] += 1
-                parked.reply.resolve(
-                    TransferKVReply(
-                        xfer_id=xfer_id, code=Code.NOT_FOUND, message="request not seen on P"
-                    )
-                )
+        """Finished requests no TransferKV came for, old tombstones. (Parked
+        TransferKVs expire in their RPC handler, which runs even if P never steps.)"""
         for p in list(self._produced.values()):
             if (
                 p.finished
@@ -403,6 +395,7 @@ class SchedulerSide:
 
     def _tombstone(self, xfer_id: str) -> None:
         self._tombstones[xfer_id] = time.monotonic()
+        self._tombstones.move_to_end(xfer_id)  # oldest first, for _expire
 
     # -- D side: talking to P -----------------------------------------------------
 
@@ -553,7 +546,7 @@ class SchedulerSide:
                 )
             else:
                 self.counters["parked"] += 1
-                self._parked[msg.xfer_id] = _Parked(msg, reply, time.monotonic())
+                self._parked[msg.xfer_id] = _Parked(msg, reply)
         try:  # parked: NOT_FOUND once the park TTL passes, even if P never steps
             return await asyncio.wait_for(asyncio.shield(reply.future), self.config.park_ttl_s)
         except TimeoutError:

@@ -25,7 +25,7 @@ import msgspec
 import torch
 
 from rapidkv.connector.config import ConnectorConfig
-from rapidkv.connector.metadata import RankInfo, Settled, StepMeta, WorkerMeta, peer_name
+from rapidkv.connector.metadata import RankInfo, StepMeta, WorkerMeta, peer_name
 from rapidkv.kvt.layout import Layout, layer_layout_from_tensor
 from rapidkv.kvt.messages import SendDone
 from rapidkv.kvt.task import Task
@@ -46,7 +46,7 @@ class WorkerSide:
         self.layer_index: dict[str, int] = {}
         self.step_id = -1
         self._lock = threading.Lock()  # guards what the kvt owner thread hands us
-        self._settled: list[Settled] = []
+        self._settled: list[SendDone] = []
         self._acks: list[tuple[int, int, int]] = []
         self._release: set[str] = set()  # released by the scheduler side
         self._finished: set[str] = set()  # seen in finished_req_ids
@@ -218,9 +218,7 @@ class WorkerSide:
 
     def _on_send_done(self, done: SendDone) -> None:  # kvt owner thread
         with self._lock:
-            self._settled.append(
-                Settled(done.xfer_id, done.rank, done.ok, done.tokens_sent, done.error)
-            )
+            self._settled.append(done)
 
     def _require_kvt(self) -> KvtWorker:
         if self.kvt is None:
