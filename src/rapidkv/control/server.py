@@ -65,6 +65,7 @@ from rapidkv.control.messages import (
     decode_request,
     encode,
 )
+from rapidkv.listen import listen_socket
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +151,7 @@ class RpcServer:
         """Bind and start serving; raises OSError if the address cannot be bound."""
         if self._thread is not None:
             raise RuntimeError("server already started")
-        sock = self._bind()
+        sock = listen_socket(self._host, self._port)
         self._sockname = sock.getsockname()[:2]
         started = threading.Event()
         self._thread = threading.Thread(
@@ -199,21 +200,6 @@ class RpcServer:
         return dict(self._counters)
 
     # ------------------------------------------------------------------ loop thread
-
-    def _bind(self) -> socket.socket:
-        family, kind, proto, _, sockaddr = socket.getaddrinfo(
-            self._host, self._port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-        sock = socket.socket(family, kind, proto)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(sockaddr)
-            sock.listen(128)
-            sock.setblocking(False)
-        except OSError:
-            sock.close()
-            raise
-        return sock
 
     def _run(self, sock: socket.socket, started: threading.Event) -> None:
         loop = asyncio.new_event_loop()

@@ -59,6 +59,7 @@ from rapidkv.kvt.transport.tcp_wire import (
     encode_metadata,
     pack_header,
 )
+from rapidkv.listen import listen_socket
 
 log = logging.getLogger("rapidkv.kvt.transport.tcp")
 
@@ -338,18 +339,6 @@ class TcpTransport(Transport):
 def _listen(host: str, port: int) -> socket.socket:
     """Bind exactly `host:port` and listen (blocking-free; before the loop starts)."""
     try:
-        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
-                                   flags=socket.AI_PASSIVE)  # fmt: skip
-        family, type_, proto, _, addr = infos[0]
-        sock = socket.socket(family, type_, proto)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(addr)
-            sock.listen(128)
-            sock.setblocking(False)
-        except OSError:
-            sock.close()
-            raise
+        return listen_socket(host, port)
     except OSError as e:
         raise TransportError(f"cannot listen on {host}:{port}: {e}") from None
-    return sock
