@@ -31,7 +31,8 @@ def make_fake() -> Iterator[MakeFake]:
 @pytest.fixture
 def make_router() -> Iterator[MakeRouter]:
     """`make_router(prefill, decode, dispatch="dual", **config)` starts a router on a
-    free port; `prefill`/`decode` list `Instance`s, URLs, or servers (`.base_url`/`.url`)."""
+    free port; `prefill`/`decode` list `Instance`s, URLs, or servers (`.base_url`/`.url`).
+    Control-address discovery is off unless asked for: these instances run no connector."""
     routers: list[RunningRouter] = []
 
     def make(prefill: list[object], decode: list[object], **config: object) -> RunningRouter:
@@ -39,7 +40,7 @@ def make_router() -> Iterator[MakeRouter]:
             prefill=tuple(_instance(x) for x in prefill),
             decode=tuple(_instance(x) for x in decode),
             port=0,
-            **config,  # type: ignore[arg-type]
+            **{"discover": False, **config},  # type: ignore[arg-type]
         )
         router = start_router(cfg)
         routers.append(router)

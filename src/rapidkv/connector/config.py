@@ -29,6 +29,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     rpc_timeout_s: float = 30.0  # D's wait for a TransferKV reply
     tombstone_ttl_s: float = 60.0
     max_parked: int = 1024
+    # P: TransferKVs one D may have outstanding here (accepted and not settled,
+    # or parked); more are answered BUSY and D retries with backoff
+    max_transfers_per_peer: int = 64
     # testing aid: sleep this long after each layer's save (widens a step so that
     # layer-by-layer sending can be observed); 0 in production
     debug_layer_delay_s: float = 0.0

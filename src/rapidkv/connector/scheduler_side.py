@@ -64,6 +64,13 @@ def rapidkv_params(params: dict[str, Any] | None) -> dict[str, Any] | None:
     return ours if isinstance(ours, dict) and ours.get("xfer_id") else None
 
 
+def is_discovery(params: dict[str, Any] | None) -> bool:
+    """A router's probe for this instance's control address
+    (`kv_transfer_params = {"rapidkv": {"discover": true}}`)."""
+    ours = params.get("rapidkv") if params else None
+    return isinstance(ours, dict) and ours.get("discover") is True
+
+
 @dataclass
 class Consumed:
     """D-side state of one request."""
@@ -266,8 +273,16 @@ class SchedulerSide:
         meta.recv_failed = pending.recv_failed
         return meta
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, None]:
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
+        if is_discovery(request.kv_transfer_params):
+            # a router asks where our control plane listens (the answer goes out
+            # in the response's kv_transfer_params)
+            return False, {
+                "rapidkv": {"control": self.server.address, "instance_id": self.instance_id}
+            }
         self._requests.pop(req_id, None)
         with self._lock:
             c = self._consumed.pop(req_id, None)
@@ -308,7 +323,10 @@ class SchedulerSide:
         """Finished P requests still hold blocks that their transfers will free:
         vLLM then waits a step instead of preempting a running request."""
         with self._lock:
-            return any(p.finished and not p.released for p in self._produced.values())
+            pending = any(p.finished and not p.released for p in self._produced.values())
+            if pending:
+                self.counters["pending_block_frees_waits"] += 1
+            return pending
 
     # -- internals (caller holds the lock) ---------------------------------------
 
@@ -327,6 +345,15 @@ class SchedulerSide:
             msg.xfer_id, msg.dst_instance, tuple(msg.dst_blocks), msg.first_block, msg.num_tokens
         )
         p.accept(window, reply, self.block_size)
+
+    def _outstanding(self, dst_instance: str) -> int:
+        """Transfers to `dst_instance` accepted and not yet settled, or parked."""
+        live = sum(
+            1
+            for p in self._produced.values()
+            if p.window is not None and p.window.peer == dst_instance
+        )
+        return live + sum(1 for x in self._parked.values() if x.msg.dst_instance == dst_instance)
 
     def _settle(self, p: Produced) -> None:
         oks = [v[0] for v in p.settled_ranks.values()]
@@ -441,10 +468,12 @@ class SchedulerSide:
             except Exception as e:
                 failed(f"TransferKV: {type(e).__name__}: {e}")
                 return
-            if reply.code == Code.NOT_FOUND and time.monotonic() + backoff[0] < deadline:
-                # P has not seen the request within its park TTL: ask again later
+            retry = reply.code in (Code.NOT_FOUND, Code.BUSY)
+            if retry and time.monotonic() + backoff[0] < deadline:
+                # NOT_FOUND: P has not seen the request within its park TTL;
+                # BUSY: too many of our transfers outstanding there. Ask again later.
                 with self._lock:
-                    self.counters["transfer_kv_retries"] += 1
+                    self.counters[f"transfer_kv_retries_{reply.code.name.lower()}"] += 1
                 timer = threading.Timer(backoff[0], send)
                 timer.daemon = True
                 timer.start()
@@ -538,6 +567,15 @@ class SchedulerSide:
                     xfer_id=msg.xfer_id, code=Code.GONE, message="transfer aborted or timed out"
                 )
             p = self._produced.get(msg.xfer_id)
+            new = p is None or p.window is None
+            if new and self._outstanding(msg.dst_instance) >= self.config.max_transfers_per_peer:
+                self.counters["busy_replies"] += 1
+                return TransferKVReply(
+                    xfer_id=msg.xfer_id,
+                    code=Code.BUSY,
+                    message=f"{self.config.max_transfers_per_peer} transfers to "
+                    f"{msg.dst_instance} outstanding",
+                )
             if p is not None:
                 self._accept(p, msg, reply)
             elif len(self._parked) >= self.config.max_parked:

@@ -55,6 +55,7 @@ def build_app(config: RouterConfig) -> Starlette:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await router.start()
+        router.discover_all()
         try:
             yield
         finally:

@@ -22,7 +22,8 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         default=[],
         metavar=inst,
         help="a prefill instance: its base URL (http://host:port) and, optionally, its "
-        "rapidkv control address host:port (repeatable)",
+        "rapidkv control address host:port; without one the router asks the instance "
+        "(repeatable)",
     )
     parser.add_argument(
         "--decode", action="append", default=[], metavar=inst, help="a decode instance (repeatable)"
@@ -48,6 +49,13 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         metavar="S",
         help="seconds to wait for each piece of an upstream answer (default %(default)s)",
     )
+    parser.add_argument(
+        "--no-discover",
+        dest="discover",
+        action="store_false",
+        help="do not ask prefill instances for their control address (they then get "
+        "no TransferKV: decode instances compute the prompt)",
+    )
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     return run
 
@@ -62,6 +70,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         dispatch=args.dispatch,
         secret=read_secret(args.secret_file) if args.secret_file is not None else None,
         upstream_read_timeout_s=args.upstream_timeout,
+        discover=args.discover,
     )
 
 

@@ -73,6 +73,8 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     dispatch: Dispatch = "dual"
+    # ask prefill instances configured without a control address for it
+    discover: bool = True
     secret: bytes | None = None
     connect_timeout_s: float = 10.0
     upstream_read_timeout_s: float = 600.0

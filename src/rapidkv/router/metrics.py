@@ -13,7 +13,8 @@ Names and labels (``endpoint`` is ``completions`` | ``chat``; ``dispatch`` is
   fully relayed (successful requests only).
 - ``rapidkv_router_upstream_errors_total{role,instance,kind}``: failed upstream
   requests; ``kind`` is ``status`` (an HTTP error answer), ``connect`` (no
-  status line: refused, reset, timed out) or ``stream`` (the answer broke off).
+  status line: refused, reset, timed out), ``stream`` (the answer broke off) or
+  ``discovery`` (a prefill instance did not tell its control address).
   Prefill errors do not fail the client: D recomputes the prompt.
 - ``rapidkv_router_outstanding{role,instance}``: requests in flight per instance
   (what instance choice balances).
@@ -40,7 +41,7 @@ OUTCOMES = (
     "bad_request",  # refused by the router (400/413)
     "error",  # the router failed, or shut down, while serving it
 )
-UPSTREAM_ERROR_KINDS = ("status", "connect", "stream")
+UPSTREAM_ERROR_KINDS = ("status", "connect", "stream", "discovery")
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 

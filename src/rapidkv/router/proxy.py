@@ -40,6 +40,7 @@ Rules
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Coroutine
@@ -52,6 +53,7 @@ from starlette.types import Message, Receive, Scope, Send
 from rapidkv.router.aborts import ControlAborter
 from rapidkv.router.balance import LeastOutstanding
 from rapidkv.router.config import Instance, RouterConfig
+from rapidkv.router.discovery import DiscoveryError, discover_control
 from rapidkv.router.metrics import RouterMetrics
 from rapidkv.router.rewrite import (
     BadRequest,
@@ -89,6 +91,7 @@ NOT_RELAYED = frozenset(
 # Request headers passed from the client to P and D.
 PASSED_ON = (b"authorization", b"accept-encoding")
 XFER_HEADER = b"x-rapidkv-xfer-id"
+DISCOVERY_RETRY_S = 10.0  # a failed control-address probe is repeated at most this often
 
 
 class BodyTooLarge(Exception):
@@ -127,6 +130,9 @@ class Router:
         self._aborter = ControlAborter(config.secret, config.abort_timeout_s, self.metrics)
         self._http: httpx.AsyncClient | None = None
         self._background: set[asyncio.Task[Any]] = set()
+        # prefill URL -> its control address, once discovered (see `discovery`)
+        self._discovery: dict[str, tuple[asyncio.Task[str], float]] = {}  # (probe, started)
+        self._announced: set[str] = set()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -147,11 +153,54 @@ class Router:
             trust_env=False,  # upstreams are reached directly, never through a proxy
         )
 
+    def discover_all(self) -> None:
+        """Start asking every prefill instance configured without a control
+        address for it (done again on first use if an instance was not up yet)."""
+        for inst in self.config.prefill if self.config.discover else ():
+            if inst.control is None:
+                self._discovery_task(inst)
+
+    def _discovery_task(self, inst: Instance) -> asyncio.Task[str]:
+        """The probe of `inst` (a new one if the last failed over DISCOVERY_RETRY_S ago)."""
+        entry = self._discovery.get(inst.url)
+        if entry is not None:
+            task, started = entry
+            failed = task.done() and (task.cancelled() or task.exception() is not None)
+            if not failed or time.monotonic() - started < DISCOVERY_RETRY_S:
+                return task
+        task = asyncio.create_task(
+            discover_control(self.http, inst, self.config.connect_timeout_s)
+        )
+        self._discovery[inst.url] = (task, time.monotonic())
+        return task
+
+    async def _with_control(self, inst: Instance, ex: Exchange) -> Instance:
+        """`inst` with its control address filled in, discovered if need be; as
+        is (D then computes the prompt itself) if the instance cannot tell."""
+        if inst.control is not None or not self.config.discover:
+            return inst
+        try:
+            control = await asyncio.shield(self._discovery_task(inst))
+        except DiscoveryError as e:
+            self.metrics.upstream_errors.labels("prefill", inst.url, "discovery").inc()
+            log.warning(
+                "xfer %s: no control address for %s (%s); decode will compute the prompt",
+                ex.xfer_id,
+                inst.url,
+                e,
+            )
+            return inst
+        if inst.url not in self._announced:
+            self._announced.add(inst.url)
+            log.info("prefill %s: control plane discovered at %s", inst.url, control)
+        return dataclasses.replace(inst, control=control)
+
     async def close(self) -> None:
         """Cancel background prefill requests, close the HTTP and RPC clients."""
-        for task in list(self._background):
+        pending = [*self._background, *(task for task, _ in self._discovery.values())]
+        for task in pending:
             task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
+        await asyncio.gather(*pending, return_exceptions=True)
         if self._http is not None:
             await self._http.aclose()
         await asyncio.to_thread(self._aborter.close)
@@ -220,6 +269,11 @@ class Router:
                 d_content = raw
             else:
                 p_index, ex.prefill = self._acquire("prefill")
+                try:
+                    ex.prefill = await self._with_control(ex.prefill, ex)
+                except BaseException:
+                    self._release("prefill", p_index)
+                    raise
                 p_content = encode(prefill_body(body, ex.endpoint, ex.xfer_id))
                 prefill = self._spawn(self._prefill(p_index, ex.prefill, p_content, ex))
                 if mode == "serial":

@@ -1,0 +1,73 @@
+"""Finding a prefill instance's control address over HTTP.
+
+When an instance is configured without one (``--prefill URL``), the router
+sends it a one-token completion whose ``kv_transfer_params`` carry
+``{"rapidkv": {"discover": true}}``. The instance's connector answers in the
+response's ``kv_transfer_params``: ``{"rapidkv": {"control": "host:port",
+"instance_id": ...}}``. A control plane listening on every interface
+(``0.0.0.0`` or ``::``) is reached at the host of the instance's URL.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+from rapidkv.control.address import format_address, parse_address
+from rapidkv.router.config import Instance
+
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
+
+
+class DiscoveryError(RuntimeError):
+    """The instance did not say where its control plane listens."""
+
+
+def probe_body() -> dict[str, Any]:
+    """The completion that asks an instance for its control address."""
+    return {
+        "prompt": [1],
+        "max_tokens": 1,
+        "temperature": 0.0,
+        "stream": False,
+        "kv_transfer_params": {"rapidkv": {"discover": True}},
+    }
+
+
+def control_from_answer(inst: Instance, answer: Any) -> str:
+    """The control address in a probe's answer (wildcard hosts replaced by the URL's host)."""
+    params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+    ours = params.get("rapidkv") if isinstance(params, dict) else None
+    address = ours.get("control") if isinstance(ours, dict) else None
+    if not isinstance(address, str):
+        raise DiscoveryError(
+            f"{inst.url} did not report a control address (is RapidKVConnector loaded?)"
+        )
+    try:
+        host, port = parse_address(address)
+    except ValueError as e:
+        raise DiscoveryError(f"{inst.url} reported {e}") from None
+    if host in WILDCARD_HOSTS:
+        host = urlsplit(inst.url).hostname or host
+    return format_address(host, port)
+
+
+async def discover_control(http: httpx.AsyncClient, inst: Instance, timeout: float) -> str:
+    """Ask `inst` for its control address; DiscoveryError if it cannot tell."""
+    try:
+        models = await http.get(f"{inst.url}/v1/models", timeout=timeout)
+        models.raise_for_status()
+        body = probe_body()
+        body["model"] = models.json()["data"][0]["id"]
+        resp = await http.post(f"{inst.url}/v1/completions", json=body, timeout=timeout)
+    except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as e:
+        raise DiscoveryError(f"{inst.url}: probe failed: {e!r}") from None
+    if resp.status_code != 200:
+        raise DiscoveryError(f"{inst.url}: probe answered HTTP {resp.status_code}")
+    try:
+        answer = resp.json()
+    except ValueError:
+        raise DiscoveryError(f"{inst.url}: probe answer is not JSON") from None
+    return control_from_answer(inst, answer)
