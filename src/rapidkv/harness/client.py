@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -195,6 +195,8 @@ class Streamed:
     token_ids: list[int]
     ttft_ms: float  # request sent -> first token received
     tpot_ms: float  # mean gap between later tokens (nan with fewer than 2 tokens)
+    token_ms: tuple[float, ...] = ()  # request sent -> each token received
+    headers: Mapping[str, str] = field(default_factory=dict)  # the response's headers
 
 
 async def acomplete_stream(
@@ -217,6 +219,7 @@ async def acomplete_stream(
         if resp.status_code != 200:
             await resp.aread()
             raise RuntimeError(f"{base_url}: HTTP {resp.status_code}: {resp.text[:500]}")
+        headers = dict(resp.headers)
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -225,4 +228,4 @@ async def acomplete_stream(
             times.extend([time.monotonic()] * len(new))
     ttft = (times[0] - t0) * 1000 if times else float("nan")
     tpot = (times[-1] - times[0]) * 1000 / (len(times) - 1) if len(times) > 1 else float("nan")
-    return Streamed(tokens, ttft, tpot)
+    return Streamed(tokens, ttft, tpot, tuple((t - t0) * 1000 for t in times), headers)
