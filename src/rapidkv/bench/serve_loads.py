@@ -1,0 +1,128 @@
+"""`rapidkv bench serve`: the loads, and the client that sends them.
+
+A load sends every prompt of the set once, as a streaming completion (greedy,
+`ignore_eos`, so each request yields exactly `max_tokens` tokens):
+
+- `cN`: closed loop, at most N requests in flight (`c1`: one after another);
+- `poissonR`: open loop, requests sent at Poisson arrival times of R per second
+  (seeded), whatever is still in flight.
+
+Each request records when each token arrived (client side), the response's
+rapidkv `xfer_id` header when a rapidkv router served it, and any error
+(counted, never retried).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rapidkv.bench.serve_stats import RequestResult
+
+XFER_HEADER = "x-rapidkv-xfer-id"
+
+
+@dataclass(frozen=True)
+class Load:
+    name: str
+    concurrency: int | None = None  # closed loop
+    rate: float | None = None  # open loop, requests per second
+
+    @classmethod
+    def parse(cls, text: str) -> Load:
+        """`c4` (concurrency 4) or `poisson8` / `poisson2.5` (rate, req/s)."""
+        text = text.strip()
+        if m := re.fullmatch(r"c(\d+)", text):
+            if int(m[1]) < 1:
+                raise ValueError(f"load {text!r}: concurrency must be >= 1")
+            return cls(text, concurrency=int(m[1]))
+        if m := re.fullmatch(r"poisson(\d+(?:\.\d+)?)", text):
+            if float(m[1]) <= 0:
+                raise ValueError(f"load {text!r}: rate must be > 0")
+            return cls(text, rate=float(m[1]))
+        raise ValueError(f"load {text!r}: expected cN (concurrency) or poissonR (req/s)")
+
+
+def run_load(
+    url: str,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    load: Load,
+    *,
+    params: dict[str, Any] | None = None,
+    seed: int = 0,
+    timeout_s: float = 120.0,
+    on_done: Callable[[], None] = lambda: None,
+) -> tuple[list[RequestResult], float]:
+    """Send every prompt under `load`; results in prompt order and the wall time
+    from the first request sent to the last response complete."""
+    return asyncio.run(_run(url, prompts, max_tokens, load, params, seed, timeout_s, on_done))
+
+
+async def _run(
+    url: str,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    load: Load,
+    params: dict[str, Any] | None,
+    seed: int,
+    timeout_s: float,
+    on_done: Callable[[], None],
+) -> tuple[list[RequestResult], float]:
+    import httpx
+
+    from rapidkv.harness.client import acomplete_stream
+
+    limits = httpx.Limits(max_connections=load.concurrency or len(prompts) or 1)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout_s, trust_env=False) as client:
+
+        async def one(i: int) -> RequestResult:
+            sent = time.time()
+            t0 = time.monotonic()
+            try:
+                s = await acomplete_stream(
+                    client,
+                    url,
+                    prompts[i],
+                    max_tokens,
+                    timeout=timeout_s,
+                    kv_transfer_params=params,
+                )
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"[:300]
+                return RequestResult(i, (), (), math.nan, sent, error=error)
+            finally:
+                on_done()
+            e2e = (time.monotonic() - t0) * 1000
+            xfer = s.headers.get(XFER_HEADER)
+            return RequestResult(i, tuple(s.token_ids), s.token_ms, e2e, sent, xfer)
+
+        t_start = time.monotonic()
+        if load.concurrency is not None:
+            sem = asyncio.Semaphore(load.concurrency)
+
+            async def gated(i: int) -> RequestResult:
+                async with sem:
+                    return await one(i)
+
+            results = await asyncio.gather(*(gated(i) for i in range(len(prompts))))
+        else:
+            assert load.rate is not None
+            rng = random.Random(seed)
+            arrivals, t = [], 0.0
+            for _ in prompts:
+                arrivals.append(t)
+                t += rng.expovariate(load.rate)
+
+            async def timed(i: int) -> RequestResult:
+                await asyncio.sleep(max(0.0, t_start + arrivals[i] - time.monotonic()))
+                return await one(i)
+
+            results = await asyncio.gather(*(timed(i) for i in range(len(prompts))))
+        return list(results), time.monotonic() - t_start

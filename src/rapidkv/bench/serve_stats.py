@@ -1,0 +1,157 @@
+"""`rapidkv bench serve`: summaries of measured samples and the correctness check.
+
+Pure functions, no I/O: they turn what one load produced (per-request token
+ids and arrival times) into the numbers the benchmark reports.
+
+Correctness: every output is compared token for token with the reference (the
+`single` instance, greedy). A mismatch is a *near-tie* when, at the first
+position where the two differ, the reference's top-2 logprob margin is at most
+`NEAR_TIE_MARGIN` (two candidates so close that a different batch shape or
+summation order may legitimately pick the other one); any other difference,
+including a missing or extra token, is *hard*.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+NEAR_TIE_MARGIN = 0.05
+"""Largest top-2 logprob margin at the first divergence that makes a mismatch a near-tie."""
+
+Verdict = Literal["match", "near_tie", "hard"]
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The reference output of one prompt: its tokens and, per position, the
+    margin between the reference's two most likely tokens (nan where unknown)."""
+
+    token_ids: tuple[int, ...]
+    margins: tuple[float, ...]
+
+
+def classify(
+    reference: Reference, token_ids: Sequence[int], tie: float = NEAR_TIE_MARGIN
+) -> Verdict:
+    """Compare one output with its reference (see module docstring)."""
+    ref = reference.token_ids
+    got = tuple(token_ids)
+    if got == ref:
+        return "match"
+    for i, (a, b) in enumerate(zip(ref, got, strict=False)):
+        if a != b:
+            margin = reference.margins[i] if i < len(reference.margins) else math.nan
+            return "near_tie" if margin <= tie else "hard"  # nan compares False: hard
+    return "hard"  # one is a strict prefix of the other: a length difference
+
+
+def margins_from_logprobs(top_logprobs: Sequence[Mapping[str, float] | None]) -> tuple[float, ...]:
+    """Per position, top-1 minus top-2 logprob, from an OpenAI completions
+    `logprobs.top_logprobs` list (requested with `logprobs >= 2`); nan where a
+    position lists fewer than two candidates."""
+    out = []
+    for entry in top_logprobs:
+        values = sorted((entry or {}).values(), reverse=True)
+        out.append(values[0] - values[1] if len(values) >= 2 else math.nan)
+    return tuple(out)
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """The `q`-th percentile (0..100) of ascending values, linearly interpolated
+    between closest ranks (numpy's default); nan for no values."""
+    n = len(sorted_values)
+    if n == 0:
+        return math.nan
+    pos = (n - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, n - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def summarize(values: Sequence[float]) -> dict[str, float]:
+    """mean, p50, p90, p99, min, max and n of the finite values (nan when none)."""
+    finite = sorted(v for v in values if math.isfinite(v))
+    if not finite:
+        nan = math.nan
+        return {"mean": nan, "p50": nan, "p90": nan, "p99": nan, "min": nan, "max": nan, "n": 0}
+    return {
+        "mean": sum(finite) / len(finite),
+        "p50": percentile(finite, 50),
+        "p90": percentile(finite, 90),
+        "p99": percentile(finite, 99),
+        "min": finite[0],
+        "max": finite[-1],
+        "n": len(finite),
+    }
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    """One measured request: which prompt, what came back, when (ms after it was sent)."""
+
+    prompt_index: int
+    token_ids: tuple[int, ...]
+    token_ms: tuple[float, ...]  # arrival of each token
+    e2e_ms: float  # sent -> response complete
+    sent_s: float  # wall-clock time (time.time()) it was sent
+    xfer_id: str | None = None  # the rapidkv router's id for it, when routed by one
+    error: str | None = None
+
+    @property
+    def ttft_ms(self) -> float:
+        return self.token_ms[0] if self.token_ms else math.nan
+
+    @property
+    def tpot_ms(self) -> float:
+        """Mean time per output token after the first (nan with fewer than 2)."""
+        t = self.token_ms
+        return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else math.nan
+
+    @property
+    def itl_ms(self) -> list[float]:
+        """Gaps between consecutive tokens (0 for tokens that arrived together)."""
+        t = self.token_ms
+        return [b - a for a, b in itertools.pairwise(t)]
+
+
+def load_summary(
+    results: Sequence[RequestResult],
+    references: Sequence[Reference] | None,
+    wall_s: float,
+    cpu_s: Mapping[str, float],
+) -> dict[str, Any]:
+    """The report of one load on one configuration.
+
+    `wall_s` is first request sent -> last response complete; `cpu_s` the CPU
+    seconds each server-side process tree ("prefill", "router", ...) used over
+    the load. Mismatches are counted against `references` (by prompt index)
+    when given; failed requests count as errors, not as mismatches.
+    """
+    ok = [r for r in results if r.error is None]
+    verdicts = {"match": 0, "near_tie": 0, "hard": 0}
+    for r in ok if references is not None else ():
+        verdicts[classify(references[r.prompt_index], r.token_ids)] += 1
+    out_tokens = sum(len(r.token_ids) for r in ok)
+    n = len(results)
+    cpu_total = sum(cpu_s.values())
+    return {
+        "requests": n,
+        "errors": n - len(ok),
+        "error_examples": sorted({r.error for r in results if r.error})[:3],
+        "ttft_ms": summarize([r.ttft_ms for r in ok]),
+        "tpot_ms": summarize([r.tpot_ms for r in ok]),
+        "itl_ms": summarize([g for r in ok for g in r.itl_ms]),
+        "e2e_ms": summarize([r.e2e_ms for r in ok]),
+        "duration_s": wall_s,
+        "throughput_req_s": len(ok) / wall_s if wall_s > 0 else math.nan,
+        "output_tok_s": out_tokens / wall_s if wall_s > 0 else math.nan,
+        "server_cpu_s": dict(cpu_s),
+        "server_cpu_s_per_req": cpu_total / n if n else math.nan,
+        "matches": verdicts["match"] if references is not None else None,
+        "near_tie_mismatches": verdicts["near_tie"] if references is not None else None,
+        "hard_mismatches": verdicts["hard"] if references is not None else None,
+    }
