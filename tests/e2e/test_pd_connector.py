@@ -51,6 +51,13 @@ LENGTHS = [
 ]
 
 
+# (name, prompt lengths, seed) of the workloads run on the small-P pair
+SMALL_P_WORKLOADS = [  # + max_tokens
+    ("small_wait", [130, 130], 4000, 300),
+    ("small_busy", [400, 400, 400], 4002, MAX_TOKENS),
+]
+
+
 def connector_config(control_port: int) -> dict:
     # every TTL well above the 2 s leak window: a timeout cannot hide a leak;
     # 5 ms after each layer: a step's layer-by-layer sends are observable
@@ -144,6 +151,9 @@ def workloads(tiny_model: Path, single_server_starter) -> dict[str, tuple[list, 
     for seed, name in enumerate(["router-dual", "router-serial"]):  # distinct: no D prefix hits
         router = random_prompts(tiny_model, LENGTHS * 2, seed=3000 + seed)
         out[name] = (router, complete_many(single.base_url, router, MAX_TOKENS, concurrency=4))
+    for name, lengths, seed, max_tokens in SMALL_P_WORKLOADS:
+        prompts = random_prompts(tiny_model, lengths, seed=seed)
+        out[name] = (prompts, complete_many(single.base_url, prompts, max_tokens))
     for seed, name in enumerate(["late_p", "gone", "abort_d", "nothing"]):
         one = random_prompts(
             tiny_model, [BLOCK + 1 if name == "nothing" else 600], seed=2000 + seed
@@ -329,8 +339,10 @@ def test_router_streams_pd_outputs_equal_to_single_instance(
     prompts, expected = workloads[f"router-{dispatch}"]
     p0, d0 = pd_pair.stats("p"), pd_pair.stats("d")
     before = {"p": p0, "d": d0}
+    # dual: the router asks P for its control address; serial: it is given
+    p_control = None if dispatch == "dual" else pd_pair.p_control
     config = RouterConfig(
-        prefill=(Instance(pd_pair.p.base_url, pd_pair.p_control),),
+        prefill=(Instance(pd_pair.p.base_url, p_control),),
         decode=(Instance(pd_pair.d.base_url, pd_pair.d_control),),
         port=0,
         dispatch=dispatch,
@@ -432,3 +444,93 @@ def test_finished_request_without_transfer_kv_is_freed_after_its_ttl(
 
         assert wait_for(freed, 1.0 + 2.0), "P kept the blocks past finished_ttl_s"
         assert rpc.call(control, StatsRequest(), 10).counters["finished_expired"] == 1
+
+
+# -- a P with a small block pool (15 usable blocks), one transfer per D at a time
+
+
+@pytest.fixture(scope="session")
+def small_p_pair(server_pool: ServerPool, tiny_model: Path, workloads: dict) -> Pair:
+    pc, dc = free_port(), free_port()
+    p_cfg = kv_transfer_config(
+        pc,
+        park_ttl_s=30.0,
+        finished_ttl_s=60.0,
+        debug_layer_delay_s=0.005,
+        max_transfers_per_peer=1,
+    )
+    chunked = ("--max-num-batched-tokens", "256")
+    p_spec, d_spec = pd_specs(tiny_model, p_cfg, connector_config(dc), chunked)
+    p, d = server_pool.get("pd-small", [p_spec.replace(kv_cache_memory_bytes="8M"), d_spec])
+    pair = Pair(tiny_model, p, d, f"127.0.0.1:{pc}", f"127.0.0.1:{dc}")
+    assert pair.stats("p")["free_blocks"] == 15
+    return pair
+
+
+def preemptions(server: VLLMServer) -> float:
+    return metric_sum(get_metrics(server.base_url), "vllm:num_preemptions_total")
+
+
+def test_blocks_held_for_transfers_make_p_wait_instead_of_preempting(
+    small_p_pair: Pair, workloads: dict
+) -> None:
+    """P's pool is partly held by finished requests whose transfers are pending;
+    two decodes grow into the rest. The one that finds no free block waits
+    (has_pending_block_frees) instead of preempting the other, and goes on once
+    the held blocks are freed: no preemption, exact outputs, nothing leaks."""
+    from rapidkv.control.messages import Abort, AbortReason
+
+    pair = small_p_pair
+    decodes, expected = workloads["small_wait"]
+    before = {"p": pair.stats("p"), "d": pair.stats("d")}
+    preempted0 = preemptions(pair.p)
+    fillers = random_prompts(pair.model, [500, 500], seed=4100)
+    for i, filler in enumerate(fillers):  # 2 x 4 blocks held: no D ever asks for them
+        pk = {"rapidkv": {"xfer_id": f"held-{i}", "role": "prefill"}}
+        complete_full(pair.p.base_url, filler, 1, kv_transfer_params=pk)
+    assert pair.stats("p")["free_blocks"] == 15 - 8
+
+    async def main():
+        async with httpx.AsyncClient() as client:
+            # 2 x (130 + 300) tokens need 8 blocks; 7 are free
+            tasks = [
+                asyncio.create_task(acomplete_full(client, pair.p.base_url, ids, 300))
+                for ids in decodes
+            ]
+            waits0 = before["p"].get("pending_block_frees_waits", 0)
+            deadline = time.monotonic() + 30
+            while pair.stats("p").get("pending_block_frees_waits", 0) == waits0:
+                assert time.monotonic() < deadline, "P never waited for held blocks"
+                assert not any(t.done() for t in tasks), "the decodes found enough blocks"
+                await asyncio.sleep(0.02)
+            for i in range(len(fillers)):  # their D gave up: the blocks come back
+                abort = Abort(xfer_id=f"held-{i}", reason=AbortReason.TIMEOUT)
+                assert pair.rpc.call(pair.p_control, abort, 10).code.name == "OK"
+            return await asyncio.gather(*tasks)
+
+    assert [c.token_ids for c in asyncio.run(main())] == expected
+    assert preemptions(pair.p) == preempted0
+    assert_back_to_baseline(pair, before)
+
+
+def test_transfers_over_the_per_d_cap_are_refused_busy_and_retried(
+    small_p_pair: Pair, workloads: dict
+) -> None:
+    """P takes one transfer per D at a time here: D's other TransferKVs get BUSY,
+    are retried, and every prompt's KV still crosses."""
+    pair = small_p_pair
+    prompts, expected = workloads["small_busy"]
+    before = {"p": pair.stats("p"), "d": pair.stats("d")}
+    assert pair.run(prompts, "busy", serial=False, concurrency=3) == expected
+    p1, d1 = pair.stats("p"), pair.stats("d")
+    assert p1.get("busy_replies", 0) > before["p"].get("busy_replies", 0)
+    assert d1.get("transfer_kv_retries_busy", 0) > before["d"].get("transfer_kv_retries_busy", 0)
+    assert wait_for(
+        lambda: (
+            pair.stats("p").get("transfers_ok", 0) - before["p"].get("transfers_ok", 0)
+            == len(prompts)
+        ),
+        2.0,
+    )
+    assert d1.get("recompute_fallbacks", 0) == before["d"].get("recompute_fallbacks", 0)
+    assert_back_to_baseline(pair, before)

@@ -168,7 +168,9 @@ class RapidKVConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: Any) -> None:
         assert self.sched is not None
         self.sched.update_output(
-            connector_output.kv_connector_worker_meta, connector_output.finished_recving
+            connector_output.kv_connector_worker_meta,
+            connector_output.finished_recving,
+            connector_output.finished_sending,
         )
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Any]:

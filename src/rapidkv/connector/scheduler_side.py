@@ -128,6 +128,7 @@ class SchedulerSide:
         self._known_p: dict[str, concurrent.futures.Future] = {}  # P address -> handshake
         self._requests: dict[str, Any] = {}  # P requests, for num_computed_tokens
         self._pending = _Pending()
+        self._freeing: set[str] = set()  # released P requests whose blocks vLLM still holds
         self.spec: KVSpec | None = None
         self.endpoints: list[RankEndpoint] = []
         self.kv_cache_manager: Any = None
@@ -303,8 +304,14 @@ class SchedulerSide:
             self._maybe_release(p)
         return True, None
 
-    def update_output(self, meta: WorkerMeta | None, finished_recving: set[str] | None) -> None:
+    def update_output(
+        self,
+        meta: WorkerMeta | None,
+        finished_recving: set[str] | None,
+        finished_sending: set[str] | None = None,
+    ) -> None:
         with self._lock:
+            self._freeing.difference_update(finished_sending or ())
             for req_id in finished_recving or ():
                 c = self._consumed.get(req_id)
                 if c is not None:
@@ -320,10 +327,14 @@ class SchedulerSide:
                     self._settle(p)
 
     def pending_block_frees(self) -> bool:
-        """Finished P requests still hold blocks that their transfers will free:
-        vLLM then waits a step instead of preempting a running request."""
+        """Finished P requests still hold blocks that will be freed without
+        preempting anyone (their transfer settles, or they were released and vLLM
+        frees them at the next step): vLLM then waits a step instead of preempting
+        a running request."""
         with self._lock:
-            pending = any(p.finished and not p.released for p in self._produced.values())
+            pending = bool(self._freeing) or any(
+                p.finished and not p.released for p in self._produced.values()
+            )
             if pending:
                 self.counters["pending_block_frees_waits"] += 1
             return pending
@@ -390,6 +401,7 @@ class SchedulerSide:
     def _release(self, p: Produced) -> None:
         p.released = True
         self._pending.release.append(p.req_id)
+        self._freeing.add(p.req_id)  # until vLLM frees the blocks (finished_sending)
         self._produced.pop(p.xfer_id, None)
 
     def _abort_produced(self, p: Produced, why: str) -> None:
