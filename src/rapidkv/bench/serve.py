@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shlex
 import subprocess
 import sys
@@ -43,6 +44,7 @@ MODELS = ("tiny", "small")
 DTYPES = {"float32": "float32", "bf16": "bfloat16"}
 DEFAULT_LOADS = "c1,c4,poisson8"
 QUICK_LOADS = "c1,c4"
+NOISY_CORES = 0.2  # CPU used by processes not ours during a load, in cores, worth a warning
 
 
 def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
@@ -191,6 +193,8 @@ class LoadRun:
     wall_s: float
     cpu_s: dict[str, float]
     prompt_tokens: dict[str, dict[str, float]]  # server -> {"external", "local"} counted
+    client_cpu_s: float  # this process: the load generator
+    other_cpu_s: float  # everything else on the machine (noise: should be ~0)
 
 
 @dataclass
@@ -327,12 +331,13 @@ class ModelRun:
             self.progress.say(f"{name}: warm-up request failed: {first.error}")
 
     def measure(self, name: str, group: Any, load: Any, rnd: int) -> None:
-        from rapidkv.bench.serve_configs import CONFIGS
+        from rapidkv.bench.serve_configs import CONFIGS, machine_busy_cpu_seconds, tree_cpu_seconds
         from rapidkv.bench.serve_loads import run_load
 
         config = CONFIGS[name]
         self.progress.stage(f"{self.model} r{rnd}: {name} {load.name}")
         tokens_before = group.prompt_tokens()
+        busy_before, client_before = machine_busy_cpu_seconds(), tree_cpu_seconds([os.getpid()])
         before = group.cpu_seconds()
         results, wall = run_load(
             group.url(config),
@@ -345,12 +350,15 @@ class ModelRun:
             on_done=self.progress.advance,
         )
         after = group.cpu_seconds()
+        client = tree_cpu_seconds([os.getpid()]) - client_before
+        busy = machine_busy_cpu_seconds() - busy_before
         cpu = {k: after[k] - before.get(k, 0.0) for k in after}
+        other = busy - sum(cpu.values()) - client
         tokens = {
             server: {src: n - tokens_before[server][src] for src, n in counts.items()}
             for server, counts in group.prompt_tokens().items()
         }
-        run = LoadRun(rnd, results, wall, cpu, tokens)
+        run = LoadRun(rnd, results, wall, cpu, tokens, client, other)
         self.configs[name].loads.setdefault(load.name, []).append(run)
         if self.trace is not None:
             self.write_trace(name, load.name, rnd, results)
@@ -456,6 +464,8 @@ def config_report(mr: ModelRun, c: ConfigRun) -> dict[str, Any]:
         sent = sum(len(mr.prompts[r.prompt_index]) for run in runs for r in run.results)
         external = sum(v["external"] for v in pooled["prompt_tokens"].values())
         pooled["kv_transferred_fraction"] = external / sent if sent else math.nan
+        pooled["client_cpu_s"] = sum(run.client_cpu_s for run in runs)
+        pooled["other_cpu_s"] = sum(run.other_cpu_s for run in runs)
         if len(runs) > 1:
             per_round = []
             for run in runs:
@@ -610,6 +620,14 @@ def print_report(report: dict[str, Any], runs: list[ModelRun]) -> None:
             line += f"{_fmt(s['hard_mismatches'], 0):>5}{_fmt(s['near_tie_mismatches'], 0):>4}"
             line += f"{s['errors']:>4}"
             print(line)
+    noisy = [
+        f"{key} {load} ({s['other_cpu_s'] / s['duration_s']:.2f} cores)"
+        for key, c in report["configs"].items()
+        for load, s in c["loads"].items()
+        if s["duration_s"] > 0 and s["other_cpu_s"] / s["duration_s"] > NOISY_CORES
+    ]
+    if noisy:
+        print(f"\nWARNING: other processes were busy during: {', '.join(noisy)}")
     print("\nstart-up (s, launch -> all healthy) / first request (ms) / CPUs of server threads:")
     for key, c in report["configs"].items():
         if not c["error"]:

@@ -335,6 +335,13 @@ def tree_cpu_seconds(pids: Sequence[int]) -> float:
     return total / _TICK
 
 
+def machine_busy_cpu_seconds() -> float:
+    """CPU seconds every core of the machine spent not idle since boot (/proc/stat)."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / _TICK
+
+
 def tree_affinity(pids: Sequence[int]) -> list[str]:
     """The distinct `Cpus_allowed_list` values of every thread of `pids`."""
     seen: set[str] = set()

@@ -1,0 +1,249 @@
+"""`rapidkv bench serve`: its pure parts (stats, mismatch classification, loads,
+the NIXL tuning and proxy rewrite), and a smoke run of the command itself."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+
+import pytest
+
+from rapidkv.bench.serve_loads import Load
+from rapidkv.bench.serve_nixl_tuning import guarded_setaffinity, parse_cpus, patch_nixl_api
+from rapidkv.bench.serve_proxy import prefill_body
+from rapidkv.bench.serve_stats import (
+    Reference,
+    RequestResult,
+    classify,
+    load_summary,
+    margins_from_logprobs,
+    percentile,
+    summarize,
+)
+
+REF = Reference(token_ids=(5, 6, 7, 8), margins=(2.0, 0.03, 0.5, math.nan))
+
+
+# ---------------------------------------------------------------- classification
+
+
+@pytest.mark.unit
+def test_identical_output_is_a_match() -> None:
+    assert classify(REF, [5, 6, 7, 8]) == "match"
+
+
+@pytest.mark.unit
+def test_divergence_where_the_reference_had_a_near_tie_is_a_near_tie() -> None:
+    assert classify(REF, [5, 9, 1, 1]) == "near_tie"  # margin 0.03 at position 1
+
+
+@pytest.mark.unit
+def test_divergence_at_a_clear_margin_is_hard_even_after_a_near_tie_position() -> None:
+    assert classify(REF, [9, 6, 7, 8]) == "hard"  # margin 2.0 at position 0
+    assert classify(REF, [5, 6, 9, 8]) == "hard"  # margin 0.5 at position 2
+
+
+@pytest.mark.unit
+def test_the_margin_bound_is_inclusive_and_configurable() -> None:
+    ref = Reference((1, 2), (0.05, 0.05))
+    assert classify(ref, [3, 2]) == "near_tie"
+    assert classify(ref, [3, 2], tie=0.01) == "hard"
+
+
+@pytest.mark.unit
+def test_unknown_margin_or_a_length_difference_is_hard() -> None:
+    assert classify(REF, [5, 6, 7, 9]) == "hard"  # margin nan at position 3
+    assert classify(REF, [5, 6, 7]) == "hard"
+    assert classify(REF, [5, 6, 7, 8, 9]) == "hard"
+    assert classify(REF, []) == "hard"
+
+
+@pytest.mark.unit
+def test_margins_are_top1_minus_top2_from_openai_top_logprobs() -> None:
+    top = [{"token_id:3": -0.1, "token_id:9": -2.1}, {"token_id:4": -0.5}, None]
+    m = margins_from_logprobs(top)
+    assert m[0] == pytest.approx(2.0)
+    assert math.isnan(m[1]) and math.isnan(m[2])
+    # order of the dict does not matter
+    assert margins_from_logprobs([{"a": -3.0, "b": -1.0}])[0] == pytest.approx(2.0)
+
+
+# ---------------------------------------------------------------- statistics
+
+
+@pytest.mark.unit
+def test_percentiles_interpolate_linearly_like_numpy() -> None:
+    values = [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert percentile(values, 50) == 3.0
+    assert percentile(values, 90) == pytest.approx(4.6)
+    assert percentile(values, 0) == 1.0 and percentile(values, 100) == 5.0
+    assert percentile([7.0], 99) == 7.0
+    assert math.isnan(percentile([], 50))
+
+
+@pytest.mark.unit
+def test_summaries_ignore_nan_and_report_every_statistic() -> None:
+    s = summarize([3.0, math.nan, 1.0, 2.0])
+    assert s == {
+        "mean": 2.0,
+        "p50": 2.0,
+        "p90": 2.8,
+        "p99": pytest.approx(2.98),
+        "min": 1.0,
+        "max": 3.0,
+        "n": 3,
+    }
+    empty = summarize([math.nan])
+    assert empty["n"] == 0 and math.isnan(empty["p50"])
+
+
+@pytest.mark.unit
+def test_request_timing_derives_ttft_tpot_and_itl_from_token_arrivals() -> None:
+    r = RequestResult(0, (1, 2, 3), (10.0, 14.0, 20.0), 21.0, 0.0)
+    assert r.ttft_ms == 10.0 and r.tpot_ms == 5.0 and r.itl_ms == [4.0, 6.0]
+    one = RequestResult(0, (1,), (10.0,), 11.0, 0.0)
+    assert math.isnan(one.tpot_ms) and one.itl_ms == []
+
+
+@pytest.mark.unit
+def test_a_load_summary_counts_verdicts_errors_throughput_and_cpu() -> None:
+    refs = [REF, Reference((1, 2), (1.0, 1.0))]
+    results = [
+        RequestResult(0, (5, 6, 7, 8), (10.0, 12.0, 14.0, 16.0), 17.0, 0.0),
+        RequestResult(0, (5, 9, 7, 8), (20.0, 22.0, 24.0, 26.0), 27.0, 0.0),
+        RequestResult(1, (1, 3), (30.0, 40.0), 41.0, 0.0),
+        RequestResult(1, (), (), math.nan, 0.0, error="boom"),
+    ]
+    s = load_summary(results, refs, wall_s=2.0, cpu_s={"prefill": 1.0, "router": 0.6})
+    assert (s["matches"], s["near_tie_mismatches"], s["hard_mismatches"]) == (1, 1, 1)
+    assert s["requests"] == 4 and s["errors"] == 1 and s["error_examples"] == ["boom"]
+    assert s["ttft_ms"]["p50"] == 20.0 and s["ttft_ms"]["n"] == 3
+    assert s["throughput_req_s"] == 1.5 and s["output_tok_s"] == 5.0
+    assert s["server_cpu_s_per_req"] == pytest.approx(0.4)
+    unchecked = load_summary(results, None, 2.0, {})
+    assert unchecked["hard_mismatches"] is None
+
+
+# ---------------------------------------------------------------- loads, tuning, proxy
+
+
+@pytest.mark.unit
+def test_load_names_parse_into_closed_and_open_loops() -> None:
+    assert Load.parse("c4") == Load("c4", concurrency=4)
+    assert Load.parse("poisson8") == Load("poisson8", rate=8.0)
+    assert Load.parse("poisson2.5").rate == 2.5
+    for bad in ("c0", "poisson0", "x3", "c", ""):
+        with pytest.raises(ValueError):
+            Load.parse(bad)
+
+
+@pytest.mark.unit
+def test_affinity_guard_keeps_threads_on_the_instances_cpus() -> None:
+    calls: list[tuple[int, frozenset[int]]] = []
+    notes: list[str] = []
+    guard = guarded_setaffinity(
+        lambda pid, mask: calls.append((pid, frozenset(mask))), parse_cpus("0"), notes.append
+    )
+    guard(0, [0])  # inside: passed on
+    guard(0, [1])  # outside (what vLLM's NIXL worker asks on P): ignored
+    guard(0, {0, 1})  # partly outside: narrowed
+    assert calls == [(0, frozenset({0})), (0, frozenset({0}))]
+    assert len(notes) == 2
+    assert parse_cpus("0-2,5") == frozenset({0, 1, 2, 5})
+
+
+@pytest.mark.unit
+def test_nixl_agent_config_defaults_to_no_progress_thread_once_patched() -> None:
+    class nixl_agent_config:  # the shape of nixl._api.nixl_agent_config
+        def __init__(self, enable_prog_thread: bool = True, num_threads: int = 0) -> None:
+            self.enable_pthread = enable_prog_thread
+            self.num_threads = num_threads
+
+    module = types.ModuleType("fake_nixl_api")
+    module.nixl_agent_config = nixl_agent_config  # type: ignore[attr-defined]
+    patch_nixl_api(module)
+    patch_nixl_api(module)  # idempotent
+    assert nixl_agent_config(num_threads=4).enable_pthread is False
+    assert nixl_agent_config(enable_prog_thread=True).enable_pthread is True
+    assert nixl_agent_config(True).enable_pthread is True  # positional: untouched
+
+
+@pytest.mark.unit
+def test_the_nixl_proxy_asks_p_for_one_token_and_a_remote_decode() -> None:
+    body = {
+        "prompt": [1, 2],
+        "max_tokens": 16,
+        "stream": True,
+        "min_tokens": 16,
+        "stream_options": {"include_usage": True},
+        "temperature": 0.0,
+    }
+    p = prefill_body(body)
+    assert p["max_tokens"] == 1 and p["stream"] is False
+    assert "min_tokens" not in p and "stream_options" not in p
+    assert p["kv_transfer_params"]["do_remote_decode"] is True
+    assert p["prompt"] == [1, 2] and body["max_tokens"] == 16  # the client's body is untouched
+
+
+# ---------------------------------------------------------------- smoke
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_bench_serve_runs_single_and_rapidkv_and_matches(tmp_path: Path) -> None:
+    """Two requests through `single` and `rapidkv`: every output equals the
+    reference, the JSON has the documented keys and positive figures, and the
+    rapidkv decode instance received the prompts' KV."""
+    out = tmp_path / "serve.json"
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rapidkv.cli",
+            "bench",
+            "serve",
+            "--configs",
+            "single,rapidkv",
+            "--requests",
+            "2",
+            "--loads",
+            "c1",
+            "--warmup",
+            "0",
+            "--json",
+            str(out),
+            "--plot",
+            str(tmp_path / "serve.png"),
+            "--log-dir",
+            str(tmp_path / "logs"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["ok"] is True and report["reference"]["tiny"]["error"] is None
+    assert set(report["configs"]) == {"single", "rapidkv"}
+    for name, config in report["configs"].items():
+        assert config["error"] is None and config["startup_s"] > 0, name
+        c1 = config["loads"]["c1"]
+        assert c1["requests"] == 2 and c1["errors"] == 0, name
+        assert (c1["matches"], c1["hard_mismatches"], c1["near_tie_mismatches"]) == (2, 0, 0)
+        for measure in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+            for key in ("mean", "p50", "p90", "p99"):
+                assert c1[measure][key] > 0, (name, measure, key)
+        assert c1["throughput_req_s"] > 0 and c1["output_tok_s"] > 0
+        assert c1["server_cpu_s_per_req"] > 0
+    assert report["configs"]["single"]["loads"]["c1"]["kv_transferred_fraction"] == 0
+    assert report["configs"]["rapidkv"]["loads"]["c1"]["kv_transferred_fraction"] > 0.9
+    assert (tmp_path / "serve.png").stat().st_size > 0
+    assert "result: OK" in proc.stdout
+    print(f"bench serve smoke: {elapsed:.0f}s")
