@@ -272,6 +272,11 @@ class ModelRun:
             for load in self.opts.loads:
                 for name in members:
                     self.measure(name, group, load, rnd)
+        except Exception as e:  # a server died, /metrics failed...: the next group still runs
+            why = f"{group_name} failed while measured: {type(e).__name__}: {e}"
+            p.say(why[:3000])
+            for name in members:
+                self.configs[name].error = why[:4000]
         finally:
             p.stage(f"{self.model} r{rnd}: stopping {group_name}")
             group.stop()
@@ -466,6 +471,8 @@ def config_report(mr: ModelRun, c: ConfigRun) -> dict[str, Any]:
         pooled["kv_transferred_fraction"] = external / sent if sent else math.nan
         pooled["client_cpu_s"] = sum(run.client_cpu_s for run in runs)
         pooled["other_cpu_s"] = sum(run.other_cpu_s for run in runs)
+        wall = pooled["duration_s"]
+        pooled["other_cpu_cores"] = pooled["other_cpu_s"] / wall if wall > 0 else math.nan
         if len(runs) > 1:
             per_round = []
             for run in runs:
@@ -610,8 +617,7 @@ def print_report(report: dict[str, Any], runs: list[ModelRun]) -> None:
     print(f"\n{head}\n{'-' * len(head)}")
     for key, c in report["configs"].items():
         if c["error"]:
-            print(f"{key:<22}{'(did not run)':<11} {c['error'].splitlines()[0][:100]}")
-            continue
+            print(f"{key:<22}{'ERROR':<11}{c['error'].splitlines()[0][:110]}")
         for load, s in c["loads"].items():
             line = f"{key:<22}{load:<11}" + "".join(f"{_fmt(s[m][k]):>9}" for _, m, k in cols)
             line += f"{_fmt(s['throughput_req_s']):>7}{_fmt(s['output_tok_s'], 0):>7}"
@@ -621,10 +627,10 @@ def print_report(report: dict[str, Any], runs: list[ModelRun]) -> None:
             line += f"{s['errors']:>4}"
             print(line)
     noisy = [
-        f"{key} {load} ({s['other_cpu_s'] / s['duration_s']:.2f} cores)"
+        f"{key} {load} ({s['other_cpu_cores']:.2f} cores)"
         for key, c in report["configs"].items()
         for load, s in c["loads"].items()
-        if s["duration_s"] > 0 and s["other_cpu_s"] / s["duration_s"] > NOISY_CORES
+        if s["other_cpu_cores"] > NOISY_CORES
     ]
     if noisy:
         print(f"\nWARNING: other processes were busy during: {', '.join(noisy)}")
