@@ -16,6 +16,7 @@ import pytest
 from rapidkv.bench.serve_loads import Load
 from rapidkv.bench.serve_nixl_tuning import guarded_setaffinity, parse_cpus, patch_nixl_api
 from rapidkv.bench.serve_proxy import prefill_body
+from rapidkv.bench.serve_report import to_json
 from rapidkv.bench.serve_stats import (
     Reference,
     RequestResult,
@@ -127,6 +128,12 @@ def test_a_load_summary_counts_verdicts_errors_throughput_and_cpu() -> None:
     assert s["server_cpu_s_per_req"] == pytest.approx(0.4)
     unchecked = load_summary(results, None, 2.0, {})
     assert unchecked["hard_mismatches"] is None
+
+
+@pytest.mark.unit
+def test_the_json_output_is_strict_json_with_null_for_missing_figures() -> None:
+    text = to_json({"p50": math.nan, "n": 3, "ids": (1, 2), "inf": math.inf, "dir": Path("/x")})
+    assert json.loads(text) == {"p50": None, "n": 3, "ids": [1, 2], "inf": None, "dir": "/x"}
 
 
 # ---------------------------------------------------------------- loads, tuning, proxy

