@@ -17,6 +17,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "rapidkv vs single vLLM, vLLM's NIXL connectors and dp2, served",
         "rapidkv.bench.serve",
     ),
+    "transfer-kv": (
+        "TransferKV on a busy P: step vs bypass vs substep, per request state",
+        "rapidkv.bench.transfer_kv",
+    ),
 }
 
 

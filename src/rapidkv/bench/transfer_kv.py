@@ -1,0 +1,558 @@
+"""`rapidkv bench transfer-kv`: how fast a TransferKV takes effect on a busy P,
+per `transfer_kv_mode` (step, bypass, substep) and per state of the request
+when it arrives (prefill finished, last chunk in flight, an earlier chunk in
+flight).
+
+One run, two phases (`uncapped`, then `capped`), each with a fresh P:
+
+1. P: vLLM with RapidKVConnector on the `small` model, pinned to core 0,
+   chunked prefill (`--max-num-batched-tokens 256`), prefix caching off (the
+   same prompt is recomputed every time). In `capped`, P's kvt confirms writes
+   as if they crossed a link of `bandwidth_cap_gbps`, chosen from the uncapped
+   step p50 so that one request's full transfer takes `--cap-fraction` of a step.
+2. A background load (`transfer_kv_load`) keeps P's steps full.
+3. This process, pinned to core 1, is the destination D (`transfer_kv_dest`): a
+   real kvt receiver over NIXL, handshaken with P over the control protocol.
+4. Each sample: P gets the prompt (`role: prefill`, `max_tokens` 1); after a
+   random delay (`DelaySampler`) D sends TransferKV with the sample's mode.
+   Modes are cycled; P's timeline says in which state the TransferKV arrived.
+   Sampling stops when every (mode, state) has `--samples` or the phase's
+   `--budget-s` is spent.
+5. Per sample: arrival (P's `transfer_kv` event), first byte (our memory
+   changed), last byte (our kvt got the SendDone), exposed (last byte - the
+   later of arrival and P's `last_chunk_end`). Checks: the reply is OK for
+   every token, the SendDone is ok, every 8-byte word of every destination
+   block of every layer was overwritten, and the full blocks equal (within
+   float tolerance: chunking changes summation order) those of the phase's
+   first transfer of the same prompt (`content_max_rel_diff`).
+6. JSON (`--json`), a table on stdout, a plot (`--plot`), per-sample JSONL
+   (`--trace`), progress on stderr. P is stopped after each phase, also on
+   errors and Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import math
+import os
+import shlex
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+MODELS = ("small", "tiny")
+DTYPES = {"float32": "float32", "bf16": "bfloat16"}
+PHASES = ("uncapped", "capped")
+
+
+def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
+    parser.description = (__doc__ or "").split("\n\n")[0]
+    parser.add_argument("--model", choices=MODELS, default="small", help="(%(default)s)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument(
+        "--samples", type=int, default=None, help="per mode and state (default 20; 3 quick)"
+    )
+    parser.add_argument(
+        "--budget-s", type=float, default=None, help="per phase, seconds (default 900; 150 quick)"
+    )
+    parser.add_argument("--quick", action="store_true", help="a smoke: few samples")
+    parser.add_argument("--phases", default=",".join(PHASES), help="comma-separated")
+    parser.add_argument("--prompt-len", type=int, default=641, help="measured prompt, tokens")
+    parser.add_argument("--chunk", type=int, default=256, help="P's --max-num-batched-tokens")
+    parser.add_argument("--load-concurrency", type=int, default=2, help="background clients")
+    parser.add_argument(
+        "--load-len", default="600,900", help="background prompt lengths: min,max tokens"
+    )
+    parser.add_argument(
+        "--cap-fraction",
+        type=float,
+        default=0.3,
+        help="capped: one request's full transfer / uncapped step p50 (>= 0.2; the margin "
+        "absorbs step length drift between the phases)",
+    )
+    parser.add_argument(
+        "--cap-gbps", type=float, default=None, help="capped: this cap instead (GB/s)"
+    )
+    parser.add_argument(
+        "--uniform",
+        action="store_true",
+        help="TransferKV delay uniform over 0..1.5x the prefill time (default: stratified "
+        "towards the states still short of samples)",
+    )
+    parser.add_argument("--warmup", type=int, default=2, help="unrecorded samples per mode")
+    parser.add_argument("--poll-us", type=float, default=100.0, help="D's memory polling period")
+    parser.add_argument("--p-cpu", type=int, default=0)
+    parser.add_argument("--d-cpu", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, metavar="PATH", help="the JSON (- = stdout)")
+    parser.add_argument("--plot", type=Path, default=None, metavar="PATH", help="a PNG")
+    parser.add_argument("--trace", type=Path, default=None, metavar="PATH", help="samples, JSONL")
+    parser.add_argument("--log-dir", type=Path, default=None, help="P's logs (default: tmp)")
+    return run
+
+
+@dataclass(frozen=True)
+class Options:
+    model: str
+    dtype: str
+    samples: int
+    budget_s: float
+    phases: tuple[str, ...]
+    prompt_len: int
+    chunk: int
+    load_concurrency: int
+    load_len: tuple[int, int]
+    cap_fraction: float
+    cap_gbps: float | None
+    uniform: bool
+    warmup: int
+    poll_s: float
+    p_cpu: int
+    d_cpu: int
+    seed: int
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Options:
+        phases = tuple(p for p in args.phases.split(",") if p)
+        if not phases or any(p not in PHASES for p in phases):
+            raise ValueError(f"--phases: comma-separated of {', '.join(PHASES)}")
+        if "capped" in phases and "uncapped" not in phases and not args.cap_gbps:
+            raise ValueError("capped without uncapped needs --cap-gbps")
+        lo, hi = (int(x) for x in args.load_len.split(","))
+        samples = args.samples if args.samples is not None else (3 if args.quick else 20)
+        budget = args.budget_s if args.budget_s is not None else (150.0 if args.quick else 900.0)
+        if samples < 1 or budget <= 0 or not 1 <= lo <= hi or args.prompt_len < 3:
+            raise ValueError("need --samples >= 1, --budget-s > 0, 1 <= load min <= max")
+        if args.cap_fraction < 0.2:
+            raise ValueError("--cap-fraction must be >= 0.2 (the issue's minimum)")
+        return cls(
+            model=args.model,
+            dtype=DTYPES[args.dtype],
+            samples=samples,
+            budget_s=budget,
+            phases=phases,
+            prompt_len=args.prompt_len,
+            chunk=args.chunk,
+            load_concurrency=args.load_concurrency,
+            load_len=(lo, hi),
+            cap_fraction=args.cap_fraction,
+            cap_gbps=args.cap_gbps,
+            uniform=args.uniform,
+            warmup=args.warmup,
+            poll_s=args.poll_us / 1e6,
+            p_cpu=args.p_cpu,
+            d_cpu=args.d_cpu,
+            seed=args.seed,
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        opts = Options.from_args(args)
+    except ValueError as e:
+        print(f"rapidkv bench transfer-kv: error: {e}", file=sys.stderr)
+        return 2
+    os.sched_setaffinity(0, {opts.d_cpu})  # before any thread starts: they inherit it
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="rapidkv-bench-transfer-kv-"))
+    progress = Progress()
+    trace = open(args.trace, "w") if args.trace else None  # noqa: SIM115 - closed below
+    try:
+        report, values = Bench(opts, log_dir, progress, trace).run()
+    finally:
+        if trace:
+            trace.close()
+    from rapidkv.bench.transfer_kv_plot import plot, table
+
+    print(table(report, [p for p in PHASES if p in report]))
+    text = json.dumps(clean(report), indent=1)
+    if args.json == "-":
+        print(text)
+    elif args.json:
+        Path(args.json).write_text(text + "\n")
+    if args.plot:
+        steps = {p: report[p]["step_ms"]["p50"] for p in values}
+        title = (
+            f"rapidkv bench transfer-kv: {opts.model}, prompt {opts.prompt_len} tokens, "
+            f"chunk {opts.chunk}, busy P"
+        )
+        plot(values, steps, args.plot, title)
+        progress.say(f"plot: {args.plot}")
+    progress.say(f"P logs: {log_dir}")
+    return 0 if report["ok"] else 1
+
+
+class Progress:
+    """Progress lines on stderr, with the elapsed time."""
+
+    def __init__(self, stream: IO[str] = sys.stderr) -> None:
+        self.stream = stream
+        self.t0 = time.monotonic()
+
+    def say(self, message: str) -> None:
+        s = int(time.monotonic() - self.t0)
+        print(f"[{s // 60}:{s % 60:02d}] {message}", file=self.stream, flush=True)
+
+
+def clean(obj: Any) -> Any:
+    """NaN and inf -> None, recursively (strict JSON)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: clean(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [clean(v) for v in obj]
+    return obj
+
+
+# ------------------------------------------------------------------ the run
+
+
+class Bench:
+    def __init__(
+        self, opts: Options, log_dir: Path, progress: Progress, trace: IO[str] | None
+    ) -> None:
+        import random
+
+        from rapidkv.harness import random_prompts
+        from rapidkv.models import ensure_model
+
+        self.opts = opts
+        self.log_dir = log_dir
+        self.progress = progress
+        self.trace = trace
+        self.model_dir = ensure_model(opts.model, dtype=opts.dtype)
+        self.prompt = random_prompts(self.model_dir, [opts.prompt_len], seed=opts.seed)[0]
+        rng = random.Random(opts.seed + 1)
+        lengths = [rng.randint(*opts.load_len) for _ in range(16)]
+        self.load_prompts = random_prompts(self.model_dir, lengths, seed=opts.seed + 2)
+
+    def run(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        from rapidkv.bench.transfer_kv_stats import acceptance, choose_cap
+
+        o = self.opts
+        report: dict[str, Any] = {"meta": self.meta()}
+        values: dict[str, Any] = {}
+        for name in o.phases:
+            cap = 0.0
+            if name == "capped":
+                if o.cap_gbps:
+                    cap = o.cap_gbps
+                else:
+                    cap = choose_cap(
+                        report["uncapped"]["step_ms"]["p50"],
+                        report["uncapped"]["request_bytes"],
+                        o.cap_fraction,
+                    )
+            phase = Phase(self, name, cap)
+            report[name], values[name] = phase.run()
+        ok = all(report[p]["checks"]["failed"] == 0 for p in o.phases)
+        if all(p in report for p in PHASES):
+            report["acceptance"] = acceptance(report)
+        report["ok"] = ok
+        return report, values
+
+    def meta(self) -> dict[str, Any]:
+        o = self.opts
+        return {
+            "model": o.model,
+            "dtype": o.dtype,
+            "prompt_len": o.prompt_len,
+            "num_tokens": o.prompt_len - 1,
+            "max_num_batched_tokens": o.chunk,
+            "prefix_caching": False,
+            "background": {"concurrency": o.load_concurrency, "prompt_len": list(o.load_len)},
+            "samples_per_cell": o.samples,
+            "budget_s": o.budget_s,
+            "sampling": "uniform" if o.uniform else "stratified",
+            "cap_fraction": o.cap_fraction,
+            "poll_us": o.poll_s * 1e6,
+            "cpus": {"p": o.p_cpu, "d": o.d_cpu},
+            "command": shlex.join(["rapidkv", *sys.argv[1:]]),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
+
+
+class Phase:
+    """One phase: start P, connect D, keep P busy, sample, summarize, stop P."""
+
+    def __init__(self, bench: Bench, name: str, cap_gbps: float) -> None:
+        self.bench = bench
+        self.opts = bench.opts
+        self.name = name
+        self.cap_gbps = cap_gbps
+        self.say = bench.progress.say
+        self.steps: dict[int, Any] = {}
+        self.reference: Any = None  # content of the first transfer of the phase
+        self.count = 0
+
+    def run(self) -> tuple[dict[str, Any], dict[Any, Any]]:
+        import httpx
+
+        from rapidkv.bench.transfer_kv_dest import Destination
+        from rapidkv.bench.transfer_kv_load import BackgroundLoad
+        from rapidkv.connector.config import kv_transfer_config
+        from rapidkv.harness import ServerSpec, VLLMServer, free_port
+
+        o = self.opts
+        port = free_port()
+        extra = {"bandwidth_cap_gbps": self.cap_gbps} if self.cap_gbps else {}
+        spec = ServerSpec(
+            model=self.bench.model_dir,
+            name=f"prefill-{self.name}",
+            role="prefill",
+            cpus=(o.p_cpu,),
+            kv_transfer_config=kv_transfer_config(port, **extra),
+            extra_args=("--max-num-batched-tokens", str(o.chunk), "--no-enable-prefix-caching"),
+        )
+        cap = f" (cap {self.cap_gbps:.3f} GB/s)" if self.cap_gbps else ""
+        self.say(f"{self.name}{cap}: starting P")
+        with VLLMServer.start(spec, self.bench.log_dir) as p:
+            self.say(f"{self.name}: P up in {p.startup_s:.0f} s; connecting D")
+            self.p = p
+            self.p_control = f"127.0.0.1:{port}"
+            with Destination(self.p_control, self.blocks_needed, poll_s=o.poll_s) as dst:
+                self.dst = dst
+                self.nblocks = -(-(o.prompt_len - 1) // dst.spec.block_size)
+                # two alternating sets of scattered destination blocks
+                self.block_sets = [
+                    tuple(range(1, 2 * self.nblocks + 1, 2)),
+                    tuple(range(2 * self.nblocks, 0, -2)),
+                ]
+                load = BackgroundLoad(p.base_url, self.bench.load_prompts, o.load_concurrency)
+                with (
+                    load,
+                    concurrent.futures.ThreadPoolExecutor(1) as pool,
+                    httpx.Client(timeout=120.0) as http,
+                ):
+                    self.pool, self.http = pool, http
+                    samples, t0, t1 = self.sample_all(load)
+                self.say(
+                    f"{self.name}: background load: {load.done} requests, {load.errors} errors"
+                )
+                self.collect_steps()
+        return self.summarize(samples, t0, t1, load)
+
+    def blocks_needed(self, spec: Any) -> int:
+        """D's memory: two sets of scattered blocks for one request, block 0 unused."""
+        return 2 * -(-(self.opts.prompt_len - 1) // spec.block_size) + 2
+
+    # -- sampling ---------------------------------------------------------------
+
+    def sample_all(self, load: Any) -> tuple[list[Any], float, float]:
+        from rapidkv.bench.transfer_kv_stats import MODES, STATES, DelaySampler, next_target
+
+        o = self.opts
+        sampler = DelaySampler(guess_s=0.5, uniform=o.uniform, seed=o.seed)
+        self.say(f"{self.name}: warm-up ({o.warmup} per mode)")
+        for i in range(o.warmup * len(MODES)):
+            s = self.one(f"w{i}", MODES[i % len(MODES)], sampler.draw("last_chunk"))
+            sampler.observe(s.t_request, s.events, s.last_chunk_end)
+            if not s.ok:
+                self.say(f"{self.name}: warm-up {s.xfer_id} ({s.mode}) failed: {s.error}")
+        counts: dict[str, Counter[str]] = {m: Counter() for m in MODES}
+        samples: list[Any] = []
+        t0 = time.monotonic()
+        last_say = t0
+        failures_in_a_row = 0
+        i = 0
+        while time.monotonic() - t0 < o.budget_s:
+            pending = [m for m in MODES if next_target(counts[m], o.samples)]
+            if not pending:
+                break
+            mode = pending[i % len(pending)]
+            target = next_target(counts[mode], o.samples)
+            assert target is not None
+            s = self.one(str(i), mode, sampler.draw(target))
+            sampler.observe(s.t_request, s.events, s.last_chunk_end)
+            samples.append(s)
+            if self.bench.trace is not None:
+                self.bench.trace.write(json.dumps(clean({"phase": self.name, **s.to_json()})))
+                self.bench.trace.write("\n")
+            if s.ok:
+                failures_in_a_row = 0
+                if s.state in STATES:
+                    counts[mode][s.state] += 1
+            else:
+                failures_in_a_row += 1
+                self.say(f"{self.name}: {s.xfer_id} ({mode}, {s.state}) failed: {s.error}")
+                if failures_in_a_row >= 10:
+                    self.say(f"{self.name}: 10 failures in a row; phase stopped")
+                    break
+            i += 1
+            if time.monotonic() - last_say > 15:
+                last_say = time.monotonic()
+                have = " ".join(
+                    f"{m}:" + "/".join(str(counts[m][st]) for st in STATES) for m in MODES
+                )
+                self.say(
+                    f"{self.name}: {len(samples)} samples, fin/last/earlier {have} "
+                    f"(want {o.samples}), load {load.done} done {load.errors} errors"
+                )
+        return samples, t0, time.monotonic()
+
+    def one(self, tag: str, mode: str, delay: float) -> Any:
+        """One sample: P's request, TransferKV after `delay` s, then what happened."""
+        from rapidkv.bench.transfer_kv_stats import Sample
+        from rapidkv.control.messages import TransferKV, prompt_hash
+        from rapidkv.harness.client import complete_full
+
+        xfer = f"tkv-{self.name}-{tag}"
+        self.count += 1
+        blocks = self.block_sets[self.count % 2]
+        prompt = self.bench.prompt
+        dst = self.dst
+        dst.reset(blocks)
+        watch = dst.watch(xfer, blocks)
+        params = {"rapidkv": {"xfer_id": xfer, "role": "prefill"}}
+        t_request = time.monotonic()
+        http = self.pool.submit(
+            complete_full, self.p.base_url, prompt, 1, client=self.http, kv_transfer_params=params
+        )
+        msg = TransferKV(
+            xfer_id=xfer,
+            dst_instance=dst.instance_id,
+            dst_blocks=list(blocks),
+            first_block=0,
+            num_tokens=len(prompt) - 1,
+            prompt_hash=prompt_hash(prompt),
+            transfer_kv_mode=mode,  # type: ignore[arg-type]
+        )
+        pause = t_request + delay - time.monotonic()
+        if pause > 0:
+            time.sleep(pause)
+        t_submit = time.monotonic()
+        reply_future = dst.rpc.submit(self.p_control, msg, 60.0)
+        s = Sample(xfer, mode, tuple(blocks), t_request, t_submit)
+        errors = []
+        try:
+            try:
+                reply = reply_future.result(70)
+                s.reply_code, s.tokens_sent = reply.code.name, reply.tokens_sent
+                if reply.code.name != "OK":
+                    errors.append(f"TransferKV {reply.code.name}: {reply.message}")
+                elif reply.tokens_sent != msg.num_tokens:
+                    errors.append(f"{reply.tokens_sent} of {msg.num_tokens} tokens sent")
+            except Exception as e:
+                errors.append(f"TransferKV: {type(e).__name__}: {e}")
+            if not watch.wait(5.0 if s.reply_code == "OK" else 0.5):
+                errors.append("no SendDone within 5 s of the reply")
+            try:
+                http.result(120)
+            except Exception as e:
+                errors.append(f"P request: {type(e).__name__}: {e}")
+        finally:
+            dst.unwatch()
+        s.landed = watch.landed.tolist()
+        if watch.done is not None:
+            s.last_byte = watch.t_done
+            s.send_done_ok = bool(watch.done.ok)
+            if not watch.done.ok:
+                errors.append(f"SendDone error: {watch.done.error}")
+        early = [t for row in s.landed for t in row if t == t and t < t_submit]
+        if early:
+            errors.append("destination memory changed before the TransferKV was sent")
+        if s.reply_code == "OK":
+            left = dst.unwritten_words(blocks)
+            s.written = left == 0
+            if left:
+                errors.append(f"{left} 8-byte words of the destination blocks never written")
+            self.compare_content(s)
+        errors += self.read_timeline(s)
+        s.error = "; ".join(errors)
+        return s
+
+    def compare_content(self, s: Any) -> None:
+        from rapidkv.bench.transfer_kv_dest import rel_diff
+
+        full = (len(self.bench.prompt) - 1) // self.dst.spec.block_size
+        if not full or not s.written:
+            return
+        got = self.dst.content(s.blocks[:full])
+        if self.reference is None:
+            self.reference = got
+            s.content_rel_diff = 0.0
+        else:
+            s.content_rel_diff = rel_diff(got, self.reference)
+
+    def read_timeline(self, s: Any) -> list[str]:
+        """Fill in P's view of the sample; returns what went wrong."""
+        from rapidkv.control.messages import TimelineRequest
+
+        try:
+            tl = self.dst.rpc.call(self.p_control, TimelineRequest([s.xfer_id]), 10.0)
+        except Exception as e:
+            return [f"timeline: {type(e).__name__}: {e}"]
+        from rapidkv.bench.transfer_kv_stats import last_chunk_end
+
+        self.add_steps(tl.steps)
+        x = tl.xfers.get(s.xfer_id)
+        if x is not None:
+            s.events = dict(x.events)
+            s.state = x.state_at_arrival
+            # P stamps last_chunk_begin with the begin of the step computing it
+            s.step_begin = s.events.get("last_chunk_begin")
+            s.last_chunk_end = last_chunk_end(s.events, self.sorted_steps(tl.steps))
+        if s.last_chunk_end is None:
+            return ["P's timeline has no last chunk for this request"]
+        return []
+
+    @staticmethod
+    def sorted_steps(steps: Any) -> list[Any]:
+        from rapidkv.bench.transfer_kv_stats import Step
+
+        out = [Step(st.step_id, st.begin, st.end, st.scheduled_tokens) for st in steps]
+        return sorted(out, key=lambda st: st.begin)
+
+    def add_steps(self, steps: Any) -> None:
+        from rapidkv.bench.transfer_kv_stats import Step
+
+        for st in steps:
+            self.steps[st.step_id] = Step(st.step_id, st.begin, st.end, st.scheduled_tokens)
+
+    def collect_steps(self) -> None:
+        from rapidkv.control.messages import TimelineRequest
+
+        try:
+            self.add_steps(self.dst.rpc.call(self.p_control, TimelineRequest([]), 10.0).steps)
+        except Exception as e:
+            self.say(f"{self.name}: could not read P's last steps: {e}")
+
+    # -- report -------------------------------------------------------------------
+
+    def summarize(
+        self, samples: list[Any], t0: float, t1: float, load: Any
+    ) -> tuple[dict[str, Any], dict[Any, Any]]:
+        from rapidkv.bench.transfer_kv_stats import sample_metrics, summarize_phase
+
+        steps = sorted(self.steps.values(), key=lambda s: s.begin)
+        out = summarize_phase(samples, steps, t0, t1)
+        block_bytes = sum(self.dst.spec.layer_block_bytes)
+        out["request_bytes"] = self.nblocks * block_bytes
+        out["bandwidth_cap_gbps"] = self.cap_gbps
+        if self.cap_gbps:
+            wire_ms = out["request_bytes"] / (self.cap_gbps * 1e9) * 1000
+            out["wire_ms"] = round(wire_ms, 3)
+            step = out["step_ms"]["p50"]
+            out["wire_fraction_of_step"] = round(wire_ms / step, 3) if step == step else None
+        out["wall_s"] = round(t1 - t0, 1)
+        out["background"] = {"done": load.done, "errors": load.errors, "last": load.last_error}
+        out["p_log"] = str(self.p.log_path)
+        values: dict[Any, Any] = {}
+        for s in samples:
+            m = sample_metrics(s)
+            if m is not None:
+                cell = values.setdefault((s.mode, s.state), {})
+                for k, v in m.items():
+                    cell.setdefault(k, []).append(v)
+        self.say(
+            f"{self.name}: {len(samples)} samples in {t1 - t0:.0f} s, step p50 "
+            f"{out['step_ms']['p50']} ms, {out['checks']['failed']} failed"
+        )
+        return out, values
