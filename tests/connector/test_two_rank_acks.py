@@ -42,8 +42,8 @@ is sent (deterministic), or its bypass thread holds each message
 both, the test lets the late rank's bypass thread process both messages (the
 bypass full send, then the rejected substep) before step 2's output reaches the
 scheduler side. vLLM would not wait for that thread; the case where it has not
-caught up yet is `test_a_resend_never_overtakes_the_bypass_full_send` (a strict
-xfail until the connector orders the resend after the bypass full send). One
+caught up yet is `test_a_resend_never_overtakes_the_bypass_full_send` (the step
+metadata's `bypass_seq` makes the worker apply the bypass first). One
 more test has D's Handshake and first TransferKV arrive within the same P step.
 """
 
@@ -701,11 +701,6 @@ def test_first_transfer_kv_in_the_step_of_the_handshake(
     check_written_once(c, {r: WRITES_ATTACHED for r in range(TP)})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="src bug: a resend in the step metadata can overtake the bypass full send "
-    "the late rank has not applied yet; the rank then settles ok without blocks 0-2",
-)
 @pytest.mark.parametrize("accepting", [(0,), ()], ids=["resent", "rolled-back"])
 def test_a_resend_never_overtakes_the_bypass_full_send(
     make_cluster: Callable[..., Cluster], accepting: tuple[int, ...]

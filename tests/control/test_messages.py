@@ -27,8 +27,12 @@ from rapidkv.control.messages import (
     RankEndpoint,
     Stats,
     StatsRequest,
+    StepTiming,
+    Timeline,
+    TimelineRequest,
     TransferKV,
     TransferKVReply,
+    XferTimeline,
     answer_handshake,
     decode_reply,
     decode_request,
@@ -93,6 +97,7 @@ EVERY_REQUEST = [
     transfer(migration=True, transfer_kv_mode="bypass", first_block=4),
     Abort(xfer_id="xfer-1", reason=AbortReason.NOTHING_TO_LOAD),
     StatsRequest(),
+    TimelineRequest(["xfer-1", "xfer-2"]),
 ]
 EVERY_REPLY = [
     HandshakeReply(code=Code.OK, instance_id="P-1", spec=make_spec(), endpoints=endpoints(2)),
@@ -101,6 +106,10 @@ EVERY_REPLY = [
     TransferKVReply(xfer_id="xfer-1", code=Code.GONE, message="aborted"),
     AbortReply(xfer_id="xfer-1", code=Code.NOT_FOUND),
     Stats({"held_blocks": 3.0, "substeps_rejected": 1.0}),
+    Timeline(
+        {"xfer-1": XferTimeline(events={"transfer_kv": 1.5}, state_at_arrival="last_chunk")},
+        [StepTiming(7, 1.0, 1.02, 256)],
+    ),
     ErrorReply(Code.BUSY, "too many"),
 ]
 

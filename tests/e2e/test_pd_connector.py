@@ -15,7 +15,7 @@ import pytest
 
 from rapidkv.connector.config import kv_transfer_config
 from rapidkv.control.client import RpcClient
-from rapidkv.control.messages import StatsRequest
+from rapidkv.control.messages import StatsRequest, XferTimeline
 from rapidkv.harness import ServerPool, VLLMServer, free_port, random_prompts
 from rapidkv.harness.client import (
     acomplete_full,
@@ -52,10 +52,24 @@ LENGTHS = [
 
 
 # (name, prompt lengths, seed) of the workloads run on the small-P pair
-SMALL_P_WORKLOADS = [  # + max_tokens
+# (dispatch, transfer_kv_mode) of the full mixed workload; each has its own
+# prompts, since D's prefix cache would otherwise hold them
+MODE_RUNS = {
+    "dual-step": ("dual", "step"),
+    "dual-bypass": ("dual", "bypass"),
+    "dual-substep": ("dual", "substep"),
+    "serial-step": ("serial", "step"),
+    "serial-bypass": ("serial", "bypass"),
+}
+SMALL_P_WORKLOADS = [  # (name, prompt lengths, seed, max_tokens)
     ("small_wait", [130, 130], 4000, 300),
     ("small_busy", [400, 400, 400], 4002, MAX_TOKENS),
+    ("small_late", [900], 4003, MAX_TOKENS),
 ]
+# D kept busy: per round, 8 plain decodes ahead of 8 PD prompts
+LATE_ROUNDS = 4
+LATE_DECODES = [10, 20, 30, 40, 50, 60, 70, 80]
+LATE_LENGTHS = [300, 450, 250, 500, 380, 420, 260, 480]
 
 
 def connector_config(control_port: int) -> dict:
@@ -75,14 +89,14 @@ class Pair:
         self.p_control, self.d_control = p_control, d_control
         self.rpc = RpcClient()
 
-    def params(self, xfer_id: str) -> tuple[dict, dict]:
-        """`kv_transfer_params` for P and for D of one transfer (as the router sets)."""
+    def params(self, xfer_id: str, mode: str | None = None) -> tuple[dict, dict]:
+        """`kv_transfer_params` for P and for D of one transfer (as the router sets);
+        `mode` is the request's transfer_kv_mode (None: P's configured default)."""
         pk = {"rapidkv": {"xfer_id": xfer_id, "role": "prefill"}}
-        dk = {
-            "do_remote_prefill": True,
-            "rapidkv": {"xfer_id": xfer_id, "role": "decode", "prefill_control": self.p_control},
-        }
-        return pk, dk
+        ours = {"xfer_id": xfer_id, "role": "decode", "prefill_control": self.p_control}
+        if mode is not None:
+            ours["transfer_kv_mode"] = mode
+        return pk, {"do_remote_prefill": True, "rapidkv": ours}
 
     async def start_d_and_wait_parked(
         self, client: httpx.AsyncClient, xfer_id: str, ids: list[int]
@@ -102,8 +116,15 @@ class Pair:
         address = self.p_control if which == "p" else self.d_control
         return self.rpc.call(address, StatsRequest(), 10).counters
 
-    async def _one(self, client: httpx.AsyncClient, xfer_id: str, ids: list[int], serial: bool):
-        pk, dk = self.params(xfer_id)
+    async def _one(
+        self,
+        client: httpx.AsyncClient,
+        xfer_id: str,
+        ids: list[int],
+        serial: bool,
+        mode: str | None = None,
+    ):
+        pk, dk = self.params(xfer_id, mode)
         to_p = acomplete_full(client, self.p.base_url, ids, 1, kv_transfer_params=pk)
         to_d = acomplete_full(client, self.d.base_url, ids, MAX_TOKENS, kv_transfer_params=dk)
         if serial:
@@ -111,14 +132,21 @@ class Pair:
             return await to_d
         return (await asyncio.gather(to_p, to_d))[1]
 
-    def run(self, prompts: list[list[int]], tag: str, serial: bool, concurrency: int = 4):
+    def run(
+        self,
+        prompts: list[list[int]],
+        tag: str,
+        serial: bool,
+        concurrency: int = 4,
+        mode: str | None = None,
+    ):
         async def main():
             sem = asyncio.Semaphore(concurrency)
             async with httpx.AsyncClient() as client:
 
                 async def one(i: int, ids: list[int]):
                     async with sem:
-                        return await self._one(client, f"{tag}-{i}", ids, serial)
+                        return await self._one(client, f"{tag}-{i}", ids, serial, mode)
 
                 return await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts)))
 
@@ -142,7 +170,7 @@ def workloads(tiny_model: Path, single_server_starter) -> dict[str, tuple[list, 
     (before the P/D pair takes the cores)."""
     single = single_server_starter()
     out = {}
-    for seed, name in enumerate(["dual", "serial"]):
+    for seed, name in enumerate(MODE_RUNS):
         prompts = random_prompts(tiny_model, LENGTHS * 2, seed=1000 + seed)
         out[name] = (prompts, complete_many(single.base_url, prompts, MAX_TOKENS, concurrency=4))
     base = random_prompts(tiny_model, [2 * BLOCK + 50], seed=77)[0]
@@ -151,6 +179,9 @@ def workloads(tiny_model: Path, single_server_starter) -> dict[str, tuple[list, 
     for seed, name in enumerate(["router-dual", "router-serial"]):  # distinct: no D prefix hits
         router = random_prompts(tiny_model, LENGTHS * 2, seed=3000 + seed)
         out[name] = (router, complete_many(single.base_url, router, MAX_TOKENS, concurrency=4))
+    for r in range(LATE_ROUNDS):
+        late = random_prompts(tiny_model, LATE_LENGTHS, seed=5000 + r)
+        out[f"late-{r}"] = (late, complete_many(single.base_url, late, MAX_TOKENS, concurrency=4))
     for name, lengths, seed, max_tokens in SMALL_P_WORKLOADS:
         prompts = random_prompts(tiny_model, lengths, seed=seed)
         out[name] = (prompts, complete_many(single.base_url, prompts, max_tokens))
@@ -204,15 +235,16 @@ def assert_back_to_baseline(pair: Pair, before: dict[str, dict[str, float]]) -> 
         assert wait_for(settled, 2.0), f"{w} did not return to its baseline: {pair.stats(w)}"
 
 
-@pytest.mark.parametrize("dispatch", ["dual", "serial"])
+@pytest.mark.parametrize("run", list(MODE_RUNS))
 def test_pd_output_equals_single_instance_and_nothing_leaks(
-    pd_pair: Pair, workloads: dict, dispatch: str
+    pd_pair: Pair, workloads: dict, run: str
 ) -> None:
-    prompts, expected = workloads[dispatch]
+    dispatch, mode = MODE_RUNS[run]
+    prompts, expected = workloads[run]
     before = {w: pd_pair.stats(w) for w in ("p", "d")}
     d_metrics = get_metrics(pd_pair.d.base_url)
 
-    outputs = pd_pair.run(prompts, dispatch, serial=dispatch == "serial")
+    outputs = pd_pair.run(prompts, run, serial=dispatch == "serial", mode=mode)
 
     mismatches = [i for i, (a, b) in enumerate(zip(outputs, expected, strict=True)) if a != b]
     assert not mismatches, f"{len(mismatches)} outputs differ from the single instance"
@@ -239,6 +271,14 @@ def test_pd_output_equals_single_instance_and_nothing_leaks(
     blocks = sum(-(-(len(p) - 1) // BLOCK) for p in prompts)
     moved = after_p["bytes_sent"] - before["p"].get("bytes_sent", 0)
     assert moved == blocks * block_bytes(pd_pair.model)
+
+    def p_delta(name: str) -> float:
+        return after_p.get(name, 0) - before["p"].get(name, 0)
+
+    if run == "serial-bypass":
+        # every TransferKV came after P finished: all sent at once, off the step path
+        assert p_delta("bypass_full_sends") == len(prompts)
+        assert p_delta("steps_with_layer_sends") == 0
     if dispatch == "dual":
         # TransferKV came before P computed: the chunks went layer by layer, each
         # step's first layer handed to the transport before its last layer was done
@@ -373,6 +413,57 @@ def test_router_streams_pd_outputs_equal_to_single_instance(
     assert_back_to_baseline(pd_pair, before)
 
 
+def test_transfer_kv_late_from_a_busy_d_takes_the_fast_paths(
+    pd_pair: Pair, workloads: dict
+) -> None:
+    """D is busy with decodes, so each PD request waits in its queue and its
+    TransferKV reaches P whenever a decode ends: some after P finished the
+    prompt (bypass: sent at once), some while P computes its last chunk
+    (substep: attached to the step in flight). Real timing, no debug delay on
+    the bypass channel; rounds repeat until both were seen (at most LATE_ROUNDS)."""
+    pair = pd_pair
+    before = {"p": pair.stats("p"), "d": pair.stats("d")}
+    decodes = random_prompts(pair.model, [40] * len(LATE_DECODES), seed=5100)
+
+    async def round_(r: int) -> list[list[int]]:
+        prompts, _ = workloads[f"late-{r}"]
+        async with httpx.AsyncClient() as client:
+            busy = [
+                asyncio.create_task(acomplete_full(client, pair.d.base_url, ids, n))
+                for ids, n in zip(decodes, LATE_DECODES, strict=True)
+            ]
+            deadline = time.monotonic() + 20
+            while metric_sum(get_metrics(pair.d.base_url), "vllm:num_requests_running") < 8:
+                assert time.monotonic() < deadline, "D never got busy"
+                await asyncio.sleep(0.01)
+            outs = await asyncio.gather(
+                *(
+                    pair._one(client, f"late-{r}-{i}", ids, serial=False, mode="substep")
+                    for i, ids in enumerate(prompts)
+                )
+            )
+            await asyncio.gather(*busy)
+        return [o.token_ids for o in outs]
+
+    def seen(name: str) -> float:
+        return pair.stats("p").get(name, 0) - before["p"].get(name, 0)
+
+    rounds = 0
+    while rounds < LATE_ROUNDS and not (seen("bypass_full_sends") and seen("substeps_accepted")):
+        assert asyncio.run(round_(rounds)) == workloads[f"late-{rounds}"][1]
+        rounds += 1
+    assert seen("bypass_full_sends") >= 1, "no TransferKV found its request finished"
+    assert seen("substeps_accepted") >= 1, "no TransferKV found its last chunk in flight"
+    n = rounds * len(LATE_LENGTHS)
+    assert wait_for(lambda: seen("transfers_ok") == n, 2.0)
+    blocks = rounds * sum(-(-(length - 1) // BLOCK) for length in LATE_LENGTHS)
+    assert seen("bytes_sent") == blocks * block_bytes(pair.model)  # every block once
+    assert pair.stats("d").get("recompute_fallbacks", 0) == before["d"].get(
+        "recompute_fallbacks", 0
+    )
+    assert_back_to_baseline(pair, before)
+
+
 def test_d_request_aborted_while_waiting_for_kv_frees_everything(
     pd_pair: Pair, workloads: dict
 ) -> None:
@@ -456,8 +547,10 @@ def small_p_pair(server_pool: ServerPool, tiny_model: Path, workloads: dict) -> 
         pc,
         park_ttl_s=30.0,
         finished_ttl_s=60.0,
-        debug_layer_delay_s=0.005,
         max_transfers_per_peer=1,
+        # prompt steps last >= 120 ms; substeps reach the workers 300 ms late
+        debug_layer_delay_s=0.03,
+        debug_bypass_delay_s=0.3,
     )
     chunked = ("--max-num-batched-tokens", "256")
     p_spec, d_spec = pd_specs(tiny_model, p_cfg, connector_config(dc), chunked)
@@ -533,4 +626,52 @@ def test_transfers_over_the_per_d_cap_are_refused_busy_and_retried(
         2.0,
     )
     assert d1.get("recompute_fallbacks", 0) == before["d"].get("recompute_fallbacks", 0)
+    assert_back_to_baseline(pair, before)
+
+
+def test_substeps_that_arrive_after_their_step_are_rolled_back_and_sent_once(
+    small_p_pair: Pair, workloads: dict
+) -> None:
+    """D's TransferKV reaches P while P computes the prompt's last chunk: P
+    attaches a substep to that step, but the bypass channel holds it 300 ms, so
+    the step freezes first and the worker rejects it. P rolls it back and the
+    next step sends it: every block exactly once, exact output, nothing leaks."""
+    from rapidkv.control.messages import TimelineRequest
+
+    pair = small_p_pair
+    (ids,), (expected,) = workloads["small_late"]
+    before = {"p": pair.stats("p"), "d": pair.stats("d")}
+    pk, dk = pair.params("late-sub", mode="substep")
+
+    def timeline():
+        return pair.rpc.call(pair.p_control, TimelineRequest(["late-sub"]), 10).xfers
+
+    async def main():
+        async with httpx.AsyncClient() as client:
+            to_p = asyncio.create_task(
+                acomplete_full(client, pair.p.base_url, ids, 1, kv_transfer_params=pk)
+            )
+            deadline = time.monotonic() + 20
+            while "last_chunk_begin" not in timeline().get("late-sub", XferTimeline()).events:
+                assert time.monotonic() < deadline, "P never started the last chunk"
+                await asyncio.sleep(0.005)
+            to_d = acomplete_full(client, pair.d.base_url, ids, MAX_TOKENS, kv_transfer_params=dk)
+            out = await to_d
+            await to_p
+            return out
+
+    assert asyncio.run(main()).token_ids == expected
+    assert timeline()["late-sub"].state_at_arrival == "last_chunk"
+
+    def delta(which: str, name: str) -> float:
+        return pair.stats(which).get(name, 0) - before[which].get(name, 0)
+
+    assert wait_for(lambda: delta("p", "transfers_ok") == 1, 2.0)
+    assert delta("p", "substeps_opened") == 1
+    assert delta("p", "substeps_rejected") == 1  # the worker's verdict
+    assert delta("p", "substeps_rolled_back") == 1  # the scheduler's follow-up
+    assert delta("p", "substeps_accepted") == 0
+    blocks = -(-(len(ids) - 1) // BLOCK)
+    assert delta("p", "bytes_sent") == blocks * block_bytes(pair.model)  # each block once
+    assert delta("d", "recompute_fallbacks") == 0
     assert_back_to_baseline(pair, before)

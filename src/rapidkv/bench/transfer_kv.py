@@ -170,7 +170,9 @@ def run(args: argparse.Namespace) -> int:
             trace.close()
     from rapidkv.bench.transfer_kv_plot import plot, table
 
-    print(table(report, [p for p in PHASES if p in report]))
+    # with `--json -` stdout carries the JSON only; the table goes to stderr
+    shown = table(report, [p for p in PHASES if p in report])
+    print(shown, file=sys.stderr if args.json == "-" else sys.stdout)
     text = json.dumps(clean(report), indent=1)
     if args.json == "-":
         print(text)

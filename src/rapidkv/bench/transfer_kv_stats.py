@@ -213,19 +213,29 @@ def layer0_offsets(samples: Iterable[Sample], steps: Sequence[Step]) -> list[flo
     return out
 
 
-def ready_delays(s: Sample, layer0_ms: float) -> tuple[float, float] | None:
-    """For a sample whose TransferKV arrived while P computed its last chunk:
-    (first byte - max(arrival, step begin + layer0_ms), first byte - max(arrival,
-    step begin)), ms. The second is an upper bound (it counts the first layer's
-    compute as delay)."""
-    m = sample_metrics(s)
-    if m is None or s.step_begin is None:
+def ready_delays(s: Sample, layer0_ms: float) -> dict[str, tuple[float, float]] | None:
+    """For a sample whose TransferKV arrived while P computed its last chunk,
+    how long after the later of arrival and the step's first layer its bytes
+    landed, ms, for two first bytes: `any_block` (the sample's first byte; when
+    earlier chunks exist their blocks go out at once as a full send) and
+    `last_block` (the last destination block: only the last chunk's step
+    computes it, so this is the substep's own first layer going out). Each as
+    (after max(arrival, step begin + layer0_ms), after max(arrival, step
+    begin)); the second is an upper bound that counts the first layer's
+    compute as delay."""
+    if sample_metrics(s) is None or s.step_begin is None:
         return None
     arrival = s.events["transfer_kv"]
-    first = arrival + m["first_byte_ms"] / 1000
     ready = max(arrival, s.step_begin + layer0_ms / 1000)
     bound = max(arrival, s.step_begin)
-    return (first - ready) * 1000, (first - bound) * 1000
+    first = s.first_byte
+    last_block = [row[-1] for row in s.landed if row and not math.isnan(row[-1])]
+    if first is None or not last_block:
+        return None
+    return {
+        name: ((t - ready) * 1000, (t - bound) * 1000)
+        for name, t in (("any_block", first), ("last_block", min(last_block)))
+    }
 
 
 # ------------------------------------------------------------------ sampling
@@ -331,15 +341,18 @@ def summarize_phase(
     l0 = percentiles(offsets)
     ready: dict[str, Any] = {}
     for mode in MODES:
-        pairs = [
+        delays = [
             d
             for s in samples
             if s.mode == mode and s.state == "last_chunk"
             if (d := ready_delays(s, l0["p50"] if l0["n"] else 0.0)) is not None
         ]
         ready[mode] = {
-            "estimated": percentiles(p[0] for p in pairs),
-            "upper_bound": percentiles(p[1] for p in pairs),
+            which: {
+                "estimated": percentiles(d[which][0] for d in delays),
+                "upper_bound": percentiles(d[which][1] for d in delays),
+            }
+            for which in ("any_block", "last_block")
         }
     diffs = [s.content_rel_diff for s in samples if s.content_rel_diff is not None]
     failed = [s for s in samples if not s.ok]
@@ -405,15 +418,17 @@ def acceptance(report: Mapping[str, Any]) -> list[dict[str, Any]]:
     )
     out.append(point("capped last chunk: p50 exposed, substep / step", v, "<= 0.5", v <= 0.5))
     fast_c = max(2.0, 0.05 * report["capped"]["step_ms"]["p50"])
-    ready = report["capped"]["last_chunk_first_byte_after_ready_ms"]["substep"]["estimated"]
-    for q in ("p50", "p99"):
-        v = ready[q]
-        out.append(
-            point(
-                f"capped last chunk substep: {q} first byte after max(arrival, first layer) (ms)",
-                v,
-                f"<= {fast_c:.2f}",
-                v <= fast_c,
+    ready = report["capped"]["last_chunk_first_byte_after_ready_ms"]["substep"]
+    for which in ("any_block", "last_block"):
+        for q in ("p50", "p99"):
+            v = ready[which]["estimated"][q]
+            out.append(
+                point(
+                    f"capped last chunk substep: {q} first byte ({which.replace('_', ' ')}) "
+                    "after max(arrival, first layer) (ms)",
+                    v,
+                    f"<= {fast_c:.2f}",
+                    v <= fast_c,
+                )
             )
-        )
     return out

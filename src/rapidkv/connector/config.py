@@ -20,7 +20,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     secret: str | None = None  # shared secret authenticating control messages
     # data plane
     transport: Literal["nixl", "tcp"] = "nixl"
-    transfer_kv_mode: TransferKVMode = "step"
+    transfer_kv_mode: TransferKVMode = "substep"
     write_timeout_s: float = 10.0
     hugepages: bool = True  # back registered KV memory with huge pages
     # lifecycle bounds (seconds, not milliseconds)
@@ -32,9 +32,16 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # P: TransferKVs one D may have outstanding here (accepted and not settled,
     # or parked); more are answered BUSY and D retries with backoff
     max_transfers_per_peer: int = 64
-    # testing aid: sleep this long after each layer's save (widens a step so that
-    # layer-by-layer sending can be observed); 0 in production
+    # benchmark aid: confirm writes as if they crossed a link of this many GB/s
+    # (0: no cap); see kvt.worker
+    bandwidth_cap_gbps: float = 0.0
+    # testing aid: sleep this long after each layer's save in steps that compute
+    # prompt tokens of a transfer (widens them so that layer-by-layer sending and
+    # substeps can be observed); 0 in production
     debug_layer_delay_s: float = 0.0
+    # testing aid: the worker holds each bypass message this long before acting on
+    # it (forces substeps to arrive after their step froze: rollback); 0 in production
+    debug_bypass_delay_s: float = 0.0
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:

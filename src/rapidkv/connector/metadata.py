@@ -37,6 +37,7 @@ def peer_name(instance_id: str, rank: int) -> str:
 @dataclass
 class RankInfo(KVConnectorHandshakeMetadata):
     rank: int
+    bypass_address: str  # where the rank's bypass channel listens (connector.bypass)
     transport: str
     transport_metadata: bytes
     layout: bytes  # msgspec-encoded kvt Layout
@@ -60,12 +61,18 @@ class StepMeta(KVConnectorMetadata):
     step_id: int
     step_tasks: list[Task] = field(default_factory=list)  # substep 0: sent per layer
     full_tasks: list[Task] = field(default_factory=list)  # KV complete: sent at once
+    # substeps some ranks rejected and others sent: resent by those ranks only
+    rank_full_tasks: dict[int, list[Task]] = field(default_factory=dict)
     new_peers: list[NewPeer] = field(default_factory=list)
     fail_xfers: list[tuple[str, str]] = field(default_factory=list)  # (xfer_id, reason)
     preempted_xfers: list[str] = field(default_factory=list)  # P: blocks freed this step
     release: list[str] = field(default_factory=list)  # P: req ids whose blocks may go
     expect_recv: dict[str, str] = field(default_factory=dict)  # D: xfer_id -> req_id
     recv_failed: list[str] = field(default_factory=list)  # D: req ids to report failed
+    computes_prompt: bool = False  # P: the step computes prompt tokens of a transfer
+    # P: bypass messages sent before this step was built; a worker applies all of
+    # them before this step's tasks, so the step path never overtakes the bypass
+    bypass_seq: int = 0
 
 
 @dataclass

@@ -44,9 +44,11 @@ class Produced:
     prompt_hash: str
     computed: int = 0  # tokens whose KV is final at P
     in_flight_end: int = 0  # computed + tokens of the step being built
+    scheduled_step: int | None = None  # the step in flight computes some of it
     block_ids: tuple[int, ...] = ()
     window: Window | None = None
     reply: Reply | None = None
+    mode: str = "step"  # transfer_kv_mode of its TransferKV
     accepted_at: float = 0.0  # time.monotonic() the TransferKV was taken up
     sent_upto: int = 0
     issued: bool = False  # some task of it went to the workers
@@ -57,14 +59,16 @@ class Produced:
     aborted: bool = False
     released: bool = False
 
-    def accept(self, window: Window, reply: Reply, block_size: int) -> None:
+    def accept(self, window: Window, reply: Reply, block_size: int, mode: str) -> None:
         self.window = window
         self.reply = reply
+        self.mode = mode
         self.accepted_at = time.monotonic()
         self.sent_upto = window.first_block * block_size
 
     def next_tasks(self, block_size: int, scheduled: bool) -> tuple[Task | None, Task | None]:
-        """Full and per-layer tasks for what is computable and not sent yet."""
+        """Full and per-layer tasks for what is computable and not sent yet
+        (`scheduled`: the step in flight computes up to `in_flight_end`)."""
         if self.window is None or self.last_issued or self.aborted:
             return None, None
         in_flight = self.in_flight_end if scheduled else self.computed

@@ -29,7 +29,9 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from rapidkv.connector.bypass import BypassMsg, BypassSender, Peer
 from rapidkv.connector.config import ConnectorConfig
+from rapidkv.connector.journal import Entry, JournalError, Resolution, SubstepJournal
 from rapidkv.connector.metadata import NewPeer, RankInfo, StepMeta, WorkerMeta
 from rapidkv.connector.plan import Window
 from rapidkv.connector.producer import Produced, Reply
@@ -46,12 +48,17 @@ from rapidkv.control.messages import (
     RankEndpoint,
     Stats,
     StatsRequest,
+    StepTiming,
+    Timeline,
+    TimelineRequest,
     TransferKV,
     TransferKVReply,
+    XferTimeline,
     answer_handshake,
     prompt_hash,
 )
 from rapidkv.control.server import RpcServer
+from rapidkv.kvt.task import Task
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +105,14 @@ class _Pending:
     release: list[str] = field(default_factory=list)
     expect: dict[str, str] = field(default_factory=dict)
     recv_failed: list[str] = field(default_factory=list)
+    rank_full: dict[int, list[Task]] = field(default_factory=dict)
+
+
+# what a rolled-back substep restores on its Produced: (sent_upto, issued, last_issued)
+Undo = tuple[int, bool, bool]
+
+TIMELINE_MEMORY = 4096  # transfers whose events P remembers
+STEP_MEMORY = 4096  # engine steps whose timing P remembers
 
 
 class SchedulerSide:
@@ -129,6 +144,15 @@ class SchedulerSide:
         self._requests: dict[str, Any] = {}  # P requests, for num_computed_tokens
         self._pending = _Pending()
         self._freeing: set[str] = set()  # released P requests whose blocks vLLM still holds
+        # bypass / substep (transfer_kv_mode): the step between build_meta and its
+        # output, substeps attached to it awaiting every rank's ack
+        self._bypass: BypassSender | None = None
+        self._journal: SubstepJournal[Undo] = SubstepJournal(tp_size)
+        self._step_in_flight: int | None = None
+        self._step_began = 0.0
+        self._step_tokens = 0
+        self._steps: list[StepTiming] = []
+        self._timelines: OrderedDict[str, XferTimeline] = OrderedDict()
         self.spec: KVSpec | None = None
         self.endpoints: list[RankEndpoint] = []
         self.kv_cache_manager: Any = None
@@ -163,6 +187,7 @@ class SchedulerSide:
             )
             for r, i in sorted(infos.items())
         ]
+        self._bypass = BypassSender({r: i.bypass_address for r, i in infos.items()})
 
     # -- request lifecycle (engine thread) ---------------------------------------
 
@@ -181,6 +206,7 @@ class SchedulerSide:
                 )
                 self._produced[xfer_id] = p
                 self._p_by_req[request.request_id] = xfer_id
+                self._event(xfer_id, "admitted")
                 self._requests[request.request_id] = request
                 parked = self._parked.pop(xfer_id, None)
                 if parked is not None:
@@ -261,12 +287,22 @@ class SchedulerSide:
                     request = self._requests.get(p.req_id)
                     p.computed = request.num_computed_tokens if request else p.computed
                     p.in_flight_end = min(p.computed + n, p.prompt_len)
+                    p.scheduled_step = self._step_id
+                    meta.computes_prompt |= p.computed < p.prompt_len
+                    if p.computed < p.prompt_len - 1 <= p.in_flight_end:
+                        self._event(p.xfer_id, "last_chunk_begin", now)
                 full, step = p.next_tasks(self.block_size, scheduled=n is not None)
                 if full is not None:
                     meta.full_tasks.append(full)
                 if step is not None:
                     meta.step_tasks.append(step)
             pending, self._pending = self._pending, _Pending()
+            bypass_seq = self._bypass.sent if self._bypass is not None else 0
+            self._step_in_flight = self._step_id
+            self._step_began = now
+            self._step_tokens = so.total_num_scheduled_tokens
+        meta.rank_full_tasks = pending.rank_full
+        meta.bypass_seq = bypass_seq
         meta.new_peers = pending.new_peers
         meta.fail_xfers = pending.fail
         meta.release = pending.release
@@ -295,6 +331,7 @@ class SchedulerSide:
             if xfer_id is None:
                 return False, None
             p = self._produced[xfer_id]
+            self._event(xfer_id, "finished")
             p.finished = True
             p.finished_at = time.monotonic()
             p.computed = min(request.num_computed_tokens, p.prompt_len)
@@ -312,6 +349,15 @@ class SchedulerSide:
     ) -> None:
         with self._lock:
             self._freeing.difference_update(finished_sending or ())
+            self._step_done()
+            for step_id, ack, rank in meta.acks if meta is not None else ():
+                try:
+                    resolution = self._journal.ack(step_id, rank, ack)
+                except JournalError:
+                    log.exception("rapidkv %s: bad ack from rank %d", self.instance_id, rank)
+                    continue
+                if resolution is not None:
+                    self._resolve(resolution)
             for req_id in finished_recving or ():
                 c = self._consumed.get(req_id)
                 if c is not None:
@@ -355,7 +401,79 @@ class SchedulerSide:
         window = Window(
             msg.xfer_id, msg.dst_instance, tuple(msg.dst_blocks), msg.first_block, msg.num_tokens
         )
-        p.accept(window, reply, self.block_size)
+        mode = msg.transfer_kv_mode or self.config.transfer_kv_mode
+        p.accept(window, reply, self.block_size, mode)
+        self._event(p.xfer_id, "accepted")
+        if mode != "step":
+            self._send_now(p, substep=mode == "substep")
+
+    def _send_now(self, p: Produced, substep: bool) -> None:
+        """bypass / substep: act on a TransferKV the moment it is accepted.
+
+        A finished request's KV is complete (its blocks are held for the
+        transfer): send it all now over the bypass channel. With `substep`, a
+        request whose last chunk the step in flight computes gets that step's
+        part attached to the step (what earlier steps computed goes now). Anything
+        else waits for the next step, as in `step` mode."""
+        if self._bypass is None or p.aborted or p.window is None:
+            return
+        if p.finished:
+            full, _ = p.next_tasks(self.block_size, scheduled=False)
+            if full is not None:
+                self._bypass.send(BypassMsg(kind="full", tasks=[full]))
+                self.counters["bypass_full_sends"] += 1
+                self._event(p.xfer_id, "bypass_sent")
+            return
+        step_id = self._step_in_flight
+        in_flight = step_id is not None and p.scheduled_step == step_id
+        if not substep or not in_flight or p.in_flight_end < p.window.num_tokens:
+            return
+        issued_before = p.issued
+        full, step = p.next_tasks(self.block_size, scheduled=True)
+        if full is not None:
+            self._bypass.send(BypassMsg(kind="full", tasks=[full]))
+            self.counters["bypass_full_sends"] += 1
+        if step is None:
+            return
+        assert step_id is not None
+        undo = (step.seen_tokens, issued_before or full is not None, False)
+        substep_id = self._journal.open_substep(step_id, [Entry(p.xfer_id, (step,), undo)])
+        self._bypass.send(
+            BypassMsg(kind="substep", tasks=[step], step_id=step_id, substep_id=substep_id)
+        )
+        self.counters["substeps_opened"] += 1
+        self._event(p.xfer_id, "substep_sent")
+
+    def _step_done(self) -> None:
+        """The step in flight returned: what it computed is final."""
+        now = time.monotonic()
+        step_id, self._step_in_flight = self._step_in_flight, None
+        if step_id is None:
+            return
+        self._steps.append(StepTiming(step_id, self._step_began, now, self._step_tokens))
+        if len(self._steps) > STEP_MEMORY:
+            del self._steps[: len(self._steps) - STEP_MEMORY]
+        for p in self._produced.values():
+            if p.scheduled_step == step_id:
+                p.scheduled_step = None
+                if p.computed < p.prompt_len - 1 <= p.in_flight_end:
+                    self._event(p.xfer_id, "last_chunk_end", now)
+                p.computed = max(p.computed, p.in_flight_end)
+
+    def _resolve(self, r: Resolution[Undo]) -> None:
+        """Every rank acked a step with substeps: roll back what no rank sent (the
+        next step sends it), have the ranks that missed a substep send it alone."""
+        self.counters["substeps_accepted"] += len(r.accepted)
+        for entry in r.rolled_back:
+            self.counters["substeps_rolled_back"] += 1
+            p = self._produced.get(entry.xfer_id)
+            if p is not None and p.window is not None:
+                p.sent_upto, p.issued, p.last_issued = entry.undo
+                self._maybe_release(p)
+        for entry, ranks in r.resend:
+            self.counters["substeps_resent"] += 1
+            for rank in ranks:
+                self._pending.rank_full.setdefault(rank, []).extend(entry.tasks)
 
     def _outstanding(self, dst_instance: str) -> int:
         """Transfers to `dst_instance` accepted and not yet settled, or parked."""
@@ -367,6 +485,7 @@ class SchedulerSide:
         return live + sum(1 for x in self._parked.values() if x.msg.dst_instance == dst_instance)
 
     def _settle(self, p: Produced) -> None:
+        self._event(p.xfer_id, "settled")
         oks = [v[0] for v in p.settled_ranks.values()]
         tokens = min(v[1] for v in p.settled_ranks.values())
         ok = all(oks)
@@ -532,6 +651,8 @@ class SchedulerSide:
             return self._on_abort(msg)
         if isinstance(msg, StatsRequest):
             return Stats(counters=self.stats())
+        if isinstance(msg, TimelineRequest):
+            return self.timeline(msg.xfer_ids)
         return ErrorReply(code=Code.ERROR, message=f"unexpected {type(msg).__name__}")
 
     def _on_handshake(self, hs: Handshake) -> HandshakeReply:
@@ -550,6 +671,12 @@ class SchedulerSide:
                         NewPeer(hs.instance_id, e.rank, e.transport_metadata, e.layout)
                         for e in hs.endpoints
                     )
+                    if self._bypass is not None:  # ahead of any bypass send to them
+                        peers = [
+                            Peer(hs.instance_id, e.rank, e.transport_metadata, e.layout)
+                            for e in hs.endpoints
+                        ]
+                        self._bypass.send(BypassMsg(kind="peers", peers=peers))
         else:
             log.warning(
                 "rapidkv %s: handshake from %s refused: %s",
@@ -562,14 +689,14 @@ class SchedulerSide:
     async def _on_transfer_kv(self, msg: TransferKV) -> TransferKVReply:
         loop = asyncio.get_running_loop()
         reply = Reply(loop, loop.create_future())
-        problems = (
-            msg.problems(self.block_size, self.endpoints[0].num_blocks)
-            if self.endpoints
-            else ["instance still starting"]
-        )
         with self._lock:
-            if msg.dst_instance not in self._peers:
-                problems = [*problems, f"no handshake from {msg.dst_instance}"]
+            dst = self._peers.get(msg.dst_instance)
+            if not self.endpoints:
+                problems = ["instance still starting"]
+            elif dst is None:
+                problems = [f"no handshake from {msg.dst_instance}"]
+            else:  # the destination's block ids, checked against its own pool
+                problems = msg.problems(self.block_size, min(e.num_blocks for e in dst))
             if problems:
                 return TransferKVReply(
                     xfer_id=msg.xfer_id, code=Code.ERROR, message="; ".join(problems)
@@ -579,6 +706,7 @@ class SchedulerSide:
                     xfer_id=msg.xfer_id, code=Code.GONE, message="transfer aborted or timed out"
                 )
             p = self._produced.get(msg.xfer_id)
+            self._arrived(msg, p)
             new = p is None or p.window is None
             if new and self._outstanding(msg.dst_instance) >= self.config.max_transfers_per_peer:
                 self.counters["busy_replies"] += 1
@@ -625,6 +753,43 @@ class SchedulerSide:
 
     # -- observability ------------------------------------------------------------
 
+    def _event(self, xfer_id: str, name: str, t: float | None = None) -> None:
+        """Record when `name` happened to `xfer_id` (caller holds the lock)."""
+        tl = self._timelines.get(xfer_id)
+        if tl is None:
+            tl = self._timelines[xfer_id] = XferTimeline(events={})
+            while len(self._timelines) > TIMELINE_MEMORY:
+                self._timelines.popitem(last=False)
+        tl.events.setdefault(name, time.monotonic() if t is None else t)
+
+    def _arrived(self, msg: TransferKV, p: Produced | None) -> None:
+        """Note a TransferKV's arrival and where its request was then."""
+        self._event(msg.xfer_id, "transfer_kv")
+        if p is None:
+            state = "not_admitted"
+        elif p.finished or p.computed >= msg.num_tokens:
+            state = "finished"
+        elif self._step_in_flight is not None and p.scheduled_step == self._step_in_flight:
+            state = "last_chunk" if p.in_flight_end >= msg.num_tokens else "earlier_chunk"
+        else:
+            state = "between_steps"
+        old = self._timelines[msg.xfer_id]
+        mode = msg.transfer_kv_mode or self.config.transfer_kv_mode
+        self._timelines[msg.xfer_id] = XferTimeline(
+            events=old.events, state_at_arrival=state, mode=mode
+        )
+
+    def timeline(self, xfer_ids: list[str]) -> Timeline:
+        with self._lock:
+            xfers = {
+                x: XferTimeline(
+                    events=dict(t.events), state_at_arrival=t.state_at_arrival, mode=t.mode
+                )
+                for x in xfer_ids
+                if (t := self._timelines.get(x)) is not None
+            }
+            return Timeline(xfers, list(self._steps[-1024:]))
+
     def stats(self) -> dict[str, float]:
         with self._lock:
             out = {k: float(v) for k, v in self.counters.items()}
@@ -641,6 +806,8 @@ class SchedulerSide:
     def close(self) -> None:
         self.server.stop()
         self.client.close()
+        if self._bypass is not None:
+            self._bypass.close()
 
 
 def model_fingerprint(model_config: Any) -> str:

@@ -24,8 +24,10 @@ from collections.abc import Iterable
 import msgspec
 import torch
 
+from rapidkv.connector.bypass import BypassMsg, BypassReceiver
 from rapidkv.connector.config import ConnectorConfig
 from rapidkv.connector.metadata import RankInfo, StepMeta, WorkerMeta, peer_name
+from rapidkv.kvt.coordinator import CoordinatorError
 from rapidkv.kvt.layout import Layout, layer_layout_from_tensor
 from rapidkv.kvt.messages import SendDone
 from rapidkv.kvt.task import Task
@@ -42,6 +44,9 @@ class WorkerSide:
         self.rank = rank
         self.block_size = block_size
         self.kvt: KvtWorker | None = None
+        self.bypass: BypassReceiver | None = None
+        self._peers: set[str] = set()  # destination instances connected
+        self._peers_lock = threading.Lock()
         self.info: RankInfo | None = None
         self.layer_index: dict[str, int] = {}
         self.step_id = -1
@@ -60,6 +65,7 @@ class WorkerSide:
         self._step_has_tasks = False
         self._first_layer_post: float | None = None
         self._last_layer_done = 0.0
+        self._computes_prompt = False
 
     # -- start-up ---------------------------------------------------------------
 
@@ -86,9 +92,12 @@ class WorkerSide:
             on_posted=self._on_posted,
             write_timeout_s=self.config.write_timeout_s,
             hugepages=self.config.hugepages,
+            bandwidth_cap_bps=self.config.bandwidth_cap_gbps * 1e9,
         )
+        self.bypass = BypassReceiver(self.rank, self._on_bypass, self.config.debug_bypass_delay_s)
         self.info = RankInfo(
             rank=self.rank,
+            bypass_address=self.bypass.address,
             transport=self.config.transport,
             transport_metadata=self.kvt.metadata,
             layout=msgspec.msgpack.encode(layout),
@@ -123,11 +132,17 @@ class WorkerSide:
 
     def bind(self, meta: StepMeta) -> None:
         kvt = self._require_kvt()
+        if self.bypass is not None and not self.bypass.wait_applied(
+            meta.bypass_seq, self.config.write_timeout_s
+        ):
+            log.error(
+                "rapidkv worker rank %d: bypass channel behind step %d; its sends may "
+                "reach the destination out of order",
+                self.rank,
+                meta.step_id,
+            )
         for peer in meta.new_peers:
-            if peer.rank == self.rank:
-                kvt.add_peer(
-                    peer.transport_metadata, msgspec.msgpack.decode(peer.layout, type=Layout)
-                )
+            self._add_peer(peer.instance_id, peer.rank, peer.transport_metadata, peer.layout)
         for xfer_id, reason in meta.fail_xfers:
             kvt.fail(xfer_id, reason)
         self._release.update(meta.release)
@@ -135,18 +150,20 @@ class WorkerSide:
         for req_id in meta.recv_failed:
             self._fail_recv(req_id)
         self.step_id = meta.step_id
+        self._computes_prompt = meta.computes_prompt
         with self._lock:
             self._step_began = time.perf_counter()
             self._step_has_tasks = bool(meta.step_tasks)
             self._first_layer_post = None
         kvt.begin_step(meta.step_id, self._mine(meta.step_tasks))
-        if meta.full_tasks:
-            kvt.send_full(self._mine(meta.full_tasks))
+        full = meta.full_tasks + meta.rank_full_tasks.get(self.rank, [])
+        if full:
+            kvt.send_full(self._mine(full))
 
     def layer_saved(self, layer_name: str) -> None:
         self._require_kvt().layer_done(self.layer_index[layer_name])
         self._last_layer_done = time.perf_counter()
-        if self.config.debug_layer_delay_s:
+        if self.config.debug_layer_delay_s and self._computes_prompt:
             time.sleep(self.config.debug_layer_delay_s)
 
     def step_done(self) -> None:
@@ -191,10 +208,44 @@ class WorkerSide:
         return meta
 
     def close(self) -> None:
+        if self.bypass is not None:
+            self.bypass.close()
         if self.kvt is not None:
             self.kvt.close()
 
+    # -- bypass channel (its own thread) ------------------------------------------
+
+    def _on_bypass(self, msg: BypassMsg) -> None:
+        kvt = self._require_kvt()
+        if msg.kind == "peers":
+            for peer in msg.peers:
+                self._add_peer(peer.instance_id, peer.rank, peer.transport_metadata, peer.layout)
+            return
+        tasks = self._mine(msg.tasks)
+        if msg.kind == "full":
+            kvt.send_full(tasks)
+            outcome = "bypass_full_received"
+        else:
+            try:
+                outcome = f"substeps_{kvt.attach_substep(msg.step_id, msg.substep_id, tasks).value}"
+            except CoordinatorError as e:  # out of order after a lost message: not attached
+                log.warning("rapidkv worker rank %d: substep refused: %s", self.rank, e)
+                outcome = "substeps_refused"
+        with self._lock:
+            self._counters[outcome] += 1
+
     # -- helpers ----------------------------------------------------------------
+
+    def _add_peer(self, instance_id: str, rank: int, metadata: bytes, layout: bytes) -> None:
+        """Connect to `instance_id`'s rank of ours, once (peers arrive both with
+        the step metadata and over the bypass channel, whichever comes first)."""
+        if rank != self.rank:
+            return
+        with self._peers_lock:
+            if instance_id in self._peers:
+                return
+            self._require_kvt().add_peer(metadata, msgspec.msgpack.decode(layout, type=Layout))
+            self._peers.add(instance_id)
 
     def _fail_recv(self, req_id: str) -> None:
         xfers = [x for x, r in self._expect.items() if r == req_id]

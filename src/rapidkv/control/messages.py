@@ -349,6 +349,48 @@ class Stats(msgspec.Struct, frozen=True, tag="stats"):
     ] = {}
 
 
+# --------------------------------------------------------------------------- timelines
+
+MAX_TIMELINE_IDS = 4096
+
+EventName = Annotated[str, Meta(min_length=1, max_length=64)]
+
+
+class TimelineRequest(msgspec.Struct, frozen=True, tag="timeline_request"):
+    """Ask a P connector what happened to these transfers, and when, plus the
+    recent engine steps (for benchmarks and per-request analysis)."""
+
+    xfer_ids: Annotated[list[Id], Meta(max_length=MAX_TIMELINE_IDS)]
+
+
+class XferTimeline(msgspec.Struct, frozen=True, kw_only=True):
+    """Events of one transfer on P, as `time.monotonic()` seconds (one clock for
+    every process on a machine), and where the request was when its TransferKV
+    arrived: `not_admitted`, `between_steps`, `earlier_chunk`, `last_chunk`,
+    `finished` (KV complete)."""
+
+    events: Annotated[dict[EventName, float], Meta(max_length=64)] = {}
+    state_at_arrival: Annotated[str, Meta(max_length=32)] = ""
+    mode: Annotated[str, Meta(max_length=32)] = ""
+
+
+class StepTiming(msgspec.Struct, frozen=True, array_like=True):
+    """One engine step: built at `begin`, its output back at `end`."""
+
+    step_id: int
+    begin: float
+    end: float
+    scheduled_tokens: int
+
+
+class Timeline(msgspec.Struct, frozen=True, tag="timeline"):
+    """The answer to `TimelineRequest`: the transfers P still remembers (a
+    bounded history) and its most recent steps."""
+
+    xfers: Annotated[dict[Id, XferTimeline], Meta(max_length=MAX_TIMELINE_IDS)] = {}
+    steps: Annotated[list[StepTiming], Meta(max_length=1 << 16)] = []
+
+
 class ErrorReply(msgspec.Struct, frozen=True, tag="error"):
     """A request could not be handled at all: it was malformed or invalid
     (`ERROR`), the server's per-connection limit refused it (`BUSY`), or the
@@ -364,14 +406,15 @@ class ErrorReply(msgspec.Struct, frozen=True, tag="error"):
             raise ValueError("an error reply cannot be OK")
 
 
-Request = Handshake | TransferKV | Abort | StatsRequest
-Reply = HandshakeReply | TransferKVReply | AbortReply | Stats | ErrorReply
+Request = Handshake | TransferKV | Abort | StatsRequest | TimelineRequest
+Reply = HandshakeReply | TransferKVReply | AbortReply | Stats | Timeline | ErrorReply
 
 REPLY_TYPE: dict[type, type] = {
     Handshake: HandshakeReply,
     TransferKV: TransferKVReply,
     Abort: AbortReply,
     StatsRequest: Stats,
+    TimelineRequest: Timeline,
 }
 
 

@@ -41,6 +41,11 @@ privilege (CAP_SYS_NICE) it logs a warning once and runs at normal priority.
 
 With `hugepages=True` (default) the registered KV memory is backed by huge
 pages first (`kvt.memory`): transfers on CPU run ~1.7x faster.
+
+With `bandwidth_cap_bps` set, writes are confirmed as if they crossed one link
+of that bandwidth in posting order (a write of n bytes is confirmed no earlier
+than n / cap after the link freed up): a benchmark aid that gives transfers the
+wire time they have on real clusters. The bytes themselves land at memory speed.
 """
 
 from __future__ import annotations
@@ -96,6 +101,7 @@ class _Write:
     handle: int
     peer: str
     deadline: float
+    ready_at: float = 0.0  # with a bandwidth cap: not confirmed before this
     pieces: list[tuple[Tracked, int]] = field(default_factory=list)
 
 
@@ -127,6 +133,7 @@ class KvtWorker:
         on_posted: PostedHook | None = None,
         realtime: bool = True,
         hugepages: bool = True,
+        bandwidth_cap_bps: float = 0.0,
     ) -> None:
         self.transport = transport
         self.layout = layout
@@ -135,6 +142,8 @@ class KvtWorker:
         self.on_send_done = on_send_done
         self.on_posted = on_posted
         self.realtime = realtime
+        self.bandwidth_cap_bps = bandwidth_cap_bps
+        self._link_free_at = 0.0
         self.stats = KvtStats()
         self._lock = threading.Lock()
         self._coord: StepCoordinator[Tracked] = StepCoordinator(len(layout.layers))
@@ -390,7 +399,10 @@ class KvtWorker:
             nbytes = int(descs[:, 2].sum())
             self.stats.writes_posted += 1
             self.stats.bytes_posted += nbytes
-            write = _Write(handle, peer, t_post + self.write_timeout_s)
+            write = _Write(handle, peer, t_post + self.write_timeout_s, t_post)
+            if self.bandwidth_cap_bps:  # one link: writes queue behind each other
+                write.ready_at = max(self._link_free_at, t_post) + nbytes / self.bandwidth_cap_bps
+                self._link_free_at = write.ready_at
             write.pieces = [(t, stop - first) for t, first, stop in group]
             self._writes[write_id] = write
             with self._lock:
@@ -415,6 +427,8 @@ class KvtWorker:
             state = self.transport.poll(write.handle)
             if state is XferState.PENDING and now < write.deadline:
                 continue
+            if state is XferState.DONE and now < write.ready_at:
+                continue  # the emulated link has not carried it yet
             del self._writes[write_id]
             settled_any = True
             ok = state is XferState.DONE
