@@ -3,6 +3,7 @@ the NIXL tuning and proxy rewrite), and a smoke run of the command itself."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import subprocess
@@ -195,6 +196,43 @@ def test_the_nixl_proxy_asks_p_for_one_token_and_a_remote_decode() -> None:
     assert "min_tokens" not in p and "stream_options" not in p
     assert p["kv_transfer_params"]["do_remote_decode"] is True
     assert p["prompt"] == [1, 2] and body["max_tokens"] == 16  # the client's body is untouched
+
+
+def _fake_vllm(stall_on: int):
+    """An ASGI app streaming two tokens per completion; it never answers a prompt
+    starting with `stall_on`."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    async def completions(request: Request) -> StreamingResponse:
+        body = await request.json()
+
+        async def events():
+            if body["prompt"][0] == stall_on:
+                await asyncio.sleep(30)
+            for t in (7, 8):
+                yield f"data: {json.dumps({'choices': [{'token_ids': [t]}]})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+
+
+@pytest.mark.unit
+def test_a_load_stops_sending_after_a_request_times_out() -> None:
+    from rapidkv.bench.serve_loads import SKIPPED, TIMEOUT, run_load
+    from rapidkv.router.server import ThreadedServer
+
+    prompts = [[1], [2], [3], [4]]
+    with ThreadedServer(_fake_vllm(stall_on=2)) as server:
+        results, wall = run_load(server.url, prompts, 2, Load.parse("c1"), timeout_s=0.5)
+    assert [r.token_ids for r in results[:1]] == [(7, 8)] and results[0].error is None
+    assert results[1].error.startswith(TIMEOUT)
+    assert all(r.error.startswith(SKIPPED) for r in results[2:])
+    assert 0.5 <= wall < 5
 
 
 # ---------------------------------------------------------------- smoke

@@ -54,8 +54,8 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     )
     parser.add_argument(
         "--configs",
-        default=",".join(CONFIGS),
-        help="comma-separated (default: all): %(default)s",
+        default=",".join(name for name, c in CONFIGS.items() if c.default),
+        help=f"comma-separated, of {', '.join(CONFIGS)} (default: %(default)s)",
     )
     parser.add_argument(
         "--loads",
@@ -76,7 +76,9 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     parser.add_argument("--warmup", type=int, default=None, help="unmeasured requests (2; 1 quick)")
     parser.add_argument("--quick", action="store_true", help="8 prompts, loads c1,c4, 1 warm-up")
     parser.add_argument("--seed", type=int, default=0, help="prompts and Poisson arrivals")
-    parser.add_argument("--timeout", type=float, default=120.0, help="per request, seconds")
+    parser.add_argument(
+        "--timeout", type=float, default=60.0, help="per request, seconds (%(default)s)"
+    )
     parser.add_argument(
         "--server-args", default="", help="extra vLLM arguments for every server (one string)"
     )
@@ -270,7 +272,10 @@ class ModelRun:
                 self.configs[name].affinity = group.affinity()
             for load in self.opts.loads:
                 for name in members:
-                    self.measure(name, group, load, rnd)
+                    if self.configs[name].error:  # timed out earlier: the rest is skipped
+                        p.skip(self.opts.requests)
+                    else:
+                        self.measure(name, group, load, rnd)
         except Exception as e:  # a server died, /metrics failed...: the next group still runs
             why = f"{group_name} failed while measured: {type(e).__name__}: {e}"
             p.say(why[:3000])
@@ -329,10 +334,23 @@ class ModelRun:
             timeout_s=self.opts.timeout,
             on_done=self.progress.advance,
         )
-        first = results[0]
-        self.configs[name].first_request_ms.append(first.e2e_ms)
-        if first.error:
-            self.progress.say(f"{name}: warm-up request failed: {first.error}")
+        self.configs[name].first_request_ms.append(results[0].e2e_ms)
+        for r in results:
+            if r.error:
+                self.progress.say(f"{name}: warm-up request failed: {r.error}")
+        self.check_timeouts(name, "warm-up", results)
+
+    def check_timeouts(self, name: str, load: str, results: list[Any]) -> None:
+        """After a timed-out request, the configuration is not measured further."""
+        from rapidkv.bench.serve_loads import TIMEOUT
+
+        if any(r.error and r.error.startswith(TIMEOUT) for r in results):
+            why = (
+                f"{name}: a request of load {load} had no complete answer within "
+                f"{self.opts.timeout:.0f}s; its later loads were not run (see the server logs)"
+            )
+            self.progress.say(why)
+            self.configs[name].error = why
 
     def measure(self, name: str, group: Any, load: Any, rnd: int) -> None:
         from rapidkv.bench.serve_configs import CONFIGS, machine_busy_cpu_seconds, tree_cpu_seconds
@@ -364,6 +382,7 @@ class ModelRun:
         }
         run = LoadRun(rnd, results, wall, cpu, tokens, client, other)
         self.configs[name].loads.setdefault(load.name, []).append(run)
+        self.check_timeouts(name, load.name, results)
         if self.trace is not None:
             self.write_trace(name, load.name, rnd, results)
 

@@ -42,6 +42,7 @@ class Config:
     front: str | None  # a front of the group; None: straight to the group's only server
     description: str
     params: dict[str, Any] | None = None  # the client's kv_transfer_params
+    default: bool = True  # run when --configs is not given
 
 
 def _rapidkv(name: str, front: str, what: str, mode: str | None = None) -> Config:
@@ -79,6 +80,13 @@ CONFIGS: dict[str, Config] = {
             "proxy",
             "vLLM NixlPushConnector (push), P core 0 / D core 1, serial proxy, tuned as vllm-nixl",
         ),
+        Config(
+            "vllm-nixl-push-stock",
+            "vllm-nixl-push-stock",
+            "proxy",
+            "vLLM NixlPushConnector, serial proxy, STOCK (untuned; not run by default)",
+            default=False,
+        ),
         _rapidkv("rapidkv", "router-dual", "rapidkv P+D, router dual, connector default mode"),
         _rapidkv("rapidkv-step", "router-dual", "rapidkv, dual, transfer_kv_mode=step", "step"),
         _rapidkv(
@@ -99,6 +107,7 @@ GROUPS: tuple[str, ...] = (
     "vllm-nixl",
     "vllm-nixl-stock",
     "vllm-nixl-push",
+    "vllm-nixl-push-stock",
     "rapidkv",
 )
 """Start order (the reference, `single`, first)."""
@@ -242,9 +251,9 @@ def _group_plan(
             ]
 
         return specs, rapidkv_fronts
-    if name in ("vllm-nixl", "vllm-nixl-stock", "vllm-nixl-push"):
-        connector = "NixlPushConnector" if name == "vllm-nixl-push" else "NixlConnector"
-        tuned = name != "vllm-nixl-stock"
+    if name.startswith("vllm-nixl"):
+        connector = "NixlPushConnector" if name.startswith("vllm-nixl-push") else "NixlConnector"
+        tuned = not name.endswith("-stock")
         specs = []
         for role, cpu, kv_role in (("prefill", 0, "kv_producer"), ("decode", 1, "kv_consumer")):
             env = {

@@ -9,7 +9,9 @@ A load sends every prompt of the set once, as a streaming completion (greedy,
 
 Each request records when each token arrived (client side), the response's
 rapidkv `xfer_id` header when a rapidkv router served it, and any error
-(counted, never retried).
+(counted, never retried). A request that has no complete answer within
+`timeout_s` fails, and the requests of its load not yet sent are not sent (each
+recorded as an error): a wedged server costs one timeout, not one per prompt.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from typing import Any
 from rapidkv.bench.serve_stats import RequestResult
 
 XFER_HEADER = "x-rapidkv-xfer-id"
+TIMEOUT = "timeout: no complete answer within the request timeout"
+SKIPPED = "not sent: this load stopped after a timeout of the request for prompt"
 
 
 @dataclass(frozen=True)
@@ -81,19 +85,30 @@ async def _run(
 
     limits = httpx.Limits(max_connections=load.concurrency or len(prompts) or 1)
     async with httpx.AsyncClient(limits=limits, timeout=timeout_s, trust_env=False) as client:
+        timed_out: list[int] = []  # prompts whose request ran past timeout_s
 
         async def one(i: int) -> RequestResult:
             sent = time.time()
+            if timed_out:
+                on_done()
+                return RequestResult(i, (), (), math.nan, sent, error=f"{SKIPPED} {timed_out[0]}")
             t0 = time.monotonic()
             try:
-                s = await acomplete_stream(
-                    client,
-                    url,
-                    prompts[i],
-                    max_tokens,
-                    timeout=timeout_s,
-                    kv_transfer_params=params,
+                s = await asyncio.wait_for(
+                    acomplete_stream(
+                        client,
+                        url,
+                        prompts[i],
+                        max_tokens,
+                        timeout=timeout_s,
+                        kv_transfer_params=params,
+                    ),
+                    timeout_s,
                 )
+            except TimeoutError:
+                timed_out.append(i)
+                error = f"{TIMEOUT} ({timeout_s:.0f}s)"
+                return RequestResult(i, (), (), math.nan, sent, error=error)
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"[:300]
                 return RequestResult(i, (), (), math.nan, sent, error=error)
