@@ -20,9 +20,9 @@ by load. Samples of all rounds are pooled; per-round p50s are kept in the JSON.
 Output (`serve_report`): a summary table (stdout), a progress line (stderr),
 `--json PATH|-`, `--plot PATH` (`serve_plot`) and `--trace PATH` (one JSON
 line per request, with the rapidkv router's `xfer_id` to join server-side
-timelines). The exit
-status is 1 if any configuration failed to start, had a failed request or a
-hard mismatch.
+timelines). The exit status is 1 on a hard mismatch anywhere, or if `single`
+or a rapidkv configuration failed to start or had a failed request; a
+baseline that fails (dp2, vLLM's NIXL connectors) is reported, not fatal.
 """
 
 from __future__ import annotations
