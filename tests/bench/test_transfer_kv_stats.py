@@ -181,16 +181,18 @@ def test_layer0_offset_comes_from_blocks_sent_layer_by_layer_in_step_mode():
 
 
 def test_ready_delay_counts_from_the_later_of_arrival_and_the_first_layer():
-    # step began at 9.990, first layer ready 5 ms later (9.995); arrival 9.992
-    s = sample(state="last_chunk", arrival=9.992, landed=[[9.9962]], step_begin=9.990)
-    s.blocks = (1,)
-    est, bound = ready_delays(s, 5.0)
-    assert est == pytest.approx(1.2)
-    assert bound == pytest.approx(4.2)
+    # step began at 9.990, first layer ready 5 ms later (9.995); arrival 9.992;
+    # block 1 (an earlier chunk's) landed at 9.9935, block 3 (the last chunk's) at 9.9962
+    landed = [[9.9935, 9.9962], [9.9936, 9.998]]
+    s = sample(state="last_chunk", arrival=9.992, landed=landed, step_begin=9.990)
+    d = ready_delays(s, 5.0)
+    assert d["any_block"] == pytest.approx((-1.5, 1.5))
+    assert d["last_block"] == pytest.approx((1.2, 4.2))
     # arrival after the first layer: both count from arrival
     s = sample(state="last_chunk", arrival=9.999, landed=[[9.9995]], step_begin=9.990)
     s.blocks = (1,)
-    assert ready_delays(s, 5.0) == pytest.approx((0.5, 0.5))
+    d = ready_delays(s, 5.0)
+    assert d["any_block"] == pytest.approx((0.5, 0.5)) and d["last_block"] == d["any_block"]
     assert ready_delays(sample(step_begin=None), 5.0) is None
 
 
@@ -290,7 +292,10 @@ def test_acceptance_points_follow_the_issue():
         },
     )
     cap["last_chunk_first_byte_after_ready_ms"] = {
-        "substep": {"estimated": {"p50": 0.8, "p99": 3.5, "n": 20}}
+        "substep": {
+            "any_block": {"estimated": {"p50": -0.5, "p99": 1.0, "n": 20}},
+            "last_block": {"estimated": {"p50": 0.8, "p99": 3.5, "n": 20}},
+        }
     }
     points = {p["point"]: p for p in acceptance({"uncapped": unc, "capped": cap})}
     ok = {k: p["ok"] for k, p in points.items()}
@@ -301,16 +306,19 @@ def test_acceptance_points_follow_the_issue():
     ratio = points["uncapped finished: p50 arrival->last byte, step / bypass"]
     assert ratio["value"] == pytest.approx(11.0) and ratio["ok"] is True
     assert points["capped last chunk: p50 exposed, substep / step"]["value"] == pytest.approx(0.25)
-    ready = "capped last chunk substep: {} first byte after max(arrival, first layer) (ms)"
-    assert ok[ready.format("p50")] is True  # <= max(2, 3)
-    assert ok[ready.format("p99")] is False
+    ready = "capped last chunk substep: {} first byte ({}) after max(arrival, first layer) (ms)"
+    assert ok[ready.format("p50", "any block")] is True
+    assert ok[ready.format("p99", "any block")] is True
+    assert ok[ready.format("p50", "last block")] is True  # <= max(2, 3)
+    assert ok[ready.format("p99", "last block")] is False
 
 
 def test_acceptance_of_an_empty_cell_is_not_measurable():
     unc = fake_phase(40.0, {})
     cap = fake_phase(40.0, {})
+    empty = {"estimated": {"p50": NAN, "p99": NAN, "n": 0}}
     cap["last_chunk_first_byte_after_ready_ms"] = {
-        "substep": {"estimated": {"p50": NAN, "p99": NAN, "n": 0}}
+        "substep": {"any_block": empty, "last_block": empty}
     }
     assert all(p["ok"] is None for p in acceptance({"uncapped": unc, "capped": cap}))
 

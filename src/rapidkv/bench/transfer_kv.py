@@ -88,6 +88,13 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     )
     parser.add_argument("--warmup", type=int, default=2, help="unrecorded samples per mode")
     parser.add_argument("--poll-us", type=float, default=100.0, help="D's memory polling period")
+    parser.add_argument(
+        "--wait-quiet-s",
+        type=float,
+        default=600.0,
+        help="before each phase, wait up to this long for the two cores to be free of other "
+        "processes' work (0: do not wait)",
+    )
     parser.add_argument("--p-cpu", type=int, default=0)
     parser.add_argument("--d-cpu", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
@@ -114,6 +121,7 @@ class Options:
     uniform: bool
     warmup: int
     poll_s: float
+    wait_quiet_s: float
     p_cpu: int
     d_cpu: int
     seed: int
@@ -147,6 +155,7 @@ class Options:
             uniform=args.uniform,
             warmup=args.warmup,
             poll_s=args.poll_us / 1e6,
+            wait_quiet_s=args.wait_quiet_s,
             p_cpu=args.p_cpu,
             d_cpu=args.d_cpu,
             seed=args.seed,
@@ -314,6 +323,7 @@ class Phase:
             extra_args=("--max-num-batched-tokens", str(o.chunk), "--no-enable-prefix-caching"),
         )
         cap = f" (cap {self.cap_gbps:.3f} GB/s)" if self.cap_gbps else ""
+        self.wait_quiet()
         self.say(f"{self.name}{cap}: starting P")
         with VLLMServer.start(spec, self.bench.log_dir) as p:
             self.say(f"{self.name}: P up in {p.startup_s:.0f} s; connecting D")
@@ -334,12 +344,43 @@ class Phase:
                     httpx.Client(timeout=120.0) as http,
                 ):
                     self.pool, self.http = pool, http
-                    samples, t0, t1 = self.sample_all(load)
+                    noise = self.noise(p)
+                    samples, t0, t1 = self.sample_all(load, noise)
+                    self.other_cpu = noise.cores()
                 self.say(
                     f"{self.name}: background load: {load.done} requests, {load.errors} errors"
                 )
                 self.collect_steps()
         return self.summarize(samples, t0, t1, load)
+
+    def wait_quiet(self) -> None:
+        """Wait (up to --wait-quiet-s) until other processes leave both cores alone."""
+        from rapidkv.bench.transfer_kv_noise import NOISY_CORES, CpuNoise
+
+        o = self.opts
+        deadline = time.monotonic() + o.wait_quiet_s
+        cores = {o.p_cpu: lambda: [], o.d_cpu: lambda: [os.getpid()]}
+        said = False
+        while True:
+            noise = CpuNoise(cores).start()
+            time.sleep(3.0)
+            busy = noise.cores()
+            if max(busy.values()) <= NOISY_CORES:
+                return
+            if time.monotonic() > deadline:
+                self.say(f"{self.name}: cores still busy with other work ({busy}); going on")
+                return
+            if not said:
+                self.say(f"{self.name}: other processes use {busy} cores; waiting for quiet")
+                said = True
+
+    def noise(self, p: Any) -> Any:
+        """CPU others take from P's core and ours (measured over the sampling)."""
+        from rapidkv.bench.transfer_kv_noise import CpuNoise
+        from rapidkv.harness.procs import live_in_group
+
+        o = self.opts
+        return CpuNoise({o.p_cpu: lambda: live_in_group(p.pgid), o.d_cpu: lambda: [os.getpid()]})
 
     def blocks_needed(self, spec: Any) -> int:
         """D's memory: two sets of scattered blocks for one request, block 0 unused."""
@@ -347,7 +388,7 @@ class Phase:
 
     # -- sampling ---------------------------------------------------------------
 
-    def sample_all(self, load: Any) -> tuple[list[Any], float, float]:
+    def sample_all(self, load: Any, noise: Any) -> tuple[list[Any], float, float]:
         from rapidkv.bench.transfer_kv_stats import MODES, STATES, DelaySampler, next_target
 
         o = self.opts
@@ -360,6 +401,7 @@ class Phase:
                 self.say(f"{self.name}: warm-up {s.xfer_id} ({s.mode}) failed: {s.error}")
         counts: dict[str, Counter[str]] = {m: Counter() for m in MODES}
         samples: list[Any] = []
+        noise.start()
         t0 = time.monotonic()
         last_say = t0
         failures_in_a_row = 0
@@ -393,9 +435,11 @@ class Phase:
                 have = " ".join(
                     f"{m}:" + "/".join(str(counts[m][st]) for st in STATES) for m in MODES
                 )
+                others = ", ".join(f"core {c} {v:.2f}" for c, v in noise.cores().items())
                 self.say(
                     f"{self.name}: {len(samples)} samples, fin/last/earlier {have} "
-                    f"(want {o.samples}), load {load.done} done {load.errors} errors"
+                    f"(want {o.samples}), load {load.done} done {load.errors} errors, "
+                    f"other processes' CPU: {others}"
                 )
         return samples, t0, time.monotonic()
 
@@ -487,10 +531,13 @@ class Phase:
         """Fill in P's view of the sample; returns what went wrong."""
         from rapidkv.control.messages import TimelineRequest
 
-        try:
-            tl = self.dst.rpc.call(self.p_control, TimelineRequest([s.xfer_id]), 10.0)
-        except Exception as e:
-            return [f"timeline: {type(e).__name__}: {e}"]
+        for attempt in range(3):  # a starved P may answer late; the request is idempotent
+            try:
+                tl = self.dst.rpc.call(self.p_control, TimelineRequest([s.xfer_id]), 10.0)
+                break
+            except Exception as e:
+                if attempt == 2:
+                    return [f"timeline: {type(e).__name__}: {e}"]
         from rapidkv.bench.transfer_kv_stats import last_chunk_end
 
         self.add_steps(tl.steps)
@@ -531,6 +578,7 @@ class Phase:
     def summarize(
         self, samples: list[Any], t0: float, t1: float, load: Any
     ) -> tuple[dict[str, Any], dict[Any, Any]]:
+        from rapidkv.bench.transfer_kv_noise import NOISY_CORES
         from rapidkv.bench.transfer_kv_stats import sample_metrics, summarize_phase
 
         steps = sorted(self.steps.values(), key=lambda s: s.begin)
@@ -546,6 +594,14 @@ class Phase:
         out["wall_s"] = round(t1 - t0, 1)
         out["background"] = {"done": load.done, "errors": load.errors, "last": load.last_error}
         out["p_log"] = str(self.p.log_path)
+        # CPU (in cores) that processes other than P and this one used on each core
+        out["other_cpu_cores"] = {str(c): v for c, v in self.other_cpu.items()}
+        noisy = {c: v for c, v in self.other_cpu.items() if v > NOISY_CORES}
+        if noisy:
+            self.say(
+                f"{self.name}: WARNING: other processes used {noisy} cores of P's/D's cores: "
+                "step lengths and latencies are inflated"
+            )
         values: dict[Any, Any] = {}
         for s in samples:
             m = sample_metrics(s)
