@@ -219,6 +219,7 @@ class SchedulerSide:
                     ours.get("prefill_control"),
                     ours.get("transfer_kv_mode"),
                 )
+                self._event(xfer_id, "d_admitted")
 
     def matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
         """D: tokens to load from P. Side-effect free apart from remembering the
@@ -255,6 +256,8 @@ class SchedulerSide:
         with self._lock:
             self._pending.expect[c.xfer_id] = c.req_id
         self.counters["transfer_kv_sent"] += 1
+        with self._lock:
+            self._event(c.xfer_id, "d_transfer_kv_sent")
         self._send_transfer_kv(c, msg)
 
     def build_meta(self, so: Any) -> StepMeta:
@@ -362,6 +365,7 @@ class SchedulerSide:
                 c = self._consumed.get(req_id)
                 if c is not None:
                     c.state = "done"
+                    self._event(c.xfer_id, "d_kv_received")
             if meta is not None:
                 self.counters.update(meta.counters)
             for s in meta.settled if meta is not None else ():
@@ -780,6 +784,8 @@ class SchedulerSide:
         )
 
     def timeline(self, xfer_ids: list[str]) -> Timeline:
+        """Events of these transfers (P's, and on a D `d_admitted`,
+        `d_transfer_kv_sent`, `d_kv_received`) and the recent steps."""
         with self._lock:
             xfers = {
                 x: XferTimeline(

@@ -147,6 +147,7 @@ class WorkerSide:
             kvt.fail(xfer_id, reason)
         self._release.update(meta.release)
         self._expect.update(meta.expect_recv)
+        kvt.expecting = bool(self._expect)
         for req_id in meta.recv_failed:
             self._fail_recv(req_id)
         self.step_id = meta.step_id

@@ -115,11 +115,14 @@ class KvtWorker:
     # often than POLL_DUTY allows (a poll round of w seconds is followed by at
     # least w / POLL_DUTY of sleep: the owner preempts the engine, so it must not
     # take its core). Otherwise it wakes every IDLE_POLL_S to collect incoming
+    # notifications, every EXPECT_POLL_S while `expecting` is set (a destination
+    # waiting for SendDones: each ms of delay here is a ms of hand-off).
     # notifications.
     MIN_POLL_S = 0.0002
     MAX_POLL_S = 0.001
     POLL_DUTY = 0.2
     IDLE_POLL_S = 0.002
+    EXPECT_POLL_S = 0.0005
 
     def __init__(
         self,
@@ -143,6 +146,7 @@ class KvtWorker:
         self.on_posted = on_posted
         self.realtime = realtime
         self.bandwidth_cap_bps = bandwidth_cap_bps
+        self.expecting = False  # SendDones are awaited: collect notifications sooner
         self._link_free_at = 0.0
         self.stats = KvtStats()
         self._lock = threading.Lock()
@@ -333,7 +337,8 @@ class KvtWorker:
         poll_s = self.MIN_POLL_S
         while True:
             try:
-                item = self._jobs.get(timeout=poll_s if self._writes else self.IDLE_POLL_S)
+                idle = self.EXPECT_POLL_S if self.expecting else self.IDLE_POLL_S
+                item = self._jobs.get(timeout=poll_s if self._writes else idle)
                 poll_s = self.MIN_POLL_S
                 while True:
                     if item is None:
@@ -354,7 +359,9 @@ class KvtWorker:
                 now = time.perf_counter()
                 if now >= next_notif_poll:
                     self._poll_notifs()
-                    next_notif_poll = now + self.IDLE_POLL_S
+                    next_notif_poll = now + (
+                        self.EXPECT_POLL_S if self.expecting else self.IDLE_POLL_S
+                    )
             except Exception:
                 log.exception("kvt owner thread: polling failed")
 
