@@ -45,6 +45,7 @@ class Produced:
     computed: int = 0  # tokens whose KV is final at P
     in_flight_end: int = 0  # computed + tokens of the step being built
     scheduled_step: int | None = None  # the step in flight computes some of it
+    last_chunk_step: int | None = None  # the step that computes its last prompt token
     block_ids: tuple[int, ...] = ()
     window: Window | None = None
     reply: Reply | None = None

@@ -293,6 +293,7 @@ class SchedulerSide:
                     p.scheduled_step = self._step_id
                     meta.computes_prompt |= p.computed < p.prompt_len
                     if p.computed < p.prompt_len - 1 <= p.in_flight_end:
+                        p.last_chunk_step = self._step_id
                         self._event(p.xfer_id, "last_chunk_begin", now)
                 full, step = p.next_tasks(self.block_size, scheduled=n is not None)
                 if full is not None:
@@ -458,10 +459,10 @@ class SchedulerSide:
         if len(self._steps) > STEP_MEMORY:
             del self._steps[: len(self._steps) - STEP_MEMORY]
         for p in self._produced.values():
+            if p.last_chunk_step == step_id:
+                self._event(p.xfer_id, "last_chunk_end", now)
             if p.scheduled_step == step_id:
                 p.scheduled_step = None
-                if p.computed < p.prompt_len - 1 <= p.in_flight_end:
-                    self._event(p.xfer_id, "last_chunk_end", now)
                 p.computed = max(p.computed, p.in_flight_end)
 
     def _resolve(self, r: Resolution[Undo]) -> None:
