@@ -80,7 +80,9 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         "--timeout", type=float, default=60.0, help="per request, seconds (%(default)s)"
     )
     parser.add_argument(
-        "--server-args", default="", help="extra vLLM arguments for every server (one string)"
+        "--server-args",
+        default="",
+        help="extra vLLM arguments for every server, one string: --server-args='--flag value'",
     )
     parser.add_argument(
         "--json", default=None, metavar="PATH", help="write the JSON here (- = stdout)"
@@ -239,6 +241,9 @@ class ModelRun:
         for r in range(1, self.opts.rounds + 1):
             for group in order if r % 2 else order[::-1]:
                 members = [c for c in self.opts.configs if CONFIGS[c].group == group]
+                failed = [c for c in members if self.configs[c].error]  # not measured again
+                self.progress.advance(len(failed) * self.units_per_config)
+                members = [c for c in members if c not in failed]
                 if members or (self.references is None and self.reference_error is None):
                     self.run_group(group, members, r)
         return self
@@ -255,9 +260,11 @@ class ModelRun:
             p.say(why[:3000])
             for name in members:
                 self.configs[name].error = why[:4000]
+            units = len(members) * self.units_per_config
             if group_name == "single" and self.references is None:
                 self.reference_error = why[:4000]
-            p.skip(self.units_of(members, rnd))
+                units += len(self.prompts)
+            p.advance(units)
             return
         try:
             for name in members:
@@ -273,7 +280,7 @@ class ModelRun:
             for load in self.opts.loads:
                 for name in members:
                     if self.configs[name].error:  # timed out earlier: the rest is skipped
-                        p.skip(self.opts.requests)
+                        p.advance(self.opts.requests)
                     else:
                         self.measure(name, group, load, rnd)
         except Exception as e:  # a server died, /metrics failed...: the next group still runs
@@ -285,10 +292,10 @@ class ModelRun:
             p.stage(f"{self.model} r{rnd}: stopping {group_name}")
             group.stop()
 
-    def units_of(self, members: list[str], rnd: int) -> int:
-        per_config = self.opts.warmup + len(self.opts.loads) * self.opts.requests
-        ref = self.opts.requests if rnd == 1 and self.references is None else 0
-        return len(members) * per_config + ref
+    @property
+    def units_per_config(self) -> int:
+        """Progress units (requests) of one configuration in one round."""
+        return self.opts.warmup + len(self.opts.loads) * self.opts.requests
 
     def take_reference(self, url: str) -> None:
         from rapidkv.bench.serve_stats import Reference, margins_from_logprobs
@@ -308,7 +315,7 @@ class ModelRun:
         except Exception as e:
             self.reference_error = f"reference pass failed: {type(e).__name__}: {e}"[:4000]
             self.progress.say(self.reference_error)
-            self.progress.skip(len(self.prompts))
+            self.progress.advance(len(self.prompts))
             return
         refs = []
         for c in done:
@@ -468,9 +475,6 @@ class Progress:
     def advance(self, n: int = 1) -> None:
         self.done += n
         self._draw()
-
-    def skip(self, n: int) -> None:
-        self.advance(n)
 
     def say(self, message: str) -> None:
         if self.tty:

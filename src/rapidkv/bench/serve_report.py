@@ -261,7 +261,7 @@ def print_report(report: dict[str, Any], out: IO[str]) -> None:
         print(f"  met: {a['met']}", file=out)
     for model, ref in report["reference"].items():
         if ref["error"]:
-            why = ref["error"][:300]
+            why = ref["error"].splitlines()[0][:200]
             print(f"\n{model}: no reference, mismatches not checked: {why}", file=out)
     if report["failed_baselines"]:
         print(f"\nbaselines that failed: {', '.join(report['failed_baselines'])}", file=out)
