@@ -68,7 +68,10 @@ SMALL_P_WORKLOADS = [  # (name, prompt lengths, seed, max_tokens)
 ]
 # D kept busy: per round, 8 plain decodes ahead of 8 PD prompts
 LATE_ROUNDS = 4
-LATE_DECODES = [5, 10, 20, 40, 80, 120, 160, 200]  # D frees a slot now and then
+LATE_SLOTS = 8  # = D's max_num_seqs: D admits nothing while these decode
+# per round, how long D's decodes run: D's TransferKVs (all sent once a slot
+# frees) reach P at a later point of P's prefills each round
+LATE_DECODE_TOKENS = [10, 40, 70, 100]
 LATE_LENGTHS = [300, 450, 250, 500, 380, 420, 260, 480]
 
 
@@ -416,24 +419,28 @@ def test_router_streams_pd_outputs_equal_to_single_instance(
 def test_transfer_kv_late_from_a_busy_d_takes_the_fast_paths(
     pd_pair: Pair, workloads: dict
 ) -> None:
-    """D is busy with decodes, so each PD request waits in its queue and its
-    TransferKV reaches P whenever a decode ends: some after P finished the
-    prompt (bypass: sent at once), some while P computes its last chunk
-    (substep: attached to the step in flight). Real timing, no debug delay on
-    the bypass channel; rounds repeat until both were seen (at most LATE_ROUNDS)."""
+    """D is busy with decodes (every slot taken), so the PD requests wait in its
+    queue and their TransferKVs reach P only when the decodes end, each round
+    later into P's prefills: some find P finished with the prompt (bypass: sent
+    at once), some find P computing its last chunk (substep: attached to the
+    step in flight). Real timing, no debug delay on the bypass channel; rounds
+    repeat until both were seen (at most LATE_ROUNDS)."""
     pair = pd_pair
     before = {"p": pair.stats("p"), "d": pair.stats("d")}
-    decodes = random_prompts(pair.model, [40] * len(LATE_DECODES), seed=5100)
+    decodes = random_prompts(pair.model, [40] * LATE_SLOTS, seed=5100)
 
     async def round_(r: int) -> list[list[int]]:
         prompts, _ = workloads[f"late-{r}"]
         async with httpx.AsyncClient() as client:
             busy = [
                 asyncio.create_task(acomplete_full(client, pair.d.base_url, ids, n))
-                for ids, n in zip(decodes, LATE_DECODES, strict=True)
+                for ids in decodes
+                for n in [LATE_DECODE_TOKENS[r]]
             ]
             deadline = time.monotonic() + 20
-            while metric_sum(get_metrics(pair.d.base_url), "vllm:num_requests_running") < 8:
+            while (
+                metric_sum(get_metrics(pair.d.base_url), "vllm:num_requests_running") < LATE_SLOTS
+            ):
                 assert time.monotonic() < deadline, "D never got busy"
                 await asyncio.sleep(0.01)
             outs = await asyncio.gather(
