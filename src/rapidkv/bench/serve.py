@@ -391,9 +391,17 @@ class ModelRun:
         self.configs[name].loads.setdefault(load.name, []).append(run)
         self.check_timeouts(name, load.name, results)
         if self.trace is not None:
-            self.write_trace(name, load.name, rnd, results)
+            xfers = [r.xfer_id for r in results if r.xfer_id]
+            self.write_trace(name, load.name, rnd, results, group.timelines(xfers))
 
-    def write_trace(self, name: str, load: str, rnd: int, results: list[Any]) -> None:
+    def write_trace(
+        self,
+        name: str,
+        load: str,
+        rnd: int,
+        results: list[Any],
+        timelines: dict[str, dict[str, dict[str, float]]],
+    ) -> None:
         from rapidkv.bench.serve_report import to_json
         from rapidkv.bench.serve_stats import classify
 
@@ -416,6 +424,9 @@ class ModelRun:
                 "verdict": verdict,
                 "error": r.error,
             }
+            for role, events in timelines.items():  # ms after the client sent it
+                ev = events.get(r.xfer_id or "", {})
+                row[f"{role}_ms"] = {k: round((t - r.sent_mono) * 1000, 3) for k, t in ev.items()}
             self.trace.write(to_json(row) + "\n")
         self.trace.flush()
 

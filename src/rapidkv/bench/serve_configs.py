@@ -131,6 +131,21 @@ class RunningGroup:
     fronts: dict[str, Front] = field(default_factory=dict)
     startup_s: float = 0.0  # launch -> every server and front healthy
     notes: list[str] = field(default_factory=list)
+    controls: dict[str, str] = field(default_factory=dict)  # rapidkv: role -> control address
+
+    def timelines(self, xfer_ids: Sequence[str]) -> dict[str, dict[str, dict[str, float]]]:
+        """rapidkv: per role, each transfer's connector events (time.monotonic())."""
+        from rapidkv.control.client import RpcClient
+        from rapidkv.control.messages import TimelineRequest
+
+        out: dict[str, dict[str, dict[str, float]]] = {}
+        if not self.controls or not xfer_ids:
+            return out
+        with RpcClient() as rpc:
+            for role, address in self.controls.items():
+                reply = rpc.call(address, TimelineRequest(list(xfer_ids)), 10)
+                out[role] = {x: dict(t.events) for x, t in reply.xfers.items()}
+        return out
 
     def url(self, config: Config) -> str:
         if config.front is None:
@@ -198,6 +213,11 @@ def start_group(
     keyed, fronts = _group_plan(name, model, log_dir, tuple(extra_args))
     servers = start_servers([spec for _, spec in keyed], log_dir)
     group = RunningGroup(name, {key: s for (key, _), s in zip(keyed, servers, strict=True)})
+    group.controls = {
+        key: f"127.0.0.1:{spec.kv_transfer_config['kv_connector_extra_config']['control_port']}"
+        for key, spec in keyed
+        if (spec.kv_transfer_config or {}).get("kv_connector") == "RapidKVConnector"
+    }
     try:
         for front, argv in fronts(group):
             group.fronts[front] = _start_front(f"{name}.{front}", argv, log_dir)

@@ -116,7 +116,7 @@ async def _run(
                 on_done()
             e2e = (time.monotonic() - t0) * 1000
             xfer = s.headers.get(XFER_HEADER)
-            return RequestResult(i, tuple(s.token_ids), s.token_ms, e2e, sent, xfer)
+            return RequestResult(i, tuple(s.token_ids), s.token_ms, e2e, sent, xfer, sent_mono=t0)
 
         t_start = time.monotonic()
         if load.concurrency is not None:

@@ -100,6 +100,7 @@ class RequestResult:
     sent_s: float  # wall-clock time (time.time()) it was sent
     xfer_id: str | None = None  # the rapidkv router's id for it, when routed by one
     error: str | None = None
+    sent_mono: float = math.nan  # time.monotonic() it was sent (the connectors' clock)
 
     @property
     def ttft_ms(self) -> float:

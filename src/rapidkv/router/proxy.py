@@ -168,9 +168,7 @@ class Router:
             failed = task.done() and (task.cancelled() or task.exception() is not None)
             if not failed or time.monotonic() - started < DISCOVERY_RETRY_S:
                 return task
-        task = asyncio.create_task(
-            discover_control(self.http, inst, self.config.connect_timeout_s)
-        )
+        task = asyncio.create_task(discover_control(self.http, inst, self.config.connect_timeout_s))
         self._discovery[inst.url] = (task, time.monotonic())
         return task
 

@@ -1,0 +1,97 @@
+"""Where a rapidkv request's time to first token goes, from a `--trace` file.
+
+    python -m rapidkv.bench.serve_timeline requests.jsonl
+
+Each trace row of a rapidkv configuration carries, besides the client's token
+arrival times, the connectors' events for its `xfer_id` (`prefill_ms`,
+`decode_ms`: milliseconds after the client sent the request, on the machine's
+one monotonic clock). Per configuration and load this prints the median of each
+stage of the request's path to its first token:
+
+| stage | from -> to |
+|---|---|
+| `to_p` | client sent -> P's engine admitted the request (router, HTTP, queue) |
+| `p_prefill` | P admitted -> the step computing the prompt's last chunk returned |
+| `handoff` | that step returned -> D's scheduler saw the KV complete |
+| `d_first` | D saw the KV -> the client got the first token (D computes the |
+|  | last prompt token, samples, streams it back through the router) |
+| `to_d` | client sent -> D's engine admitted the request (runs beside `to_p`) |
+
+and `ttft` itself; for `single`, only `ttft`. The stages add up to the TTFT of
+the request whose stages they are; their medians need not add up exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from collections import defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+STAGES = ("to_p", "p_prefill", "handoff", "d_first", "to_d", "ttft")
+
+
+def stages(row: dict[str, Any]) -> dict[str, float]:
+    """The stages of one trace row (those its events allow)."""
+    out: dict[str, float] = {}
+    if row.get("token_ms"):
+        out["ttft"] = row["token_ms"][0]
+    p, d = row.get("prefill_ms") or {}, row.get("decode_ms") or {}
+    if "admitted" in p:
+        out["to_p"] = p["admitted"]
+        if "last_chunk_end" in p:
+            out["p_prefill"] = p["last_chunk_end"] - p["admitted"]
+            if "d_kv_received" in d:
+                out["handoff"] = d["d_kv_received"] - p["last_chunk_end"]
+    if "d_kv_received" in d and "ttft" in out:
+        out["d_first"] = out["ttft"] - d["d_kv_received"]
+    if "d_admitted" in d:
+        out["to_d"] = d["d_admitted"]
+    return out
+
+
+def summarize(rows: Iterable[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per `config/load`, the median of each stage (and `n`, the rows)."""
+    samples: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for row in rows:
+        if row.get("error"):
+            continue
+        key = f"{row['config']}/{row['load']}"
+        samples[key]["n"].append(1.0)
+        for stage, ms in stages(row).items():
+            samples[key][stage].append(ms)
+    return {
+        key: {
+            stage: (float(len(v)) if stage == "n" else statistics.median(v))
+            for stage, v in by_stage.items()
+        }
+        for key, by_stage in samples.items()
+    }
+
+
+def table(summary: dict[str, dict[str, float]]) -> str:
+    head = f"{'config/load':<28}{'n':>5}" + "".join(f"{s:>11}" for s in STAGES)
+    lines = [head, "-" * len(head)]
+    for key in sorted(summary):
+        row = summary[key]
+        cells = "".join(f"{row[s]:>11.1f}" if s in row else f"{'-':>11}" for s in STAGES)
+        lines.append(f"{key:<28}{int(row.get('n', 0)):>5}{cells}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m rapidkv.bench.serve_timeline TRACE.jsonl", file=sys.stderr)
+        return 2
+    rows = [json.loads(line) for line in Path(args[0]).read_text().splitlines() if line.strip()]
+    print("median ms per stage (see the module docstring)")
+    print(table(summarize(rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
