@@ -12,6 +12,7 @@ import pytest
 
 from rapidkv.bench.transfer_kv import Options, clean
 from rapidkv.bench.transfer_kv_dest import as_values, rel_diff
+from rapidkv.bench.transfer_kv_noise import is_noisy, noisy_between
 from rapidkv.bench.transfer_kv_stats import (
     MODES,
     STATES,
@@ -344,6 +345,30 @@ def test_phase_summary_has_every_mode_and_state_and_counts_other_states_and_fail
     assert out["checks"]["failed"] == 1 and out["checks"]["failed_xfers"][0].startswith("bad")
     assert out["checks"]["content_max_rel_diff"] == pytest.approx(1e-6)
     assert out["step_ms"]["n"] == 2
+
+
+def test_noisy_samples_and_steps_are_left_out_of_the_figures_but_not_the_checks():
+    quiet = sample(mode="bypass", state="finished")
+    loud = sample(mode="bypass", state="finished", last_byte=10.5, noisy=True)
+    loud.content_rel_diff = 0.25
+    windows = [(1.0, 1.0405, {0: 0.5, 1: 0.0})]  # overlaps step 1 only
+    out = summarize_phase([quiet, loud], STEPS, 0.0, 2.0, lambda a, b: noisy_between(windows, a, b))
+    cell = out["modes"]["bypass"]["finished"]["last_byte_ms"]
+    assert cell["n"] == 1 and cell["p50"] == pytest.approx(4.0)
+    assert out["noisy_samples"] == 1 and out["samples"] == 2
+    assert out["step_ms"]["n"] == 1  # step 2 only
+    assert out["checks"]["content_max_rel_diff"] == 0.25
+
+
+def test_a_window_is_noisy_above_a_fifth_of_a_core_on_any_core():
+    assert not is_noisy({0: 0.2, 1: 0.1})
+    assert is_noisy({0: 0.0, 1: 0.21})
+    assert not is_noisy({})
+    windows = [(0.0, 2.0, {0: 0.0}), (2.0, 4.0, {0: 0.9}), (4.0, 6.0, {0: 0.1})]
+    assert not noisy_between(windows, 0.5, 1.9)
+    assert noisy_between(windows, 1.9, 2.1)
+    assert noisy_between(windows, 3.0, 3.5)
+    assert not noisy_between(windows, 4.0, 5.0)  # touching the end is not overlapping
 
 
 # ---------------------------------------------------------------- options, JSON

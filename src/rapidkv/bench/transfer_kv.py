@@ -38,6 +38,7 @@ import json
 import math
 import os
 import shlex
+import signal
 import sys
 import tempfile
 import time
@@ -169,6 +170,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"rapidkv bench transfer-kv: error: {e}", file=sys.stderr)
         return 2
     os.sched_setaffinity(0, {opts.d_cpu})  # before any thread starts: they inherit it
+    # SIGTERM unwinds like Ctrl-C: every `with` stops what it started (P included)
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="rapidkv-bench-transfer-kv-"))
     progress = Progress()
     trace = open(args.trace, "w") if args.trace else None  # noqa: SIM115 - closed below
@@ -197,6 +200,10 @@ def run(args: argparse.Namespace) -> int:
         progress.say(f"plot: {args.plot}")
     progress.say(f"P logs: {log_dir}")
     return 0 if report["ok"] else 1
+
+
+def _exit_on_signal(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 class Progress:
@@ -344,9 +351,13 @@ class Phase:
                     httpx.Client(timeout=120.0) as http,
                 ):
                     self.pool, self.http = pool, http
-                    noise = self.noise(p)
-                    samples, t0, t1 = self.sample_all(load, noise)
-                    self.other_cpu = noise.cores()
+                    self.monitor = self.noise_monitor(p).start()
+                    try:
+                        samples, t0, t1 = self.sample_all(load)
+                    finally:
+                        self.monitor.stop()
+                    for s in samples:  # every window is closed now
+                        s.noisy = self.monitor.noisy(s.t_request, s.t_end)
                 self.say(
                     f"{self.name}: background load: {load.done} requests, {load.errors} errors"
                 )
@@ -374,13 +385,15 @@ class Phase:
                 self.say(f"{self.name}: other processes use {busy} cores; waiting for quiet")
                 said = True
 
-    def noise(self, p: Any) -> Any:
-        """CPU others take from P's core and ours (measured over the sampling)."""
-        from rapidkv.bench.transfer_kv_noise import CpuNoise
+    def noise_monitor(self, p: Any) -> Any:
+        """CPU others take from P's core and ours, in windows (see transfer_kv_noise)."""
+        from rapidkv.bench.transfer_kv_noise import NoiseMonitor
         from rapidkv.harness.procs import live_in_group
 
         o = self.opts
-        return CpuNoise({o.p_cpu: lambda: live_in_group(p.pgid), o.d_cpu: lambda: [os.getpid()]})
+        return NoiseMonitor(
+            {o.p_cpu: lambda: live_in_group(p.pgid), o.d_cpu: lambda: [os.getpid()]}
+        )
 
     def blocks_needed(self, spec: Any) -> int:
         """D's memory: two sets of scattered blocks for one request, block 0 unused."""
@@ -388,20 +401,21 @@ class Phase:
 
     # -- sampling ---------------------------------------------------------------
 
-    def sample_all(self, load: Any, noise: Any) -> tuple[list[Any], float, float]:
+    def sample_all(self, load: Any) -> tuple[list[Any], float, float]:
+        """Warm up, then sample until every (mode, state) has enough quiet
+        samples or the budget is spent. Returns the samples and the window."""
         from rapidkv.bench.transfer_kv_stats import MODES, STATES, DelaySampler, next_target
 
         o = self.opts
         sampler = DelaySampler(guess_s=0.5, uniform=o.uniform, seed=o.seed)
         self.say(f"{self.name}: warm-up ({o.warmup} per mode)")
         for i in range(o.warmup * len(MODES)):
-            s = self.one(f"w{i}", MODES[i % len(MODES)], sampler.draw("last_chunk"))
+            s = self.one(f"w{i}", MODES[i % len(MODES)], sampler, "last_chunk")
             sampler.observe(s.t_request, s.events, s.last_chunk_end)
             if not s.ok:
                 self.say(f"{self.name}: warm-up {s.xfer_id} ({s.mode}) failed: {s.error}")
         counts: dict[str, Counter[str]] = {m: Counter() for m in MODES}
         samples: list[Any] = []
-        noise.start()
         t0 = time.monotonic()
         last_say = t0
         failures_in_a_row = 0
@@ -413,15 +427,16 @@ class Phase:
             mode = pending[i % len(pending)]
             target = next_target(counts[mode], o.samples)
             assert target is not None
-            s = self.one(str(i), mode, sampler.draw(target))
+            s = self.one(str(i), mode, sampler, target)
             sampler.observe(s.t_request, s.events, s.last_chunk_end)
+            s.noisy = self.monitor.noisy(s.t_request, s.t_end)  # so far; final at the end
             samples.append(s)
             if self.bench.trace is not None:
                 self.bench.trace.write(json.dumps(clean({"phase": self.name, **s.to_json()})))
                 self.bench.trace.write("\n")
             if s.ok:
                 failures_in_a_row = 0
-                if s.state in STATES:
+                if s.state in STATES and not s.noisy:
                     counts[mode][s.state] += 1
             else:
                 failures_in_a_row += 1
@@ -435,21 +450,31 @@ class Phase:
                 have = " ".join(
                     f"{m}:" + "/".join(str(counts[m][st]) for st in STATES) for m in MODES
                 )
-                others = ", ".join(f"core {c} {v:.2f}" for c, v in noise.cores().items())
+                recent = self.monitor.windows[-8:]
+                others = (
+                    ", ".join(
+                        f"core {c} {max(w.get(c, 0.0) for _, _, w in recent):.2f}"
+                        for c in (o.p_cpu, o.d_cpu)
+                    )
+                    if recent
+                    else "-"
+                )
                 self.say(
-                    f"{self.name}: {len(samples)} samples, fin/last/earlier {have} "
-                    f"(want {o.samples}), load {load.done} done {load.errors} errors, "
-                    f"other processes' CPU: {others}"
+                    f"{self.name}: {len(samples)} samples ({sum(x.noisy for x in samples)} "
+                    f"noisy), fin/last/earlier {have} (want {o.samples}), load {load.done} done "
+                    f"{load.errors} errors, other processes' CPU (max, 16 s): {others}"
                 )
         return samples, t0, time.monotonic()
 
-    def one(self, tag: str, mode: str, delay: float) -> Any:
-        """One sample: P's request, TransferKV after `delay` s, then what happened."""
+    def one(self, tag: str, mode: str, sampler: Any, target: str) -> Any:
+        """One sample: P's request, TransferKV after a delay aimed at `target`,
+        then what happened."""
         from rapidkv.bench.transfer_kv_stats import Sample
         from rapidkv.control.messages import TransferKV, prompt_hash
         from rapidkv.harness.client import complete_full
 
         xfer = f"tkv-{self.name}-{tag}"
+        delay = sampler.draw(target)
         self.count += 1
         blocks = self.block_sets[self.count % 2]
         prompt = self.bench.prompt
@@ -475,7 +500,7 @@ class Phase:
             time.sleep(pause)
         t_submit = time.monotonic()
         reply_future = dst.rpc.submit(self.p_control, msg, 60.0)
-        s = Sample(xfer, mode, tuple(blocks), t_request, t_submit)
+        s = Sample(xfer, mode, tuple(blocks), t_request, t_submit, target=target, delay_s=delay)
         errors = []
         try:
             try:
@@ -512,6 +537,8 @@ class Phase:
             self.compare_content(s)
         errors += self.read_timeline(s)
         s.error = "; ".join(errors)
+        s.max_poll_gap_ms = watch.max_gap * 1000
+        s.t_end = time.monotonic()
         return s
 
     def compare_content(self, s: Any) -> None:
@@ -582,7 +609,7 @@ class Phase:
         from rapidkv.bench.transfer_kv_stats import sample_metrics, summarize_phase
 
         steps = sorted(self.steps.values(), key=lambda s: s.begin)
-        out = summarize_phase(samples, steps, t0, t1)
+        out = summarize_phase(samples, steps, t0, t1, self.monitor.noisy)
         block_bytes = sum(self.dst.spec.layer_block_bytes)
         out["request_bytes"] = self.nblocks * block_bytes
         out["bandwidth_cap_gbps"] = self.cap_gbps
@@ -594,13 +621,15 @@ class Phase:
         out["wall_s"] = round(t1 - t0, 1)
         out["background"] = {"done": load.done, "errors": load.errors, "last": load.last_error}
         out["p_log"] = str(self.p.log_path)
-        # CPU (in cores) that processes other than P and this one used on each core
-        out["other_cpu_cores"] = {str(c): v for c, v in self.other_cpu.items()}
-        noisy = {c: v for c, v in self.other_cpu.items() if v > NOISY_CORES}
-        if noisy:
+        # CPU (in cores) that processes other than P and this one used on each
+        # core, and how much of the time a window was noisy (those samples and
+        # steps are left out of the figures)
+        out.update(self.monitor.summary())
+        if out["noisy_time_fraction"] > 0.05:
             self.say(
-                f"{self.name}: WARNING: other processes used {noisy} cores of P's/D's cores: "
-                "step lengths and latencies are inflated"
+                f"{self.name}: other processes used P's or D's core more than {NOISY_CORES} "
+                f"of a core {out['noisy_time_fraction']:.0%} of the time "
+                f"({out['noisy_samples']} samples set aside)"
             )
         values: dict[Any, Any] = {}
         for s in samples:

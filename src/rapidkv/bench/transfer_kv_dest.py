@@ -55,6 +55,8 @@ class Watch:
     landed: np.ndarray
     done: Any = None  # kvt SendDone
     t_done: float | None = None
+    last_poll: float = 0.0
+    max_gap: float = 0.0  # longest time between two reads of the memory, s
     finished: threading.Event = field(default_factory=threading.Event)
 
     def wait(self, timeout: float) -> bool:
@@ -272,6 +274,9 @@ class Destination:
 
     def _poll_memory(self, w: Watch) -> None:
         now = time.monotonic()
+        if w.last_poll:
+            w.max_gap = max(w.max_gap, now - w.last_poll)
+        w.last_poll = now
         idx = np.asarray(w.blocks)
         for layer, words in enumerate(self.words):
             changed = words[0, idx, 0] != SENTINEL_WORD

@@ -72,3 +72,77 @@ class CpuNoise:
             c: round(max(0.0, (busy[c] - self._busy[c]) - (ours[c] - self._ours[c])) / wall, 3)
             for c in self.pinned
         }
+
+
+class NoiseMonitor:
+    """A thread that measures `CpuNoise` over consecutive `period_s` windows, so
+    that samples and steps that overlap a noisy window (another process used
+    more than `NOISY_CORES` of P's or D's core) can be set aside.
+
+    `windows`: `(t0, t1, {core: cores})`, `time.monotonic()`, in order.
+    """
+
+    def __init__(
+        self, pinned: dict[int, Callable[[], Sequence[int]]], period_s: float = 2.0
+    ) -> None:
+        import threading
+
+        # resolve the pids once: the pinned trees are stable during a phase
+        fixed = {c: tuple(pids()) for c, pids in pinned.items()}
+        self._noise = CpuNoise({c: (lambda p=p: p) for c, p in fixed.items()})
+        self.period_s = period_s
+        self.windows: list[tuple[float, float, dict[int, float]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-noise", daemon=True)
+
+    def start(self) -> NoiseMonitor:
+        self._noise.start()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self._tick()
+        self._tick()
+
+    def _tick(self) -> None:
+        t0 = self._noise._t0
+        cores = self._noise.cores()
+        self.windows.append((t0, time.monotonic(), cores))
+        self._noise.start()
+
+    def noisy(self, a: float, b: float) -> bool:
+        """Did [a, b] overlap a noisy window?"""
+        return noisy_between(self.windows, a, b)
+
+    def summary(self) -> dict[str, object]:
+        """Mean other-process CPU per core, and the fraction of time that was noisy."""
+        total = sum(t1 - t0 for t0, t1, _ in self.windows) or 1.0
+        cores = {c for _, _, w in self.windows for c in w}
+        return {
+            "other_cpu_cores": {
+                str(c): round(
+                    sum(w.get(c, 0.0) * (t1 - t0) for t0, t1, w in self.windows) / total, 3
+                )
+                for c in sorted(cores)
+            },
+            "noisy_time_fraction": round(
+                sum(t1 - t0 for t0, t1, w in self.windows if is_noisy(w)) / total, 3
+            ),
+        }
+
+
+def is_noisy(cores: dict[int, float]) -> bool:
+    return bool(cores) and max(cores.values()) > NOISY_CORES
+
+
+def noisy_between(
+    windows: Sequence[tuple[float, float, dict[int, float]]], a: float, b: float
+) -> bool:
+    """True if [a, b] overlaps a window whose other-process CPU exceeds
+    `NOISY_CORES` on some core."""
+    return any(t0 < b and a < t1 and is_noisy(w) for t0, t1, w in windows)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +59,12 @@ class Sample:
     # `last_chunk_begin` with, from P's step timings
     last_chunk_end: float | None = None
     error: str = ""
+    # how the sample was drawn and watched
+    target: str = ""  # the state the delay aimed at (P's verdict is `state`)
+    delay_s: float = 0.0  # P's request -> TransferKV submit, as drawn
+    t_end: float = 0.0  # everything about the sample was over
+    max_poll_gap_ms: float = 0.0  # longest gap between two reads of our memory
+    noisy: bool = False  # overlapped a window where other processes used our cores
 
     @property
     def first_byte(self) -> float | None:
@@ -93,6 +99,11 @@ class Sample:
             "last_byte": self.last_byte,
             "step_begin": self.step_begin,
             "last_chunk_end": self.last_chunk_end,
+            "target": self.target,
+            "delay_s": self.delay_s,
+            "t_end": self.t_end,
+            "max_poll_gap_ms": self.max_poll_gap_ms,
+            "noisy": self.noisy,
             "written": self.written,
             "content_rel_diff": self.content_rel_diff,
             "landed": [[None if math.isnan(t) else t for t in row] for row in self.landed],
@@ -245,16 +256,21 @@ class DelaySampler:
     """When to send the TransferKV after P's request was sent, in seconds.
 
     `uniform`: uniform over [0, 1.5 x the expected prefill time] (P's request
-    sent -> `last_chunk_end`, median of what was observed so far, else the
+    sent -> end of its last chunk, median of what was observed so far, else the
     initial guess). Otherwise (stratified), aimed at the state that still needs
-    samples: uniform over that state's window as observed so far (medians of
-    P's `admitted`, `last_chunk_begin`, `last_chunk_end` after the request was
-    sent; a request may wait behind the load's prefills before its first
-    chunk): earlier chunk the two step lengths before `last_chunk_begin` (not
-    before `admitted`), last chunk [last_chunk_begin, last_chunk_end], finished
-    two step lengths after `last_chunk_end`. Either way the state a sample lands in
-    is P's verdict (`state_at_arrival`), not the target; stratifying only
-    spends fewer samples on states that are already full.
+    samples: uniform over that state's window, from the medians over the
+    `RECENT` latest requests of P's `admitted`, `last_chunk_begin` and the last
+    chunk's end, after the request was sent (a request may wait behind the
+    load's prefills before its first chunk, and P's pace drifts):
+
+    - earlier chunk: the two step lengths before `last_chunk_begin`, not before
+      `admitted`;
+    - last chunk: [`last_chunk_begin`, last chunk's end];
+    - finished: the two step lengths after the last chunk's end.
+
+    Either way the state a sample lands in is P's verdict (`state_at_arrival`),
+    not the target; stratifying only spends fewer samples on states that are
+    already full. Within a state's window the arrival is uniform.
     """
 
     def __init__(self, guess_s: float, uniform: bool = False, seed: int = 0) -> None:
@@ -271,8 +287,10 @@ class DelaySampler:
         for name, t in times.items():
             self._offsets.setdefault(name, []).append(t - t_request)
 
+    RECENT = 12  # windows follow the latest requests (P's pace drifts)
+
     def _median(self, name: str) -> float | None:
-        xs = sorted(self._offsets.get(name, ()))
+        xs = sorted(self._offsets.get(name, [])[-self.RECENT :])
         return xs[len(xs) // 2] if xs else None
 
     def prefill_s(self) -> float:
@@ -315,10 +333,18 @@ def choose_cap(step_ms: float, request_bytes: int, fraction: float) -> float:
 
 
 def summarize_phase(
-    samples: Sequence[Sample], steps: Sequence[Step], t0: float, t1: float
+    all_samples: Sequence[Sample],
+    all_steps: Sequence[Step],
+    t0: float,
+    t1: float,
+    noisy: Callable[[float, float], bool] = lambda a, b: False,
 ) -> dict[str, Any]:
     """The JSON of one phase: step length, per mode and state the three metrics
-    (p50/p99/n), the other states' counts, the checks."""
+    (p50/p99/n), the other states' counts, the checks. Samples marked `noisy`
+    and steps for which `noisy(begin, end)` holds are left out of every figure
+    (counted in `noisy_samples`); the checks cover every sample."""
+    samples = [s for s in all_samples if not s.noisy]
+    steps = [st for st in all_steps if not noisy(st.begin, st.end)]
     step_ms = busy_step_ms(steps, t0, t1)
     modes: dict[str, Any] = {}
     other: dict[str, dict[str, int]] = {}
@@ -354,19 +380,22 @@ def summarize_phase(
             }
             for which in ("any_block", "last_block")
         }
-    diffs = [s.content_rel_diff for s in samples if s.content_rel_diff is not None]
-    failed = [s for s in samples if not s.ok]
+    diffs = [s.content_rel_diff for s in all_samples if s.content_rel_diff is not None]
+    failed = [s for s in all_samples if not s.ok]
+    gaps = [s.max_poll_gap_ms for s in samples if s.ok]
     return {
         "step_ms": percentiles(step_ms),
         "modes": modes,
         "other_states": other,
         "last_chunk_first_byte_after_ready_ms": ready,
         "layer0_offset_ms": l0,
-        "samples": len(samples),
+        "samples": len(all_samples),
+        "noisy_samples": len(all_samples) - len(samples),
+        "max_poll_gap_ms": percentiles(gaps),
         "checks": {
             "failed": len(failed),
             "failed_xfers": [f"{s.xfer_id}: {s.error or s.reply_code}" for s in failed][:20],
-            "all_blocks_written": sum(s.written for s in samples),
+            "all_blocks_written": sum(s.written for s in all_samples),
             "content_compared": len(diffs),
             "content_max_rel_diff": max(diffs) if diffs else None,
         },
