@@ -347,6 +347,22 @@ def test_phase_summary_has_every_mode_and_state_and_counts_other_states_and_fail
     assert out["step_ms"]["n"] == 2
 
 
+def test_last_chunk_blocks_sent_after_the_step_ended_are_counted():
+    # block 3 (the last chunk's) landed 1 ms after that step ended: a later step sent it
+    late = sample(
+        mode="substep", state="last_chunk", landed=[[10.001, 10.006]], last_chunk_end=10.005
+    )
+    on_time = sample(
+        mode="substep", state="last_chunk", landed=[[10.001, 10.002]], last_chunk_end=10.005
+    )
+    for s in (late, on_time):
+        s.step_begin = 9.95
+    out = summarize_phase([late, on_time], STEPS, 0.0, 2.0)
+    ready = out["last_chunk_first_byte_after_ready_ms"]["substep"]
+    assert ready["last_block_after_step_end"] == 1
+    assert ready["last_block"]["estimated"]["n"] == 2
+
+
 def test_noisy_samples_and_steps_are_left_out_of_the_figures_but_not_the_checks():
     quiet = sample(mode="bypass", state="finished")
     loud = sample(mode="bypass", state="finished", last_byte=10.5, noisy=True)

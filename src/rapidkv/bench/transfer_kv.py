@@ -309,6 +309,7 @@ class Phase:
         self.steps: dict[int, Any] = {}
         self.reference: Any = None  # content of the first transfer of the phase
         self.count = 0
+        self.p_counters: dict[str, float] = {}
 
     def run(self) -> tuple[dict[str, Any], dict[Any, Any]]:
         import httpx
@@ -362,6 +363,7 @@ class Phase:
                     f"{self.name}: background load: {load.done} requests, {load.errors} errors"
                 )
                 self.collect_steps()
+                self.p_counters = self.read_counters()
         return self.summarize(samples, t0, t1, load)
 
     def wait_quiet(self) -> None:
@@ -592,6 +594,18 @@ class Phase:
         for st in steps:
             self.steps[st.step_id] = Step(st.step_id, st.begin, st.end, st.scheduled_tokens)
 
+    def read_counters(self) -> dict[str, float]:
+        """P's connector counters at the end of the phase (bypass and substep ones)."""
+        from rapidkv.control.messages import StatsRequest
+
+        try:
+            counters = self.dst.rpc.call(self.p_control, StatsRequest(), 10.0).counters
+        except Exception as e:
+            self.say(f"{self.name}: could not read P's counters: {e}")
+            return {}
+        keep = ("bypass", "substep", "transfers_", "busy", "park", "prompt_mismatch")
+        return {k: v for k, v in sorted(counters.items()) if k.startswith(keep)}
+
     def collect_steps(self) -> None:
         from rapidkv.control.messages import TimelineRequest
 
@@ -621,6 +635,7 @@ class Phase:
         out["wall_s"] = round(t1 - t0, 1)
         out["background"] = {"done": load.done, "errors": load.errors, "last": load.last_error}
         out["p_log"] = str(self.p.log_path)
+        out["p_counters"] = self.p_counters  # warm-up included
         # CPU (in cores) that processes other than P and this one used on each
         # core, and how much of the time a window was noisy (those samples and
         # steps are left out of the figures)

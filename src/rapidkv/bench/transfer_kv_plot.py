@@ -48,6 +48,22 @@ def table(report: Mapping[str, Any], phases: Sequence[str]) -> str:
                 c = r["modes"][mode][state]
                 cols = "  ".join(f"{_fmt(c[m]['p50']):>7}/{_fmt(c[m]['p99']):<7}" for m in METRICS)
                 lines.append(f"  {mode:8} {state:13} {c['first_byte_ms']['n']:>4}  {cols}")
+        late = r["last_chunk_first_byte_after_ready_ms"]["substep"]["last_block_after_step_end"]
+        counters = r.get("p_counters", {})
+        n = r["modes"]["substep"]["last_chunk"]["exposed_ms"]["n"]
+        lines.append(
+            f"  substep, last chunk: {late} of {n} samples got the last chunk's block only "
+            "after that step ended; P's counters: "
+            + ", ".join(
+                f"{k} {v:.0f}"
+                for k, v in counters.items()
+                if k.startswith(("substeps_", "bypass_full_sends"))
+            )
+        )
+        lines.append(
+            f"  {r['samples']} samples, {r['noisy_samples']} set aside (other processes on "
+            f"our cores: {r.get('other_cpu_cores')}), {r['checks']['failed']} failed"
+        )
     for p in report.get("acceptance", []):
         verdict = {True: "ok  ", False: "MISS", None: "n/a "}[p["ok"]]
         lines.append(f"[{verdict}] {p['point']}: {_fmt(p['value'])} ({p['limit']})")

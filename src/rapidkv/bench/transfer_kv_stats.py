@@ -224,6 +224,13 @@ def layer0_offsets(samples: Iterable[Sample], steps: Sequence[Step]) -> list[flo
     return out
 
 
+def last_block_landed(s: Sample) -> float | None:
+    """When the first layer of the last destination block landed (only the
+    last chunk's step computes that block)."""
+    times = [row[-1] for row in s.landed if row and not math.isnan(row[-1])]
+    return min(times) if times else None
+
+
 def ready_delays(s: Sample, layer0_ms: float) -> dict[str, tuple[float, float]] | None:
     """For a sample whose TransferKV arrived while P computed its last chunk,
     how long after the later of arrival and the step's first layer its bytes
@@ -239,13 +246,12 @@ def ready_delays(s: Sample, layer0_ms: float) -> dict[str, tuple[float, float]] 
     arrival = s.events["transfer_kv"]
     ready = max(arrival, s.step_begin + layer0_ms / 1000)
     bound = max(arrival, s.step_begin)
-    first = s.first_byte
-    last_block = [row[-1] for row in s.landed if row and not math.isnan(row[-1])]
-    if first is None or not last_block:
+    first, last_block = s.first_byte, last_block_landed(s)
+    if first is None or last_block is None:
         return None
     return {
         name: ((t - ready) * 1000, (t - bound) * 1000)
-        for name, t in (("any_block", first), ("last_block", min(last_block)))
+        for name, t in (("any_block", first), ("last_block", last_block))
     }
 
 
@@ -380,6 +386,16 @@ def summarize_phase(
             }
             for which in ("any_block", "last_block")
         }
+        # the last chunk's own block reached us only after that step ended:
+        # sent by a later step (step mode, bypass, or a substep the worker
+        # refused because the step had frozen, then rolled back)
+        ready[mode]["last_block_after_step_end"] = sum(
+            1
+            for s in samples
+            if s.mode == mode and s.state == "last_chunk" and sample_metrics(s) is not None
+            if (lb := last_block_landed(s)) is not None and s.last_chunk_end is not None
+            if lb > s.last_chunk_end
+        )
     diffs = [s.content_rel_diff for s in all_samples if s.content_rel_diff is not None]
     failed = [s for s in all_samples if not s.ok]
     gaps = [s.max_poll_gap_ms for s in samples if s.ok]
