@@ -172,6 +172,9 @@ def run(args: argparse.Namespace) -> int:
     os.sched_setaffinity(0, {opts.d_cpu})  # before any thread starts: they inherit it
     # SIGTERM unwinds like Ctrl-C: every `with` stops what it started (P included)
     signal.signal(signal.SIGTERM, _exit_on_signal)
+    # the memory watcher must not wait the default 5 ms for the GIL behind a
+    # busy thread of ours
+    sys.setswitchinterval(0.0005)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="rapidkv-bench-transfer-kv-"))
     progress = Progress()
     trace = open(args.trace, "w") if args.trace else None  # noqa: SIM115 - closed below

@@ -14,7 +14,9 @@ KV cache. What it adds for measurement:
   sentinel: the moment that block's first byte of that layer landed (a block is
   one contiguous copy, first word first). The same thread drains the kvt's
   received SendDones and stamps the one of the watched transfer: the moment
-  the last byte was confirmed to us. Resolution: `poll_s` for memory; for the
+  the last byte was confirmed to us. The thread runs SCHED_FIFO (like kvt's
+  owner thread) so that this process's other threads do not delay its reads.
+  Resolution: `poll_s` for memory; for the
   SendDone, the kvt owner thread's notification polling (`NOTIF_POLL_S`,
   lowered from kvt's 2 ms default: this process does nothing else) plus `poll_s`.
 - `unwritten_words(blocks)`: 8-byte words still equal to the sentinel in those
@@ -29,6 +31,7 @@ adds us as a kvt peer at its next step. TP 1 only (one rank here).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
@@ -92,6 +95,7 @@ class Destination:
         self._stopping = False
         self._dones: dict[str, tuple[Any, float]] = {}
         self._thread: threading.Thread | None = None
+        self.realtime = False  # the watcher thread runs SCHED_FIFO
         try:
             self.server.start()
             self.spec = self._probe(timeout_s)
@@ -251,6 +255,14 @@ class Destination:
     # -- watcher thread ---------------------------------------------------------
 
     def _run(self) -> None:
+        # real-time, like kvt's owner thread: a normal thread waits behind this
+        # process's other threads for a scheduler slice (measured: gaps of 2-5 ms
+        # between reads during a sample); without the privilege it stays normal
+        try:
+            os.sched_setscheduler(threading.get_native_id(), os.SCHED_FIFO, os.sched_param(1))
+            self.realtime = True
+        except (OSError, AttributeError) as e:
+            log.warning("bench destination: watcher stays at normal priority (%s)", e)
         while not self._stopping:
             with self._watch_lock:
                 w = self._watch

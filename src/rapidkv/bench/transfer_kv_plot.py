@@ -3,7 +3,8 @@
 The plot: one row per phase, one column per metric (arrival -> first byte,
 arrival -> last byte confirmed, exposed transfer time), a box per (mode, state)
 with whiskers at p1/p99 and the median step length as a dashed line; log
-scale (bypass is ~100x faster than a step). Matplotlib with the Agg backend.
+scale (bypass is ~100x faster than a step), symlog for exposed time (often
+0). Matplotlib with the Agg backend.
 """
 
 from __future__ import annotations
@@ -91,10 +92,7 @@ def plot(
     for r, phase in enumerate(phases):
         for c, metric in enumerate(METRICS):
             ax = axes[r][c]
-            data = [
-                [max(v, 1e-3) for v in values[phase].get(cell, {}).get(metric, ())]
-                for cell in cells
-            ]
+            data = [list(values[phase].get(cell, {}).get(metric, ())) for cell in cells]
             shown = [(i, cell, d) for i, (cell, d) in enumerate(zip(cells, data, strict=True)) if d]
             if shown:
                 boxes = ax.boxplot(
@@ -116,7 +114,11 @@ def plot(
             if step_ms.get(phase) and not math.isnan(step_ms[phase]):
                 ax.axhline(step_ms[phase], color="k", ls="--", lw=0.8, label="step p50")
                 ax.legend(fontsize=7, loc="upper left")
-            ax.set_yscale("log")
+            if metric == "exposed_ms":  # 0 (fully hidden) is common: linear below 1 ms
+                ax.set_yscale("symlog", linthresh=1.0)
+                ax.set_ylim(bottom=0)
+            else:
+                ax.set_yscale("log")
             ax.grid(axis="y", alpha=0.3)
             ax.set_title(f"{phase} · {LABELS[metric]}", fontsize=9)
     if title:
