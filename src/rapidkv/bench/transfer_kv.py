@@ -27,7 +27,8 @@ One run, two phases (`uncapped`, then `capped`), each with a fresh P:
    first transfer of the same prompt (`content_max_rel_diff`).
 6. JSON (`--json`), a table on stdout, a plot (`--plot`), per-sample JSONL
    (`--trace`), progress on stderr. P is stopped after each phase, also on
-   errors and Ctrl-C.
+   errors, Ctrl-C and SIGTERM. Exit status 1 if a sample failed (the
+   acceptance points are reported, not enforced), 130 when interrupted.
 """
 
 from __future__ import annotations
@@ -180,6 +181,9 @@ def run(args: argparse.Namespace) -> int:
     trace = open(args.trace, "w") if args.trace else None  # noqa: SIM115 - closed below
     try:
         report, values = Bench(opts, log_dir, progress, trace).run()
+    except KeyboardInterrupt:  # everything started was stopped on the way out
+        progress.say(f"interrupted; P stopped (logs: {log_dir})")
+        return 130
     finally:
         if trace:
             trace.close()
