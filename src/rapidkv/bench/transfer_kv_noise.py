@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from rapidkv.bench.serve_configs import tree_cpu_seconds
+
 NOISY_CORES = 0.2
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -32,19 +34,6 @@ def core_busy_seconds(cpu: int) -> float:
     raise ValueError(f"no cpu{cpu} in /proc/stat")
 
 
-def pids_cpu_seconds(pids: Sequence[int]) -> float:
-    """User + system CPU seconds of the live processes `pids` (all threads)."""
-    total = 0
-    for pid in pids:
-        try:
-            raw = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue
-        rest = raw[raw.rindex(")") + 2 :].split()
-        total += int(rest[11]) + int(rest[12])  # utime, stime
-    return total / _TICK
-
-
 class CpuNoise:
     """`{core: pids_of}`: the processes pinned to each core. `start()`, then
     `cores()` -> {core: other processes' CPU on it, in cores (0..1)}."""
@@ -57,7 +46,7 @@ class CpuNoise:
 
     def _read(self) -> tuple[dict[int, float], dict[int, float]]:
         busy = {c: core_busy_seconds(c) for c in self.pinned}
-        ours = {c: pids_cpu_seconds(pids()) for c, pids in self.pinned.items()}
+        ours = {c: tree_cpu_seconds(pids()) for c, pids in self.pinned.items()}
         return busy, ours
 
     def start(self) -> CpuNoise:
