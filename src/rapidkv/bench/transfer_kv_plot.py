@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from rapidkv.bench.serve_plot import save_figure
 from rapidkv.bench.transfer_kv_stats import METRICS, MODES, STATES
 
 LABELS = {
@@ -121,10 +122,4 @@ def plot(
                 ax.set_yscale("log")
             ax.grid(axis="y", alpha=0.3)
             ax.set_title(f"{phase} · {LABELS[metric]}", fontsize=9)
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, title)
