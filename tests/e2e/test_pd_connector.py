@@ -179,8 +179,11 @@ def workloads(tiny_model: Path, single_server_starter) -> dict[str, tuple[list, 
     base = random_prompts(tiny_model, [2 * BLOCK + 50], seed=77)[0]
     prefix = [base, base[: 2 * BLOCK] + random_prompts(tiny_model, [300], seed=78)[0]]
     out["prefix"] = (prefix, complete_many(single.base_url, prefix, MAX_TOKENS))
-    for seed, name in enumerate(["router-dual", "router-serial"]):  # distinct: no D prefix hits
-        router = random_prompts(tiny_model, LENGTHS * 2, seed=3000 + seed)
+    # distinct: no D prefix hits
+    for seed, name in enumerate(["router-dual", "router-serial", "router-dual-continuation"]):
+        router = random_prompts(
+            tiny_model, LENGTHS * (1 if "continuation" in name else 2), seed=3000 + seed
+        )
         out[name] = (router, complete_many(single.base_url, router, MAX_TOKENS, concurrency=4))
     for r in range(LATE_ROUNDS):
         late = random_prompts(tiny_model, LATE_LENGTHS, seed=5000 + r)
@@ -371,10 +374,14 @@ def test_transfer_kv_for_an_aborted_request_gets_gone_and_d_recomputes(
     assert pd_pair.stats("d")["recompute_fallbacks"] - d0.get("recompute_fallbacks", 0) == 1
 
 
-@pytest.mark.parametrize("dispatch", ["dual", "serial"])
+@pytest.mark.parametrize("dispatch", ["dual", "serial", "dual-continuation"])
 def test_router_streams_pd_outputs_equal_to_single_instance(
     pd_pair: Pair, workloads: dict, dispatch: str
 ) -> None:
+    """Streamed greedy completions through the router. In dual dispatch P's first
+    token opens the client's stream and D's follows without it; with the
+    router's mismatch hook every such stream continues instead from the prompt
+    plus P's token (the path taken when D's first token differs)."""
     from rapidkv.harness.client import acomplete_stream
     from rapidkv.router.config import Instance, RouterConfig
     from rapidkv.router.server import start_router
@@ -383,12 +390,13 @@ def test_router_streams_pd_outputs_equal_to_single_instance(
     p0, d0 = pd_pair.stats("p"), pd_pair.stats("d")
     before = {"p": p0, "d": d0}
     # dual: the router asks P for its control address; serial: it is given
-    p_control = None if dispatch == "dual" else pd_pair.p_control
+    p_control = None if dispatch.startswith("dual") else pd_pair.p_control
     config = RouterConfig(
         prefill=(Instance(pd_pair.p.base_url, p_control),),
         decode=(Instance(pd_pair.d.base_url, pd_pair.d_control),),
         port=0,
-        dispatch=dispatch,
+        dispatch="serial" if dispatch == "serial" else "dual",
+        debug_first_token_mismatch=dispatch == "dual-continuation",
     )
 
     async def main(url: str):
@@ -403,7 +411,22 @@ def test_router_streams_pd_outputs_equal_to_single_instance(
 
     with start_router(config) as router:
         outs = asyncio.run(main(router.url))
+        metrics = get_metrics(router.url)
     assert [o.token_ids for o in outs] == expected
+    first = {
+        source: metric_sum(metrics, "rapidkv_router_first_token_total", source=source)
+        for source in ("prefill", "decode", "continuation")
+    }
+    if dispatch == "serial":
+        assert sum(first.values()) == 0
+    elif dispatch == "dual":
+        assert first["continuation"] == 0
+        assert first["prefill"] >= 1  # P's token did open streams
+        assert first["prefill"] + first["decode"] == len(prompts)
+    else:
+        assert first["prefill"] == 0  # every stream P opened continued instead
+        assert first["continuation"] >= 1
+        assert first["continuation"] + first["decode"] == len(prompts)
     # P counts a transfer when its workers' confirmation reaches its scheduler,
     # a step or so after D got the KV
     assert wait_for(

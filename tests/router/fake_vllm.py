@@ -11,6 +11,7 @@ where role is this fake's ``role`` ("prefill" / "decode"):
 - ``hang``: answer nothing until `release()` (then answer), recording a client
   disconnect if one comes first;
 - ``hang_stream``: send the headers and the first event, then like ``hang``;
+- ``late``: send the headers of a streamed answer, then its events on `release()`;
 - ``error``: answer 503 with a vLLM-style error body;
 - ``cut``: start a streamed answer, then drop the connection mid-way.
 
@@ -152,6 +153,18 @@ class FakeVLLM:
             await self._answer(seen, send, 503, "application/json", [json.dumps(err).encode()])
             return
         events = _events(seen, chat, self.name) if streaming else None
+        if behaviour == "late":
+            assert events, "late needs a streaming request"
+            await self._start(send, 200, "text/event-stream")
+            if not await self._hold(receive):
+                seen.disconnected = True
+                return
+            for event in events:
+                if not await self._send_or_gone(seen, send, event):
+                    return
+            await self._chunk(seen, send, b"", more=False)
+            seen.answered_seq = next(_sequence)
+            return
         if behaviour in ("hang", "hang_stream"):
             first = []
             if behaviour == "hang_stream" and events:
@@ -203,6 +216,16 @@ class FakeVLLM:
         else:
             await self._start(send, 404, "text/plain")
             await send({"type": "http.response.body", "body": b"not found"})
+
+    async def _send_or_gone(self, seen: Seen, send: Any, data: bytes) -> bool:
+        """Send one event; False (recorded) if the caller has gone."""
+        try:
+            await self._chunk(seen, send, data, more=True)
+            await asyncio.sleep(0.01)  # one event at a time, as an engine's steps
+        except OSError:
+            seen.disconnected = True
+            return False
+        return True
 
     async def _start(self, send: Any, status: int, content_type: str) -> None:
         headers = [(b"content-type", content_type.encode()), (b"x-fake-name", self.name.encode())]
@@ -267,6 +290,9 @@ def _events(seen: Seen, chat: bool, name: str) -> list[bytes]:
         else:
             choice = {"index": 0, "text": f" t{t}"}
         choice.update(token_ids=[t], finish_reason="length" if last else None)
+        if i == 0 and seen.body.get("return_token_ids") and not chat:
+            prompt = seen.body.get("prompt")
+            choice["prompt_token_ids"] = prompt if isinstance(prompt, list) else [1, 2]
         out.append({**base, "choices": [choice]})
     if (seen.body.get("stream_options") or {}).get("include_usage"):
         usage = {

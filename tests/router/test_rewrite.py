@@ -16,6 +16,7 @@ from rapidkv.router.rewrite import (
     new_xfer_id,
     parse_request,
     prefill_body,
+    stitchable,
 )
 
 pytestmark = pytest.mark.unit
@@ -47,10 +48,10 @@ def test_xfer_ids_are_fresh_uuid4_hex() -> None:
 
 def test_prefill_completion_is_one_token_non_streaming_with_prefill_params() -> None:
     original = copy.deepcopy(COMPLETION)
-    body = prefill_body(COMPLETION, "completions", "x1")
+    body = prefill_body(COMPLETION, "completions", "x1", first_token=False)
     assert body["max_tokens"] == 1
     assert "max_completion_tokens" not in body  # not a completions field
-    assert "min_tokens" not in body
+    assert body["min_tokens"] == 1  # its one token obeys min_tokens as the client's would
     assert body["stream"] is False
     assert "stream_options" not in body  # vLLM refuses them without streaming
     assert body["kv_transfer_params"] == {"rapidkv": {"xfer_id": "x1", "role": "prefill"}}
@@ -64,11 +65,80 @@ def test_prefill_completion_is_one_token_non_streaming_with_prefill_params() -> 
 
 
 def test_prefill_chat_caps_both_token_limits() -> None:
-    body = prefill_body(CHAT, "chat", "x2")
+    body = prefill_body(CHAT, "chat", "x2", first_token=False)
     assert body["max_tokens"] == 1
     assert body["max_completion_tokens"] == 1
     assert body["messages"] == CHAT["messages"]
     assert body["stream"] is False
+
+
+def test_prefill_without_min_tokens_gets_none() -> None:
+    body = {k: v for k, v in COMPLETION.items() if k != "min_tokens"}
+    assert "min_tokens" not in prefill_body(body, "completions", "x", first_token=False)
+    zero = prefill_body(dict(body, min_tokens=0), "completions", "x", first_token=False)
+    assert "min_tokens" not in zero
+
+
+def test_prefill_and_decode_streaming_their_first_tokens_ask_for_token_ids() -> None:
+    client = {k: v for k, v in COMPLETION.items() if k != "return_token_ids"}
+    p = prefill_body(client, "completions", "x6", first_token=True)
+    assert p["stream"] is True and p["return_token_ids"] is True and p["max_tokens"] == 1
+    assert "stream_options" not in p  # no usage chunk from P
+    d = decode_body(client, "x6", P, first_token=True)
+    assert d["return_token_ids"] is True
+    assert "return_token_ids" not in decode_body(client, "x6", P)
+
+
+STITCHABLE = {"model": "m", "prompt": "hi", "max_tokens": 4, "temperature": 0, "stream": True}
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {},
+        {"prompt": [1, 2, 3]},
+        {"max_tokens": None},
+        {"max_tokens": 1},
+        {"logprobs": 2},
+        {"stop": []},
+        {"echo": False},
+        {"temperature": 0.0},
+        {"stop_token_ids": [7]},
+    ],
+)
+def test_streamed_greedy_single_prompt_completions_are_stitchable(change: dict) -> None:
+    body = {k: v for k, v in {**STITCHABLE, **change}.items() if v is not None}
+    assert stitchable(body, "completions")
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"stream": False},
+        {"stream": None},
+        {"temperature": None},  # the server's default: not known to be greedy
+        {"temperature": 0.7},
+        {"temperature": "0"},
+        {"stop": ["\n"]},
+        {"stop": "x"},
+        {"echo": True},
+        {"prompt_logprobs": 1},
+        {"suffix": "s"},
+        {"prompt": ["a", "b"]},  # several prompts: several choices
+        {"prompt": [[1, 2], [3]]},
+        {"prompt": []},
+        {"max_tokens": 0},
+        {"max_tokens": True},
+    ],
+)
+def test_other_completions_are_not_stitchable(change: dict) -> None:
+    body = {k: v for k, v in {**STITCHABLE, **change}.items() if v is not None}
+    assert not stitchable(body, "completions")
+
+
+def test_chat_is_not_stitchable() -> None:
+    chat = {"model": "m", "messages": [], "temperature": 0, "stream": True}
+    assert not stitchable(chat, "chat")
 
 
 def test_decode_keeps_the_client_request_and_names_the_prefill_instance() -> None:
@@ -105,7 +175,7 @@ def test_client_transfer_kv_mode_is_kept_for_decode_and_other_client_params_drop
     assert d["rapidkv"]["transfer_kv_mode"] == "bypass"
     assert d["rapidkv"]["xfer_id"] == "x5"
     assert set(d) == {"do_remote_prefill", "rapidkv"}
-    p = prefill_body(client, "chat", "x5")["kv_transfer_params"]
+    p = prefill_body(client, "chat", "x5", first_token=False)["kv_transfer_params"]
     assert p == {"rapidkv": {"xfer_id": "x5", "role": "prefill"}}
 
 

@@ -77,8 +77,8 @@ def test_dual_sends_p_and_d_the_contract_under_one_request_id(
     assert p_seen.path == d_seen.path == "/v1/completions"
 
     assert p_seen.body["max_tokens"] == 1
-    assert "min_tokens" not in p_seen.body
-    assert p_seen.body["stream"] is False
+    assert p_seen.body["min_tokens"] == 1
+    assert p_seen.body["stream"] is False  # not stitchable: no temperature given
     assert p_seen.kv_transfer_params == {"rapidkv": {"xfer_id": xfer, "role": "prefill"}}
     assert p_seen.body["prompt"] == PROMPT
 

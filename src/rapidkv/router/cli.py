@@ -56,6 +56,13 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         help="do not ask prefill instances for their control address (they then get "
         "no TransferKV: decode instances compute the prompt)",
     )
+    parser.add_argument(
+        "--no-prefill-first-token",
+        dest="prefill_first_token",
+        action="store_false",
+        help="dual dispatch: always stream D's answer alone (by default P's first token "
+        "opens the stream of a streamed greedy completion; docs/router.md)",
+    )
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     return run
 
@@ -71,6 +78,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         secret=read_secret(args.secret_file) if args.secret_file is not None else None,
         upstream_read_timeout_s=args.upstream_timeout,
         discover=args.discover,
+        prefill_first_token=args.prefill_first_token,
     )
 
 

@@ -75,6 +75,10 @@ class RouterConfig:
     dispatch: Dispatch = "dual"
     # ask prefill instances configured without a control address for it
     discover: bool = True
+    # dual dispatch: P's first token opens the client's stream when it may (see `stitch`)
+    prefill_first_token: bool = True
+    # test hook: treat D's first token as different from P's (exercises the continuation)
+    debug_first_token_mismatch: bool = False
     secret: bytes | None = None
     connect_timeout_s: float = 10.0
     upstream_read_timeout_s: float = 600.0

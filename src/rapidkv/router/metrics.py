@@ -18,6 +18,12 @@ Names and labels (``endpoint`` is ``completions`` | ``chat``; ``dispatch`` is
   Prefill errors do not fail the client: D recomputes the prompt.
 - ``rapidkv_router_outstanding{role,instance}``: requests in flight per instance
   (what instance choice balances).
+- ``rapidkv_router_first_token_total{source}``: streamed dual-dispatch answers
+  by where their first token came from, counted once D's first token is known:
+  ``prefill`` (P's token opened the stream and D's was the same, `stitch`),
+  ``decode`` (D's came first, or the request could not be stitched),
+  ``continuation`` (P's opened it, D's differed: D's answer was dropped and the
+  rest computed from the prompt plus P's token).
 - ``rapidkv_router_control_aborts_total{outcome}``: control-plane Aborts sent to
   P after a client disconnect; ``outcome`` is ``ok`` (P answered) or ``failed``.
 
@@ -41,6 +47,7 @@ OUTCOMES = (
     "bad_request",  # refused by the router (400/413)
     "error",  # the router failed, or shut down, while serving it
 )
+FIRST_TOKEN_SOURCES = ("prefill", "decode", "continuation")
 UPSTREAM_ERROR_KINDS = ("status", "connect", "stream", "discovery")
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -93,6 +100,14 @@ class RouterMetrics:
             ["outcome"],
             registry=r,
         )
+        self.first_token = Counter(
+            "rapidkv_router_first_token",
+            "Streamed dual-dispatch answers by the source of their first token",
+            ["source"],
+            registry=r,
+        )
+        for source in FIRST_TOKEN_SOURCES:
+            self.first_token.labels(source)
         for endpoint in ENDPOINTS:
             self.ttft.labels(endpoint, config.dispatch)
             self.e2e.labels(endpoint, config.dispatch)

@@ -12,8 +12,11 @@ Theory of operation
   (the conventional flow, for comparison);
 - ``local``: only D, sent the client's bytes untouched.
 
-P's answer is always dropped. D's answer (status, headers, body bytes) is
-relayed to the client as it arrives, streaming or not, byte for byte.
+D's answer (status, headers, body) is relayed to the client as it arrives,
+streaming or not, byte for byte; P's answer is dropped. Except, in ``dual``
+mode, for a request `rewrite.stitchable` allows (streamed, greedy completion):
+P streams its one token, and the first of P's and D's first tokens opens the
+client's stream; D's stream follows without the token P gave (`stitch`).
 
 While it serves, a watcher waits for the client's ``http.disconnect``. If it
 comes before the answer is relayed in full, both upstream requests are
@@ -57,6 +60,7 @@ from rapidkv.router.discovery import DiscoveryError, discover_control
 from rapidkv.router.metrics import RouterMetrics
 from rapidkv.router.rewrite import (
     BadRequest,
+    Body,
     Endpoint,
     decode_body,
     encode,
@@ -64,8 +68,17 @@ from rapidkv.router.rewrite import (
     new_xfer_id,
     parse_request,
     prefill_body,
+    stitchable,
 )
 from rapidkv.router.sse import FirstTokenDetector
+from rapidkv.router.stitch import (
+    EventSplitter,
+    FirstTokenStitch,
+    Payload,
+    StreamError,
+    continuation_body,
+    is_output,
+)
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +104,8 @@ NOT_RELAYED = frozenset(
 # Request headers passed from the client to P and D.
 PASSED_ON = (b"authorization", b"accept-encoding")
 XFER_HEADER = b"x-rapidkv-xfer-id"
+# a stitch's resolved state -> where the client's first token came from
+FIRST_TOKEN_SOURCE = {"matched": "prefill", "decode_first": "decode", "mismatched": "continuation"}
 DISCOVERY_RETRY_S = 10.0  # a failed control-address probe is repeated at most this often
 
 
@@ -109,6 +124,8 @@ class Exchange:
     prefill: Instance | None = None
     decode: Instance | None = None
     status: int | None = None  # D's status
+    first_sent: bool = False  # an output event has been sent to the client
+    first_source: str | None = None  # stitched streams: see metrics.FIRST_TOKEN_SOURCES
 
     @property
     def path(self) -> str:
@@ -259,6 +276,10 @@ class Router:
     ) -> str:
         """Dispatch `ex`; return its outcome (see `metrics.OUTCOMES`)."""
         mode = self.config.dispatch
+        stitching = (
+            mode == "dual" and self.config.prefill_first_token and stitchable(body, ex.endpoint)
+        )
+        first: asyncio.Future[Payload | None] | None = None  # P's first output event
         gone = asyncio.create_task(_wait_disconnect(receive))
         prefill: asyncio.Task[bool] | None = None
         relay: asyncio.Task[str] | None = None
@@ -272,16 +293,28 @@ class Router:
                 except BaseException:
                     self._release("prefill", p_index)
                     raise
-                p_content = encode(prefill_body(body, ex.endpoint, ex.xfer_id))
-                prefill = self._spawn(self._prefill(p_index, ex.prefill, p_content, ex))
+                if stitching:
+                    first = asyncio.get_running_loop().create_future()
+                p_content = encode(
+                    prefill_body(body, ex.endpoint, ex.xfer_id, first_token=stitching)
+                )
+                prefill = self._spawn(self._prefill(p_index, ex.prefill, p_content, ex, first))
                 if mode == "serial":
                     await asyncio.wait({prefill, gone}, return_when=asyncio.FIRST_COMPLETED)
                     if not prefill.done():
                         self._client_gone(ex, prefill)
                         return "client_abort"
-                d_content = encode(decode_body(body, ex.xfer_id, ex.prefill))
+                d_content = encode(decode_body(body, ex.xfer_id, ex.prefill, first_token=stitching))
             d_index, ex.decode = self._acquire("decode")
-            relay = asyncio.create_task(self._relay(d_index, ex.decode, d_content, ex, send))
+            stitch = None
+            if first is not None:
+                stitch = FirstTokenStitch(
+                    keep_token_ids=body.get("return_token_ids") is True,
+                    debug_mismatch=self.config.debug_first_token_mismatch,
+                )
+            relay = asyncio.create_task(
+                self._relay(d_index, ex.decode, d_content, ex, send, (body, stitch, first))
+            )
             await asyncio.wait({relay, gone}, return_when=asyncio.FIRST_COMPLETED)
             if relay.done():
                 return relay.result()
@@ -306,8 +339,16 @@ class Router:
         if ex.prefill is not None and ex.prefill.control is not None:
             self._aborter.abort(ex.prefill.control, ex.xfer_id)
 
-    async def _prefill(self, index: int, inst: Instance, content: bytes, ex: Exchange) -> bool:
-        """P's request: sent, its answer read and dropped. True if P answered 2xx."""
+    async def _prefill(
+        self,
+        index: int,
+        inst: Instance,
+        content: bytes,
+        ex: Exchange,
+        first: asyncio.Future[Payload | None] | None = None,
+    ) -> bool:
+        """P's request: sent, its answer read and dropped, except its first output
+        event, which resolves `first` (None if P gave none). True if P answered 2xx."""
         url = inst.url + ex.path
         answered = False  # P's status line arrived
         try:
@@ -316,8 +357,12 @@ class Router:
                     "POST", url, content=content, headers=ex.upstream_headers
                 ) as resp:
                     answered = True
-                    data = await resp.aread()
-            except httpx.HTTPError as e:
+                    if first is None or resp.status_code >= 400:
+                        data = await resp.aread()
+                    else:
+                        data = b""
+                        await _first_output(resp, first)
+            except (httpx.HTTPError, StreamError) as e:
                 kind = "stream" if answered else "connect"
                 self._upstream_error("prefill", inst, kind, ex, repr(e))
                 return False
@@ -334,12 +379,22 @@ class Router:
             )
             return True
         finally:
+            if first is not None and not first.done():
+                first.set_result(None)
             self._release("prefill", index)
 
     async def _relay(
-        self, index: int, inst: Instance, content: bytes, ex: Exchange, send: Send
+        self,
+        index: int,
+        inst: Instance,
+        content: bytes,
+        ex: Exchange,
+        send: Send,
+        stitching: tuple[Body, FirstTokenStitch | None, asyncio.Future[Payload | None] | None],
     ) -> str:
-        """D's request, its answer relayed to the client as it comes; returns the outcome."""
+        """D's request, its answer relayed to the client as it comes (P's first token
+        stitched in front when `stitching` has a stitch); returns the outcome."""
+        body, stitch, first = stitching
         try:
             request = self.http.build_request(
                 "POST", inst.url + ex.path, content=content, headers=ex.upstream_headers
@@ -361,15 +416,16 @@ class Router:
                 )
                 content_type = resp.headers.get("content-type", "")
                 streaming = resp.status_code < 400 and content_type.startswith("text/event-stream")
-                detector = FirstTokenDetector() if streaming else None
                 try:
-                    async for chunk in resp.aiter_raw():
-                        if detector is not None and detector.feed(chunk):
-                            self.metrics.ttft.labels(ex.endpoint, self.config.dispatch).observe(
-                                time.monotonic() - ex.t_start
-                            )
-                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                except httpx.HTTPError as e:
+                    if streaming and stitch is not None and first is not None:
+                        failed = await self._relay_stitched(
+                            resp, stitch, first, body, inst, ex, send
+                        )
+                        if failed is not None:
+                            return failed
+                    else:
+                        await self._relay_raw(resp, streaming, ex, send)
+                except (httpx.HTTPError, StreamError) as e:
                     self._upstream_error("decode", inst, "stream", ex, repr(e))
                     return "stream_error"  # the response stays incomplete: the client sees it cut
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -384,6 +440,115 @@ class Router:
             return "ok"
         finally:
             self._release("decode", index)
+
+    async def _relay_raw(
+        self, resp: httpx.Response, streaming: bool, ex: Exchange, send: Send
+    ) -> None:
+        """D's answer, byte for byte."""
+        detector = FirstTokenDetector() if streaming else None
+        async for chunk in resp.aiter_raw():
+            if detector is not None and detector.feed(chunk):
+                self._first_token_sent(ex)
+                if self.config.dispatch == "dual":
+                    self.metrics.first_token.labels("decode").inc()
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+    async def _relay_stitched(
+        self,
+        resp: httpx.Response,
+        stitch: FirstTokenStitch,
+        first: asyncio.Future[Payload | None],
+        body: Body,
+        inst: Instance,
+        ex: Exchange,
+        send: Send,
+    ) -> str | None:
+        """D's stream with P's first token in front (see `stitch`); an outcome if it failed."""
+        splitter = EventSplitter()
+        chunks = resp.aiter_raw()
+        next_chunk: asyncio.Future[bytes] = asyncio.ensure_future(anext(chunks))
+        prefill: asyncio.Future[Payload | None] | None = first
+        try:
+            while stitch.state != "mismatched":
+                waiting = {next_chunk} if prefill is None else {next_chunk, prefill}
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                out: list[bytes] = []
+                if prefill is not None and prefill in done:
+                    payload = prefill.result()
+                    prefill = None
+                    if payload is not None:
+                        out += stitch.on_prefill(payload)
+                ended = False
+                if next_chunk in done:
+                    try:
+                        chunk = next_chunk.result()
+                    except StopAsyncIteration:
+                        ended = True
+                    else:
+                        for event in splitter.feed(chunk):
+                            out += stitch.on_decode(event)
+                        next_chunk = asyncio.ensure_future(anext(chunks))
+                source = FIRST_TOKEN_SOURCE.get(stitch.state)
+                if source is not None and ex.first_source is None:
+                    ex.first_source = source
+                    self.metrics.first_token.labels(source).inc()
+                if out:
+                    if not ex.first_sent and stitch.state != "waiting":
+                        self._first_token_sent(ex)
+                    await send(
+                        {"type": "http.response.body", "body": b"".join(out), "more_body": True}
+                    )
+                if ended:
+                    return None
+        finally:
+            next_chunk.cancel()
+        # D's first token differed from P's, which the client has: drop D's
+        # answer (closing it aborts D's request), continue from prompt + P's token.
+        await resp.aclose()
+        log.warning(
+            "xfer %s: decode's first token differs from prefill's %s; continuing from the "
+            "prompt plus prefill's token on %s",
+            ex.xfer_id,
+            stitch.prefill_tokens,
+            inst.url,
+        )
+        cont = continuation_body(body, stitch)
+        if cont is None and stitch.prompt_token_ids is not None:
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": b"".join(stitch.finish_after_prefill()),
+                    "more_body": True,
+                }
+            )
+            return None
+        if cont is None:
+            self._upstream_error(
+                "prefill", inst, "stream", ex, "no prompt_token_ids to continue from"
+            )
+            return "stream_error"
+        headers = dict(ex.upstream_headers, **{"x-request-id": f"{ex.xfer_id}-cont"})
+        async with self.http.stream(
+            "POST", inst.url + PATHS["completions"], content=encode(cont), headers=headers
+        ) as cresp:
+            if cresp.status_code >= 400:
+                detail = f"HTTP {cresp.status_code}: {(await cresp.aread())[:500]!r}"
+                self._upstream_error("decode", inst, "status", ex, detail)
+                return "stream_error"
+            splitter = EventSplitter()
+            async for chunk in cresp.aiter_raw():
+                out = [b for event in splitter.feed(chunk) for b in stitch.on_continuation(event)]
+                if out:
+                    await send(
+                        {"type": "http.response.body", "body": b"".join(out), "more_body": True}
+                    )
+        return None
+
+    def _first_token_sent(self, ex: Exchange) -> None:
+        ex.first_sent = True
+        self.metrics.ttft.labels(ex.endpoint, self.config.dispatch).observe(
+            time.monotonic() - ex.t_start
+        )
 
     # ------------------------------------------------------------------ bookkeeping
 
@@ -455,6 +620,17 @@ async def _send_error(send: Send, status: int, message: str, param: str | None =
     headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _first_output(resp: httpx.Response, first: asyncio.Future[Payload | None]) -> None:
+    """Read P's streamed answer to its end; resolve `first` with its first output event."""
+    splitter = EventSplitter()
+    async for chunk in resp.aiter_raw():
+        if first.done():
+            continue  # the rest of P's answer (its finish, [DONE]) is dropped
+        for event in splitter.feed(chunk):
+            if event is not None and is_output(event) and not first.done():
+                first.set_result(event)
 
 
 def _upstream_headers(scope: Scope) -> dict[str, str]:

@@ -6,9 +6,10 @@ the other end of this contract (see docs/vllm-connector-contract.md §4.5, §8):
 - every request gets a fresh ``xfer_id`` (uuid4 hex), sent to P and D both in
   `kv_transfer_params` and as the ``X-Request-Id`` header;
 - P gets the client's body with ``max_tokens=1`` (and ``max_completion_tokens=1``
-  for chat), no ``min_tokens``, ``stream=false`` (vLLM returns
-  `kv_transfer_params` only in non-streaming answers), no ``stream_options``
-  (vLLM refuses them without streaming), and
+  for chat), ``min_tokens`` at most 1, ``stream=false`` (vLLM refuses
+  ``stream_options`` without streaming: they are dropped) or, when P's first
+  token opens the client's stream (`stitchable`), ``stream=true`` and
+  ``return_token_ids=true`` (D gets those token ids too), and
   ``kv_transfer_params = {"rapidkv": {"xfer_id": X, "role": "prefill"}}``;
 - D gets the client's body unchanged except
   ``kv_transfer_params = {"do_remote_prefill": true, "rapidkv": {"xfer_id": X,
@@ -91,21 +92,65 @@ def client_transfer_kv_mode(body: Body) -> Any:
     return ours.get("transfer_kv_mode") if isinstance(ours, dict) else None
 
 
-def prefill_body(body: Body, endpoint: Endpoint, xfer_id: str) -> Body:
-    """What P is sent: a one-token, non-streaming copy of the client's request."""
+GREEDY_TEMPERATURE = 1e-5  # vLLM samples greedily below this temperature
+# completions parameters under which P's first token is not simply the prompt's
+# argmax as a stream's first event: text held back for stop strings, echoed
+# prompts, several prompts or choices, prompt logprobs.
+NOT_STITCHABLE = ("stop", "echo", "prompt_logprobs", "suffix")
+
+
+def stitchable(body: Body, endpoint: Endpoint) -> bool:
+    """Whether P's first token may open the client's stream (see `stitch`).
+
+    A streamed completions request, greedy (``temperature`` given, below vLLM's
+    greedy threshold), one prompt (text or token ids), at least one output
+    token, none of `NOT_STITCHABLE`.
+    """
+    if endpoint != "completions" or body.get("stream") is not True:
+        return False
+    temperature = body.get("temperature")
+    if not isinstance(temperature, int | float) or temperature >= GREEDY_TEMPERATURE:
+        return False
+    if any(body.get(key) not in (None, False, [], "") for key in NOT_STITCHABLE):
+        return False
+    prompt = body.get("prompt")
+    single = isinstance(prompt, str) or (
+        isinstance(prompt, list) and bool(prompt) and all(_is_token(t) for t in prompt)
+    )
+    max_tokens = body.get("max_tokens")
+    return single and (max_tokens is None or (_is_token(max_tokens) and max_tokens >= 1))
+
+
+def _is_token(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def prefill_body(body: Body, endpoint: Endpoint, xfer_id: str, *, first_token: bool) -> Body:
+    """What P is sent: a one-token copy of the client's request.
+
+    Non-streaming, unless P's first token is to open the client's stream
+    (`first_token`): then streamed, with token ids (P's token and the prompt's,
+    which a continuation after a mismatch needs).
+    """
     out = dict(body)
     out["max_tokens"] = 1
     if endpoint == "chat":
         out["max_completion_tokens"] = 1
-    out.pop("min_tokens", None)
+    if _is_token(body.get("min_tokens")) and body["min_tokens"] >= 1:
+        out["min_tokens"] = 1  # P's one token obeys it as the client's first would
+    else:
+        out.pop("min_tokens", None)
     out.pop("stream_options", None)
-    out["stream"] = False
+    out["stream"] = first_token
+    if first_token:
+        out["return_token_ids"] = True
     out["kv_transfer_params"] = {"rapidkv": {"xfer_id": xfer_id, "role": "prefill"}}
     return out
 
 
-def decode_body(body: Body, xfer_id: str, prefill: Instance) -> Body:
-    """What D is sent: the client's request, told where its prompt's KV comes from."""
+def decode_body(body: Body, xfer_id: str, prefill: Instance, *, first_token: bool = False) -> Body:
+    """What D is sent: the client's request, told where its prompt's KV comes from
+    (with token ids when its first token is compared with P's)."""
     ours: dict[str, Any] = {
         "xfer_id": xfer_id,
         "role": "decode",
@@ -117,6 +162,8 @@ def decode_body(body: Body, xfer_id: str, prefill: Instance) -> Body:
         ours["transfer_kv_mode"] = mode
     out = dict(body)
     out["kv_transfer_params"] = {"do_remote_prefill": True, "rapidkv": ours}
+    if first_token:
+        out["return_token_ids"] = True
     return out
 
 
