@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rapidkv.router.stitch import (
@@ -51,25 +51,33 @@ def d_events(tokens: list[int], sizes: list[int]) -> list[dict[str, Any]]:
     return out
 
 
+@settings(max_examples=400)
 @given(
     tokens=st.lists(st.integers(0, 50), min_size=1, max_size=8),
     sizes=st.lists(st.integers(1, 3), max_size=8),
-    p_at=st.integers(0, 10),
+    p_at=st.integers(0, 4),
     p_gives=st.booleans(),
     keep=st.booleans(),
+    same_id=st.booleans(),
 )
 def test_any_interleaving_gives_d_tokens_once_in_order(
-    tokens: list[int], sizes: list[int], p_at: int, p_gives: bool, keep: bool
+    tokens: list[int], sizes: list[int], p_at: int, p_gives: bool, keep: bool, same_id: bool
 ) -> None:
+    """As the router relays: once `passthrough` says so, D's events go unchanged."""
     stitch = FirstTokenStitch(keep_token_ids=keep)
     stream = d_events(tokens, sizes)
     p_event = event(tokens[:1], finish="length", prompt_token_ids=[9, 9])
-    p_event["id"] = "cmpl-p"
+    p_event["id"] = "cmpl-d" if same_id else "cmpl-p"
     sent: list[bytes] = []
+    raw = False
     for i, ev in enumerate([*stream, None]):
+        if raw:
+            sent.append(sse(ev))
+            continue
         if i == p_at and p_gives:
             sent += stitch.on_prefill(p_event)
         sent += stitch.on_decode(ev)
+        raw = stitch.passthrough
     received = parse(sent)
     assert received[-1] is None and None not in received[:-1]
     body = [e for e in received if e is not None]
@@ -84,7 +92,8 @@ def test_any_interleaving_gives_d_tokens_once_in_order(
     assert stitch.state in ("matched", "decode_first")
     assert stitch.state == "matched" or not (p_gives and p_at == 0)
     if stitch.state == "matched":
-        assert {e["id"] for e in body} == {"cmpl-p"}  # one stream id, P's (opened it)
+        assert {e["id"] for e in body} == {p_event["id"]}  # one stream id, P's (opened it)
+    assert stitch.passthrough == (keep and (stitch.state == "decode_first" or same_id))
 
 
 def test_different_first_tokens_stop_the_relay() -> None:

@@ -98,6 +98,11 @@ CONFIGS: dict[str, Config] = {
         _rapidkv(
             "rapidkv-serial", "router-serial", "rapidkv, router serial dispatch, default mode"
         ),
+        _rapidkv(
+            "rapidkv-d-first",
+            "router-dual-d-first",
+            "rapidkv, dual, default mode, router --no-prefill-first-token (every token from D)",
+        ),
     )
 }
 
@@ -268,6 +273,7 @@ def _group_plan(
             return [
                 ("router-dual", _router_argv("dual", p, d)),
                 ("router-serial", _router_argv("serial", p, d)),
+                ("router-dual-d-first", [*_router_argv("dual", p, d), "--no-prefill-first-token"]),
             ]
 
         return specs, rapidkv_fronts

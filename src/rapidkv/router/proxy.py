@@ -478,7 +478,7 @@ class Router:
                     prefill = None
                     if payload is not None:
                         out += stitch.on_prefill(payload)
-                ended = False
+                ended = raw = False
                 if next_chunk in done:
                     try:
                         chunk = next_chunk.result()
@@ -487,7 +487,11 @@ class Router:
                     else:
                         for event in splitter.feed(chunk):
                             out += stitch.on_decode(event)
-                        next_chunk = asyncio.ensure_future(anext(chunks))
+                        raw = stitch.passthrough
+                        if raw:  # the rest of D's answer goes as it comes
+                            out.append(splitter.take_rest())
+                        else:
+                            next_chunk = asyncio.ensure_future(anext(chunks))
                 source = FIRST_TOKEN_SOURCE.get(stitch.state)
                 if source is not None and ex.first_source is None:
                     ex.first_source = source
@@ -499,6 +503,10 @@ class Router:
                         {"type": "http.response.body", "body": b"".join(out), "more_body": True}
                     )
                 if ended:
+                    return None
+                if raw:
+                    async for chunk in chunks:
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
                     return None
         finally:
             next_chunk.cancel()

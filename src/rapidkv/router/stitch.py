@@ -20,6 +20,11 @@ client. States:
 - ``decode_first``: D's first token came first; P's is ignored, D relayed as is;
 - ``matched``: D's events relayed.
 
+Once resolved (``matched`` / ``decode_first``), D's further events need no
+change when the client asked for token ids and both streams carry the same id
+(vLLM builds it from ``X-Request-Id``, which the router gives P and D alike):
+`passthrough` then lets the caller relay D's bytes untouched.
+
 Invariants: the client never sees a token twice, never a token from P followed
 by one of D's computed after a different first token, and never a
 ``finish_reason`` from P (P's request always stops after one token). Token ids
@@ -76,6 +81,11 @@ class EventSplitter:
             raise StreamError(f"an event longer than {MAX_EVENT_BYTES} bytes")
         return out
 
+    def take_rest(self) -> bytes:
+        """The bytes of an unfinished event, handed back (the splitter is then empty)."""
+        rest, self._buffer = self._buffer, b""
+        return rest
+
 
 def _event_end(buffer: bytes) -> tuple[int, int]:
     """Index and separator length of the first event boundary in `buffer` (-1 if none)."""
@@ -120,6 +130,17 @@ class FirstTokenStitch:
         self.prefill_text = ""
         self.prompt_token_ids: list[int] | None = None
         self.stream_id: str | None = None
+        self._decode_id: str | None = None  # D's stream id, from its first output event
+
+    @property
+    def passthrough(self) -> bool:
+        """Whether D's further events reach the client unchanged (no token ids to
+        remove, no stream id to rewrite): the caller may relay D's bytes as they are."""
+        if not self.keep_token_ids:
+            return False
+        if self.state == "decode_first":
+            return True
+        return self.state == "matched" and self._decode_id == self.stream_id
 
     # ---------------------------------------------------------------- P
 
@@ -156,6 +177,7 @@ class FirstTokenStitch:
         if self.state == "waiting" and is_output(payload):
             self.state = "decode_first"
         elif self.state == "prefill_first" and is_output(payload):
+            self._decode_id = payload.get("id")
             rest = self._after_first(payload)
             if rest is None:
                 self.state = "mismatched"
