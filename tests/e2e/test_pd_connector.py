@@ -464,6 +464,9 @@ def test_transfer_kv_late_from_a_busy_d_takes_the_fast_paths(
             while (
                 metric_sum(get_metrics(pair.d.base_url), "vllm:num_requests_running") < LATE_SLOTS
             ):
+                for task in busy:  # a decode that failed says why D is not busy
+                    if task.done() and task.exception() is not None:
+                        raise task.exception()
                 assert time.monotonic() < deadline, "D never got busy"
                 await asyncio.sleep(0.01)
             outs = await asyncio.gather(

@@ -7,10 +7,24 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import httpx
 import pytest
 from fake_vllm import FakeVLLM, MakeFake, MakeRouter
 
 from rapidkv.router import Instance, RouterConfig, RunningRouter, start_router
+
+
+@pytest.fixture
+def pd(make_fake: MakeFake) -> tuple[FakeVLLM, FakeVLLM]:
+    """A fake prefill instance "P0" and a fake decode instance "D0"."""
+    return make_fake("P0", "prefill"), make_fake("D0", "decode")
+
+
+@pytest.fixture
+def http() -> Iterator[httpx.Client]:
+    """A synchronous HTTP client that never goes through a proxy (120 s timeout)."""
+    with httpx.Client(timeout=120, trust_env=False) as client:
+        yield client
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ one one-token request per routed request (none in `local` mode).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +38,6 @@ CHATS = [
     "Why do rivers bend as they reach the plain?",
 ]
 GREEDY = {"temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
-
-
-@pytest.fixture
-def http() -> Iterator[httpx.Client]:
-    with httpx.Client(timeout=120, trust_env=False) as client:
-        yield client
 
 
 def chat_body(text: str, stream: bool) -> dict[str, Any]:

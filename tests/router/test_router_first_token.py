@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-from fake_vllm import FakeVLLM, MakeFake, MakeRouter, fake_tokens
+from fake_vllm import FakeVLLM, MakeRouter, fake_tokens
 
 from rapidkv.harness import get_metrics, metric_sum
 
@@ -21,17 +21,6 @@ pytestmark = pytest.mark.unit
 
 PROMPT = [11, 12, 13, 14]
 STREAMED = {"model": "m", "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "stream": True}
-
-
-@pytest.fixture
-def pd(make_fake: MakeFake) -> tuple[FakeVLLM, FakeVLLM]:
-    return make_fake("P0", "prefill"), make_fake("D0", "decode")
-
-
-@pytest.fixture
-def http() -> Iterator[httpx.Client]:
-    with httpx.Client(timeout=30, trust_env=False) as client:
-        yield client
 
 
 def events(raw_lines: Iterator[str]) -> Iterator[dict[str, Any] | None]:

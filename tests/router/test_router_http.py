@@ -31,17 +31,6 @@ COMPLETION = {"model": "m", "prompt": PROMPT, "max_tokens": 5, "temperature": 0.
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 4}
 
 
-@pytest.fixture
-def pd(make_fake: MakeFake) -> tuple[FakeVLLM, FakeVLLM]:
-    return make_fake("P0", "prefill"), make_fake("D0", "decode")
-
-
-@pytest.fixture
-def http() -> Iterator[httpx.Client]:
-    with httpx.Client(timeout=30, trust_env=False) as client:
-        yield client
-
-
 def the_one(fake: FakeVLLM) -> Seen:
     seen = fake.wait_seen(1)
     assert len(seen) == 1, f"{fake.name} got {len(seen)} requests"
