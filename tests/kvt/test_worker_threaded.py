@@ -160,3 +160,20 @@ def test_an_invalid_task_registers_none_of_its_batch() -> None:
         assert worker.busy()
     finally:
         worker.close()
+
+
+def test_poll_received_collects_notifications_without_the_background_poll(pair) -> None:
+    """A destination whose owner thread never polls on its own (idle interval of
+    an hour) gets its SendDone by asking: each `poll_received` makes the owner
+    collect notifications (and progress the transport, which some transports
+    need on both sides for a write to complete)."""
+    src, dst, peer, src_mem, dst_mem, src_done = pair
+    dst.IDLE_POLL_S = 3600.0
+    dst.poll_received()  # the owner thread now waits with the new interval
+    task = Task("p1", peer, (3, 4), (10, 11), 0, 2 * BLOCK, True)
+    src.send_full([task])
+    done: list[SendDone] = []
+    wait_for(lambda: bool(done.extend(dst.poll_received()) or done), 10, "the SendDone")
+    assert [d.xfer_id for d in done] == ["p1"] and done[0].ok
+    assert torch.equal(dst_mem[:, [10, 11]], src_mem[:, [3, 4]])
+    wait_for(lambda: len(src_done) == 1, 10, "the source to settle")

@@ -254,7 +254,13 @@ class ModelRun:
         p = self.progress
         p.stage(f"{self.model} r{rnd}: starting {group_name}")
         try:
-            group = start_group(group_name, self.model_dir, self.log_dir, self.opts.server_args)
+            group = start_group(
+                group_name,
+                self.model_dir,
+                self.log_dir,
+                self.opts.server_args,
+                fronts={CONFIGS[name].front for name in members},
+            )
         except Exception as e:
             why = f"{group_name} did not start: {type(e).__name__}: {e}"
             p.say(why[:3000])

@@ -210,12 +210,14 @@ def start_group(
     log_dir: Path,
     extra_args: Sequence[str] = (),
     say: Callable[[str], None] = lambda _: None,
+    fronts: set[str | None] | None = None,
 ) -> RunningGroup:
-    """Start group `name` and wait until everything in it is healthy."""
+    """Start group `name` and wait until everything in it is healthy; of its
+    HTTP fronts, only those named in `fronts` (all when None)."""
     from rapidkv.harness import start_servers
 
     t0 = time.monotonic()
-    keyed, fronts = _group_plan(name, model, log_dir, tuple(extra_args))
+    keyed, plan = _group_plan(name, model, log_dir, tuple(extra_args))
     servers = start_servers([spec for _, spec in keyed], log_dir)
     group = RunningGroup(name, {key: s for (key, _), s in zip(keyed, servers, strict=True)})
     group.controls = {
@@ -224,8 +226,9 @@ def start_group(
         if (spec.kv_transfer_config or {}).get("kv_connector") == "RapidKVConnector"
     }
     try:
-        for front, argv in fronts(group):
-            group.fronts[front] = _start_front(f"{name}.{front}", argv, log_dir)
+        for front, argv in plan(group):
+            if fronts is None or front in fronts:
+                group.fronts[front] = _start_front(f"{name}.{front}", argv, log_dir)
     except BaseException:
         group.stop()
         raise

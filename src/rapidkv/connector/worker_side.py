@@ -147,7 +147,6 @@ class WorkerSide:
             kvt.fail(xfer_id, reason)
         self._release.update(meta.release)
         self._expect.update(meta.expect_recv)
-        kvt.expecting = bool(self._expect)
         for req_id in meta.recv_failed:
             self._fail_recv(req_id)
         self.step_id = meta.step_id
@@ -186,7 +185,9 @@ class WorkerSide:
         self._finished -= sending
         recving: set[str] = set()
         failed: set[str] = set()
-        for done in self._require_kvt().take_received():
+        kvt = self._require_kvt()
+        # SendDones matter only here, once a step: asked for while some are awaited
+        for done in kvt.poll_received() if self._expect else kvt.take_received():
             self._received[done.xfer_id] = done
         for xfer_id in [x for x in self._received if x in self._expect]:
             done = self._received.pop(xfer_id)

@@ -115,14 +115,14 @@ class KvtWorker:
     # often than POLL_DUTY allows (a poll round of w seconds is followed by at
     # least w / POLL_DUTY of sleep: the owner preempts the engine, so it must not
     # take its core). Otherwise it wakes every IDLE_POLL_S to collect incoming
-    # notifications, every EXPECT_POLL_S while `expecting` is set (a destination
-    # waiting for SendDones: each ms of delay here is a ms of hand-off).
-    # notifications.
+    # notifications. A destination that needs a SendDone the moment it can act on
+    # it asks for them (`poll_received`) instead of making the owner poll faster:
+    # every wake-up of the owner preempts the forward on the shared core and
+    # takes the GIL from it.
     MIN_POLL_S = 0.0002
     MAX_POLL_S = 0.001
     POLL_DUTY = 0.2
     IDLE_POLL_S = 0.002
-    EXPECT_POLL_S = 0.0005
 
     def __init__(
         self,
@@ -146,7 +146,6 @@ class KvtWorker:
         self.on_posted = on_posted
         self.realtime = realtime
         self.bandwidth_cap_bps = bandwidth_cap_bps
-        self.expecting = False  # SendDones are awaited: collect notifications sooner
         self._link_free_at = 0.0
         self.stats = KvtStats()
         self._lock = threading.Lock()
@@ -240,6 +239,14 @@ class KvtWorker:
             out, self._received = self._received, []
             self._received_event.clear()
         return out
+
+    def poll_received(self) -> list[SendDone]:
+        """Collect the transport's notifications now (on the owner thread, which
+        makes every transport call), then `take_received`. For a caller that can
+        act on a SendDone only at its own pace (an engine step): one round trip
+        per call instead of a faster background poll."""
+        self._call(self._poll_notifs)
+        return self.take_received()
 
     def wait_received(self, timeout: float) -> bool:
         """Block until a SendDone is available or `timeout` passes."""
@@ -337,8 +344,7 @@ class KvtWorker:
         poll_s = self.MIN_POLL_S
         while True:
             try:
-                idle = self.EXPECT_POLL_S if self.expecting else self.IDLE_POLL_S
-                item = self._jobs.get(timeout=poll_s if self._writes else idle)
+                item = self._jobs.get(timeout=poll_s if self._writes else self.IDLE_POLL_S)
                 poll_s = self.MIN_POLL_S
                 while True:
                     if item is None:
@@ -359,9 +365,7 @@ class KvtWorker:
                 now = time.perf_counter()
                 if now >= next_notif_poll:
                     self._poll_notifs()
-                    next_notif_poll = now + (
-                        self.EXPECT_POLL_S if self.expecting else self.IDLE_POLL_S
-                    )
+                    next_notif_poll = now + self.IDLE_POLL_S
             except Exception:
                 log.exception("kvt owner thread: polling failed")
 
