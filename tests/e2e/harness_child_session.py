@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 from pathlib import Path
 
@@ -21,6 +22,10 @@ pytestmark = pytest.mark.e2e
 @pytest.mark.skipif("RAPIDKV_CHILD_INFO" not in os.environ, reason="child session only")
 @pytest.mark.timeout(0)
 def test_hold_server_until_signalled(single_server: VLLMServer) -> None:
+    # A runner started in the background of a non-interactive shell inherits
+    # SIGINT ignored, and Python keeps it so: take it back, as a terminal's
+    # Ctrl-C would find it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     out = Path(os.environ["RAPIDKV_CHILD_INFO"])
     info = {
         "pid": single_server.pid,
