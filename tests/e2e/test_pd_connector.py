@@ -467,6 +467,11 @@ def test_transfer_kv_late_from_a_busy_d_takes_the_fast_paths(
                 for task in busy:  # a decode that failed says why D is not busy
                     if task.done() and task.exception() is not None:
                         raise task.exception()
+                if all(task.done() for task in busy):
+                    # D was busy between two samples of its gauge (a round's
+                    # decodes can be that short): this round's PD requests find
+                    # D idle and show no fast path; the next rounds decode longer
+                    break
                 assert time.monotonic() < deadline, "D never got busy"
                 await asyncio.sleep(0.01)
             outs = await asyncio.gather(
