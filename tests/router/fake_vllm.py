@@ -159,11 +159,7 @@ class FakeVLLM:
             if not await self._hold(receive):
                 seen.disconnected = True
                 return
-            for event in events:
-                if not await self._send_or_gone(seen, send, event):
-                    return
-            await self._chunk(seen, send, b"", more=False)
-            seen.answered_seq = next(_sequence)
+            await self._body(seen, send, events)
             return
         if behaviour in ("hang", "hang_stream"):
             first = []
@@ -217,16 +213,6 @@ class FakeVLLM:
             await self._start(send, 404, "text/plain")
             await send({"type": "http.response.body", "body": b"not found"})
 
-    async def _send_or_gone(self, seen: Seen, send: Any, data: bytes) -> bool:
-        """Send one event; False (recorded) if the caller has gone."""
-        try:
-            await self._chunk(seen, send, data, more=True)
-            await asyncio.sleep(0.01)  # one event at a time, as an engine's steps
-        except OSError:
-            seen.disconnected = True
-            return False
-        return True
-
     async def _start(self, send: Any, status: int, content_type: str) -> None:
         headers = [(b"content-type", content_type.encode()), (b"x-fake-name", self.name.encode())]
         await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -239,6 +225,9 @@ class FakeVLLM:
         self, seen: Seen, send: Any, status: int, content_type: str, chunks: list[bytes]
     ) -> None:
         await self._start(send, status, content_type)
+        await self._body(seen, send, chunks)
+
+    async def _body(self, seen: Seen, send: Any, chunks: list[bytes]) -> None:
         for data in chunks:
             await self._chunk(seen, send, data, more=True)
             await asyncio.sleep(0)  # let each event leave as its own chunk

@@ -155,6 +155,13 @@ def test_nothing_to_continue_when_the_budget_is_spent() -> None:
     assert end[-1] is None and end[0]["choices"][0]["finish_reason"] == "length"
 
 
+def test_no_prompt_token_ids_from_p_is_a_stream_error() -> None:
+    stitch = FirstTokenStitch(keep_token_ids=True)
+    stitch.on_prefill(event([3]))  # no prompt_token_ids in P's event
+    with pytest.raises(StreamError, match="prompt_token_ids"):
+        continuation_body({"prompt": "x", "max_tokens": 5}, stitch)
+
+
 def test_splitter_handles_split_events_crlf_comments_and_done() -> None:
     raw = b": keep-alive\n\n" + sse({"a": 1}).replace(b"\n", b"\r\n") + sse(None)
     splitter = EventSplitter()

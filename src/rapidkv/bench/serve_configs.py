@@ -209,7 +209,6 @@ def start_group(
     model: Path,
     log_dir: Path,
     extra_args: Sequence[str] = (),
-    say: Callable[[str], None] = lambda _: None,
     fronts: set[str | None] | None = None,
 ) -> RunningGroup:
     """Start group `name` and wait until everything in it is healthy; of its

@@ -113,6 +113,16 @@ class BodyTooLarge(Exception):
     pass
 
 
+@dataclass(frozen=True)
+class Stitch:
+    """A request whose stream P's first token may open: the client's body (for a
+    continuation), the merge of the two streams, and P's first output event."""
+
+    body: Body
+    merge: FirstTokenStitch
+    first: asyncio.Future[Payload | None]
+
+
 @dataclass
 class Exchange:
     """One client request on its way through the router."""
@@ -124,8 +134,6 @@ class Exchange:
     prefill: Instance | None = None
     decode: Instance | None = None
     status: int | None = None  # D's status
-    first_sent: bool = False  # an output event has been sent to the client
-    first_source: str | None = None  # stitched streams: see metrics.FIRST_TOKEN_SOURCES
 
     @property
     def path(self) -> str:
@@ -279,7 +287,7 @@ class Router:
         stitching = (
             mode == "dual" and self.config.prefill_first_token and stitchable(body, ex.endpoint)
         )
-        first: asyncio.Future[Payload | None] | None = None  # P's first output event
+        stitch: Stitch | None = None
         gone = asyncio.create_task(_wait_disconnect(receive))
         prefill: asyncio.Task[bool] | None = None
         relay: asyncio.Task[str] | None = None
@@ -294,10 +302,18 @@ class Router:
                     self._release("prefill", p_index)
                     raise
                 if stitching:
-                    first = asyncio.get_running_loop().create_future()
+                    stitch = Stitch(
+                        body,
+                        FirstTokenStitch(
+                            keep_token_ids=body.get("return_token_ids") is True,
+                            debug_mismatch=self.config.debug_first_token_mismatch,
+                        ),
+                        asyncio.get_running_loop().create_future(),
+                    )
                 p_content = encode(
                     prefill_body(body, ex.endpoint, ex.xfer_id, first_token=stitching)
                 )
+                first = stitch.first if stitch is not None else None
                 prefill = self._spawn(self._prefill(p_index, ex.prefill, p_content, ex, first))
                 if mode == "serial":
                     await asyncio.wait({prefill, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -306,14 +322,8 @@ class Router:
                         return "client_abort"
                 d_content = encode(decode_body(body, ex.xfer_id, ex.prefill, first_token=stitching))
             d_index, ex.decode = self._acquire("decode")
-            stitch = None
-            if first is not None:
-                stitch = FirstTokenStitch(
-                    keep_token_ids=body.get("return_token_ids") is True,
-                    debug_mismatch=self.config.debug_first_token_mismatch,
-                )
             relay = asyncio.create_task(
-                self._relay(d_index, ex.decode, d_content, ex, send, (body, stitch, first))
+                self._relay(d_index, ex.decode, d_content, ex, send, stitch)
             )
             await asyncio.wait({relay, gone}, return_when=asyncio.FIRST_COMPLETED)
             if relay.done():
@@ -390,11 +400,10 @@ class Router:
         content: bytes,
         ex: Exchange,
         send: Send,
-        stitching: tuple[Body, FirstTokenStitch | None, asyncio.Future[Payload | None] | None],
+        stitch: Stitch | None,
     ) -> str:
         """D's request, its answer relayed to the client as it comes (P's first token
-        stitched in front when `stitching` has a stitch); returns the outcome."""
-        body, stitch, first = stitching
+        stitched in front with `stitch`); returns the outcome."""
         try:
             request = self.http.build_request(
                 "POST", inst.url + ex.path, content=content, headers=ex.upstream_headers
@@ -417,10 +426,8 @@ class Router:
                 content_type = resp.headers.get("content-type", "")
                 streaming = resp.status_code < 400 and content_type.startswith("text/event-stream")
                 try:
-                    if streaming and stitch is not None and first is not None:
-                        failed = await self._relay_stitched(
-                            resp, stitch, first, body, inst, ex, send
-                        )
+                    if streaming and stitch is not None:
+                        failed = await self._relay_stitched(resp, stitch, inst, ex, send)
                         if failed is not None:
                             return failed
                     else:
@@ -454,20 +461,15 @@ class Router:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
 
     async def _relay_stitched(
-        self,
-        resp: httpx.Response,
-        stitch: FirstTokenStitch,
-        first: asyncio.Future[Payload | None],
-        body: Body,
-        inst: Instance,
-        ex: Exchange,
-        send: Send,
+        self, resp: httpx.Response, st: Stitch, inst: Instance, ex: Exchange, send: Send
     ) -> str | None:
         """D's stream with P's first token in front (see `stitch`); an outcome if it failed."""
+        stitch = st.merge
         splitter = EventSplitter()
         chunks = resp.aiter_raw()
         next_chunk: asyncio.Future[bytes] = asyncio.ensure_future(anext(chunks))
-        prefill: asyncio.Future[Payload | None] | None = first
+        prefill: asyncio.Future[Payload | None] | None = st.first
+        counted = opened = False  # first token's source counted; client's stream opened
         try:
             while stitch.state != "mismatched":
                 waiting = {next_chunk} if prefill is None else {next_chunk, prefill}
@@ -493,11 +495,12 @@ class Router:
                         else:
                             next_chunk = asyncio.ensure_future(anext(chunks))
                 source = FIRST_TOKEN_SOURCE.get(stitch.state)
-                if source is not None and ex.first_source is None:
-                    ex.first_source = source
+                if source is not None and not counted:
+                    counted = True
                     self.metrics.first_token.labels(source).inc()
                 if out:
-                    if not ex.first_sent and stitch.state != "waiting":
+                    if stitch.state != "waiting" and not opened:
+                        opened = True
                         self._first_token_sent(ex)
                     await send(
                         {"type": "http.response.body", "body": b"".join(out), "more_body": True}
@@ -520,21 +523,11 @@ class Router:
             stitch.prefill_tokens,
             inst.url,
         )
-        cont = continuation_body(body, stitch)
-        if cont is None and stitch.prompt_token_ids is not None:
-            await send(
-                {
-                    "type": "http.response.body",
-                    "body": b"".join(stitch.finish_after_prefill()),
-                    "more_body": True,
-                }
-            )
+        cont = continuation_body(st.body, stitch)  # StreamError: nothing to continue from
+        if cont is None:  # P's token was the whole answer
+            end = b"".join(stitch.finish_after_prefill())
+            await send({"type": "http.response.body", "body": end, "more_body": True})
             return None
-        if cont is None:
-            self._upstream_error(
-                "prefill", inst, "stream", ex, "no prompt_token_ids to continue from"
-            )
-            return "stream_error"
         headers = dict(ex.upstream_headers, **{"x-request-id": f"{ex.xfer_id}-cont"})
         async with self.http.stream(
             "POST", inst.url + PATHS["completions"], content=encode(cont), headers=headers
@@ -553,7 +546,6 @@ class Router:
         return None
 
     def _first_token_sent(self, ex: Exchange) -> None:
-        ex.first_sent = True
         self.metrics.ttft.labels(ex.endpoint, self.config.dispatch).observe(
             time.monotonic() - ex.t_start
         )

@@ -1,5 +1,6 @@
 """Finding the first token in an OpenAI server-sent-event stream (for router-side TTFT).
 
+`split_events` is the framing (shared with `stitch.EventSplitter`).
 `FirstTokenDetector` is fed the raw bytes of a streamed answer, chunk by chunk,
 as they are relayed; it never changes them. It reports the first event that
 carries generated output: a choice with non-empty ``token_ids`` or ``text``, a
@@ -20,6 +21,26 @@ from typing import Any
 MAX_BUFFER = 1 << 20
 
 
+def split_events(buffer: bytes) -> tuple[list[bytes], bytes]:
+    """The ``data`` of every complete event in `buffer` (its data lines joined;
+    comments and keep-alives, which have none, skipped) and the unfinished rest.
+    Events end with a blank line, LF or CRLF."""
+    out: list[bytes] = []
+    while True:
+        lf, crlf = buffer.find(b"\n\n"), buffer.find(b"\r\n\r\n")
+        end, sep = (crlf, 4) if crlf >= 0 and (lf < 0 or crlf < lf) else (lf, 2)
+        if end < 0:
+            return out, buffer
+        event, buffer = buffer[:end], buffer[end + sep :]
+        data = b"".join(
+            line[5:].lstrip(b" ")
+            for line in event.replace(b"\r\n", b"\n").split(b"\n")
+            if line.startswith(b"data:")
+        )
+        if data:
+            out.append(data)
+
+
 class FirstTokenDetector:
     """Feed SSE bytes; `feed` is True for the chunk holding the first output event."""
 
@@ -30,24 +51,19 @@ class FirstTokenDetector:
     def feed(self, chunk: bytes) -> bool:
         if self.done:
             return False
-        self._buffer = (self._buffer + chunk).replace(b"\r\n", b"\n")
-        while b"\n\n" in self._buffer:
-            event, self._buffer = self._buffer.split(b"\n\n", 1)
-            if _has_output(event):
-                self.done = True
-                self._buffer = b""
-                return True
+        events, self._buffer = split_events(self._buffer + chunk)
+        if any(_has_output(data) for data in events):
+            self.done = True
+            self._buffer = b""
+            return True
         if len(self._buffer) > MAX_BUFFER:
             self.done = True
             self._buffer = b""
         return False
 
 
-def _has_output(event: bytes) -> bool:
-    data = b"".join(
-        line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:")
-    )
-    if not data or data.strip() == b"[DONE]":
+def _has_output(data: bytes) -> bool:
+    if data.strip() == b"[DONE]":
         return False
     try:
         payload = json.loads(data)

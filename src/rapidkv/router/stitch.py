@@ -37,6 +37,8 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
+from rapidkv.router.sse import split_events
+
 Payload = dict[str, Any]
 State = Literal["waiting", "prefill_first", "decode_first", "matched", "mismatched"]
 MAX_EVENT_BYTES = 1 << 20  # one SSE event; a longer one is an upstream fault
@@ -53,20 +55,9 @@ class EventSplitter:
         self._buffer = b""
 
     def feed(self, chunk: bytes) -> list[Payload | None]:
-        self._buffer += chunk
+        events, self._buffer = split_events(self._buffer + chunk)
         out: list[Payload | None] = []
-        while True:
-            end, sep = _event_end(self._buffer)
-            if end < 0:
-                break
-            event, self._buffer = self._buffer[:end], self._buffer[end + sep :]
-            data = b"".join(
-                line[5:].lstrip(b" ")
-                for line in event.replace(b"\r\n", b"\n").split(b"\n")
-                if line.startswith(b"data:")
-            )
-            if not data:
-                continue  # a comment or keep-alive
+        for data in events:
             if data.strip() == b"[DONE]":
                 out.append(None)
                 continue
@@ -85,14 +76,6 @@ class EventSplitter:
         """The bytes of an unfinished event, handed back (the splitter is then empty)."""
         rest, self._buffer = self._buffer, b""
         return rest
-
-
-def _event_end(buffer: bytes) -> tuple[int, int]:
-    """Index and separator length of the first event boundary in `buffer` (-1 if none)."""
-    lf, crlf = buffer.find(b"\n\n"), buffer.find(b"\r\n\r\n")
-    if crlf >= 0 and (lf < 0 or crlf < lf):
-        return crlf, 4
-    return lf, 2
 
 
 def sse(payload: Payload | None) -> bytes:
@@ -258,13 +241,14 @@ def continuation_body(client_body: Payload, stitch: FirstTokenStitch) -> Payload
     """The completions request that continues after P's first token.
 
     Its prompt is the prompt's token ids plus P's token; its output budget is
-    one token less. None if there is nothing to continue (no prompt ids, or no
-    budget left: then `FirstTokenStitch.finish_after_prefill` ends the stream).
+    one token less. None when no budget is left (then
+    `FirstTokenStitch.finish_after_prefill` ends the stream); `StreamError` when
+    P's stream lacked the prompt's token ids.
     It runs on D without `kv_transfer_params`: computed locally, on the rare
     path where D's first token differed from P's.
     """
     if stitch.prompt_token_ids is None or not stitch.prefill_tokens:
-        return None
+        raise StreamError("prefill's stream carried no prompt_token_ids to continue from")
     out = dict(client_body)
     out["prompt"] = [*stitch.prompt_token_ids, *stitch.prefill_tokens]
     n = len(stitch.prefill_tokens)
