@@ -115,13 +115,13 @@ def stitchable(body: Body, endpoint: Endpoint) -> bool:
         return False
     prompt = body.get("prompt")
     single = isinstance(prompt, str) or (
-        isinstance(prompt, list) and bool(prompt) and all(_is_token(t) for t in prompt)
+        isinstance(prompt, list) and bool(prompt) and all(_non_negative_int(t) for t in prompt)
     )
     max_tokens = body.get("max_tokens")
-    return single and (max_tokens is None or (_is_token(max_tokens) and max_tokens >= 1))
+    return single and (max_tokens is None or (_non_negative_int(max_tokens) and max_tokens >= 1))
 
 
-def _is_token(value: Any) -> bool:
+def _non_negative_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
@@ -136,7 +136,7 @@ def prefill_body(body: Body, endpoint: Endpoint, xfer_id: str, *, first_token: b
     out["max_tokens"] = 1
     if endpoint == "chat":
         out["max_completion_tokens"] = 1
-    if _is_token(body.get("min_tokens")) and body["min_tokens"] >= 1:
+    if _non_negative_int(body.get("min_tokens")) and body["min_tokens"] >= 1:
         out["min_tokens"] = 1  # P's one token obeys it as the client's first would
     else:
         out.pop("min_tokens", None)
