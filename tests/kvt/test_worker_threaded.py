@@ -177,3 +177,48 @@ def test_poll_received_collects_notifications_without_the_background_poll(pair) 
     assert [d.xfer_id for d in done] == ["p1"] and done[0].ok
     assert torch.equal(dst_mem[:, [10, 11]], src_mem[:, [3, 4]])
     wait_for(lambda: len(src_done) == 1, 10, "the source to settle")
+
+
+class CountingTransport:
+    """A transport that counts `take_notifs` calls (everything else passes through)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.notif_polls = 0
+
+    def take_notifs(self):
+        self.notif_polls += 1
+        return self.inner.take_notifs()
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+def test_the_owner_polls_notifications_often_only_while_a_transfer_is_awaited() -> None:
+    """Each background poll interrupts the engine: an idle destination polls every
+    IDLE_POLL_S (50 ms), one awaiting a transfer every AWAIT_POLL_S (2 ms), and
+    turning awaiting on takes effect at once, not after the idle wait."""
+    _mem, layout = kv_memory(fill=False)  # kept alive: the worker registered it
+    transport = CountingTransport(create_transport("tcp", "dst"))
+    worker = KvtWorker(transport, layout, rank=0, block_size=BLOCK)  # type: ignore[arg-type]
+    try:
+
+        def polls_in(seconds: float) -> int:
+            before = transport.notif_polls
+            time.sleep(seconds)
+            return transport.notif_polls - before
+
+        time.sleep(0.1)
+        idle = polls_in(0.5)
+        before = transport.notif_polls
+        worker.set_awaiting(True)
+        wait_for(lambda: transport.notif_polls > before, 0.02, "the first poll once awaiting")
+        awaiting = polls_in(0.5)
+        worker.set_awaiting(False)
+        time.sleep(0.1)
+        idle_again = polls_in(0.5)
+        assert idle <= 0.5 / worker.IDLE_POLL_S + 2, idle
+        assert idle_again <= 0.5 / worker.IDLE_POLL_S + 2, idle_again
+        assert awaiting >= 4 * (0.5 / worker.IDLE_POLL_S), awaiting
+    finally:
+        worker.close()

@@ -149,6 +149,7 @@ class WorkerSide:
         self._expect.update(meta.expect_recv)
         for req_id in meta.recv_failed:
             self._fail_recv(req_id)
+        kvt.set_awaiting(bool(self._expect))
         self.step_id = meta.step_id
         self._computes_prompt = meta.computes_prompt
         with self._lock:
@@ -196,6 +197,7 @@ class WorkerSide:
             if not done.ok:
                 log.warning("rapidkv: transfer %s failed at source: %s", xfer_id, done.error)
                 failed.add(req_id)
+        kvt.set_awaiting(bool(self._expect))
         with self._lock:
             recving |= self._failed_now
             failed |= self._failed_now

@@ -103,6 +103,8 @@ class _Write:
     deadline: float
     ready_at: float = 0.0  # with a bandwidth cap: not confirmed before this
     pieces: list[tuple[Tracked, int]] = field(default_factory=list)
+    # carries some task's last layer: its completion may settle a transfer
+    settles: bool = True
 
 
 # (kind, t_event, t_post, nbytes): a write was handed to the transport at t_post
@@ -110,19 +112,28 @@ PostedHook = Callable[[str, float, float, int], None]
 
 
 class KvtWorker:
-    # While writes are in flight the owner polls them, first every MIN_POLL_S, the
+    # While a write that may settle a transfer (it carries a task's last layer)
+    # is in flight the owner polls the writes, first every MIN_POLL_S, the
     # interval doubling up to MAX_POLL_S while nothing settles, and never more
     # often than POLL_DUTY allows (a poll round of w seconds is followed by at
     # least w / POLL_DUTY of sleep: the owner preempts the engine, so it must not
-    # take its core). Otherwise it wakes every IDLE_POLL_S to collect incoming
-    # notifications. A destination that needs a SendDone the moment it can act on
-    # it asks for them (`poll_received`) instead of making the owner poll faster:
-    # every wake-up of the owner preempts the forward on the shared core and
-    # takes the GIL from it.
+    # take its core). Writes of earlier layers alone are polled every
+    # LAZY_POLL_S: the data moves when a write is posted (NIXL/UCX on one host
+    # copies in `post_write`; TCP on its own threads), so polling them early
+    # settles nothing sooner and only interrupts the forward that computes the
+    # next layers. Otherwise it collects incoming notifications (and progresses
+    # the transport, which a write into this worker may need to complete) every
+    # AWAIT_POLL_S while a transfer into this worker is awaited (`set_awaiting`),
+    # and only every IDLE_POLL_S when none is: every wake-up of the owner preempts
+    # the forward on the shared core and takes the GIL from it. A destination that
+    # needs a SendDone the moment it can act on it asks for them (`poll_received`)
+    # instead of making the owner poll faster.
     MIN_POLL_S = 0.0002
     MAX_POLL_S = 0.001
     POLL_DUTY = 0.2
-    IDLE_POLL_S = 0.002
+    LAZY_POLL_S = 0.02
+    AWAIT_POLL_S = 0.002
+    IDLE_POLL_S = 0.05
 
     def __init__(
         self,
@@ -147,6 +158,8 @@ class KvtWorker:
         self.realtime = realtime
         self.bandwidth_cap_bps = bandwidth_cap_bps
         self._link_free_at = 0.0
+        self._awaiting = False
+        self._next_notif_poll = 0.0  # owner thread only
         self.stats = KvtStats()
         self._lock = threading.Lock()
         self._coord: StepCoordinator[Tracked] = StepCoordinator(len(layout.layers))
@@ -248,6 +261,28 @@ class KvtWorker:
         self._call(self._poll_notifs)
         return self.take_received()
 
+    def set_awaiting(self, awaiting: bool) -> None:
+        """Say whether a transfer into this worker is awaited: the owner then
+        polls the transport every AWAIT_POLL_S instead of every IDLE_POLL_S."""
+        if awaiting and not self._awaiting:
+            self._awaiting = True
+            self._jobs.put(self._poll_soon)  # the owner may be in a long idle wait
+        self._awaiting = awaiting
+
+    def _poll_soon(self) -> None:
+        self._next_notif_poll = 0.0
+
+    def _notif_poll_s(self) -> float:
+        return self.AWAIT_POLL_S if self._awaiting else self.IDLE_POLL_S
+
+    def _wait_s(self, poll_s: float) -> float:
+        """How long the owner may sleep before it polls again (owner thread)."""
+        if any(w.settles for w in self._writes.values()):
+            return poll_s
+        if self._writes:
+            return min(self.LAZY_POLL_S, self._notif_poll_s())
+        return self._notif_poll_s()
+
     def wait_received(self, timeout: float) -> bool:
         """Block until a SendDone is available or `timeout` passes."""
         return self._received_event.wait(timeout)
@@ -340,11 +375,10 @@ class KvtWorker:
     def _run(self) -> None:
         if self.realtime:
             self._raise_priority()
-        next_notif_poll = 0.0
         poll_s = self.MIN_POLL_S
         while True:
             try:
-                item = self._jobs.get(timeout=poll_s if self._writes else self.IDLE_POLL_S)
+                item = self._jobs.get(timeout=self._wait_s(poll_s))
                 poll_s = self.MIN_POLL_S
                 while True:
                     if item is None:
@@ -363,9 +397,9 @@ class KvtWorker:
                     floor, self.MIN_POLL_S if settled else min(poll_s * 2, self.MAX_POLL_S)
                 )
                 now = time.perf_counter()
-                if now >= next_notif_poll:
+                if now >= self._next_notif_poll:
                     self._poll_notifs()
-                    next_notif_poll = now + self.IDLE_POLL_S
+                    self._next_notif_poll = now + self._notif_poll_s()
             except Exception:
                 log.exception("kvt owner thread: polling failed")
 
@@ -415,6 +449,7 @@ class KvtWorker:
                 write.ready_at = max(self._link_free_at, t_post) + nbytes / self.bandwidth_cap_bps
                 self._link_free_at = write.ready_at
             write.pieces = [(t, stop - first) for t, first, stop in group]
+            write.settles = any(stop == len(self.layout.layers) for _, _, stop in group)
             self._writes[write_id] = write
             with self._lock:
                 self._tracker.posted(write_id, write.pieces)
