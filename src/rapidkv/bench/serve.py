@@ -366,8 +366,9 @@ class ModelRun:
             self.configs[name].error = why
 
     def measure(self, name: str, group: Any, load: Any, rnd: int) -> None:
-        from rapidkv.bench.serve_configs import CONFIGS, machine_busy_cpu_seconds, tree_cpu_seconds
+        from rapidkv.bench.serve_configs import CONFIGS
         from rapidkv.bench.serve_loads import run_load
+        from rapidkv.harness.procs import machine_busy_cpu_seconds, tree_cpu_seconds
 
         config = CONFIGS[name]
         self.progress.stage(f"{self.model} r{rnd}: {name} {load.name}")

@@ -166,6 +166,8 @@ class RunningGroup:
 
     def cpu_seconds(self) -> dict[str, float]:
         """CPU seconds (user + system) used so far by each live process tree."""
+        from rapidkv.harness.procs import tree_cpu_seconds
+
         return {name: tree_cpu_seconds(proc.live_pids()) for name, proc in self.trees().items()}
 
     def prompt_tokens(self) -> dict[str, dict[str, float]]:
@@ -187,6 +189,8 @@ class RunningGroup:
 
     def affinity(self) -> dict[str, list[str]]:
         """Per server, the distinct CPU lists its threads may run on (after start-up)."""
+        from rapidkv.harness.procs import tree_affinity
+
         return {key: tree_affinity(s.process.live_pids()) for key, s in self.servers.items()}
 
     def stop(self) -> None:
@@ -352,41 +356,3 @@ def _start_front(name: str, argv: list[str], log_dir: Path, timeout: float = 60.
         proc.stop()
         raise
     return Front(name, url, proc)
-
-
-# --------------------------------------------------------------------- /proc views
-
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def tree_cpu_seconds(pids: Sequence[int]) -> float:
-    """User + system CPU seconds of the live processes `pids` (all their threads)."""
-    total = 0
-    for pid in pids:
-        try:
-            raw = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue
-        rest = raw[raw.rindex(")") + 2 :].split()
-        total += int(rest[11]) + int(rest[12])  # utime, stime (fields 14, 15)
-    return total / _TICK
-
-
-def machine_busy_cpu_seconds() -> float:
-    """CPU seconds every core of the machine spent not idle since boot (/proc/stat)."""
-    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[:8])
-    return (user + nice + system + irq + softirq + steal) / _TICK
-
-
-def tree_affinity(pids: Sequence[int]) -> list[str]:
-    """The distinct `Cpus_allowed_list` values of every thread of `pids`."""
-    seen: set[str] = set()
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                with contextlib.suppress(OSError):
-                    for line in Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines():
-                        if line.startswith("Cpus_allowed_list:"):
-                            seen.add(line.split(":", 1)[1].strip())
-    return sorted(seen)

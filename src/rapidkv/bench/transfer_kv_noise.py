@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from rapidkv.bench.serve_configs import tree_cpu_seconds
+from rapidkv.harness.procs import tree_cpu_seconds
 
 NOISY_CORES = 0.2
 _TICK = os.sysconf("SC_CLK_TCK")

@@ -1,7 +1,8 @@
 """Read-only views of processes through /proc (Linux).
 
-Used to decide which processes belong to a server this harness started and to
-prove, in tests, that none is left. Nothing here sends signals.
+Used to decide which processes belong to a server this harness started, to
+prove, in tests, that none is left, and to account the CPU time and placement of
+the processes a benchmark started. Nothing here sends signals.
 
 Invariants: a process that vanishes while being read is treated as absent; a
 zombie is treated as dead (it runs nothing and holds no resources but its pid).
@@ -9,7 +10,9 @@ zombie is treated as dead (it runs nothing and holds no resources but its pid).
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,3 +101,41 @@ def is_alive(pid: int, starttime: int | None = None) -> bool:
     if st is None or not st.alive:
         return False
     return starttime is None or st.starttime == starttime
+
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_seconds(pids: Sequence[int]) -> float:
+    """User + system CPU seconds of the live processes `pids` (all their threads)."""
+    total = 0
+    for pid in pids:
+        try:
+            raw = (PROC / str(pid) / "stat").read_text()
+        except OSError:
+            continue
+        rest = raw[raw.rindex(")") + 2 :].split()
+        total += int(rest[11]) + int(rest[12])  # utime, stime (fields 14, 15)
+    return total / _TICK
+
+
+def machine_busy_cpu_seconds() -> float:
+    """CPU seconds every core of the machine spent not idle since boot (/proc/stat)."""
+    fields = (PROC / "stat").read_text().split("\n", 1)[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / _TICK
+
+
+def tree_affinity(pids: Sequence[int]) -> list[str]:
+    """The distinct `Cpus_allowed_list` values of every thread of `pids`."""
+    seen: set[str] = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(PROC / str(pid) / "task"):
+                with contextlib.suppress(OSError):
+                    for line in (
+                        (PROC / str(pid) / "task" / tid / "status").read_text().splitlines()
+                    ):
+                        if line.startswith("Cpus_allowed_list:"):
+                            seen.add(line.split(":", 1)[1].strip())
+    return sorted(seen)
