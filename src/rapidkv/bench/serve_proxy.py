@@ -14,7 +14,7 @@ toy_proxy_server.py`, not installed) does, for `POST /v1/completions` only:
 
 Both requests carry the same `X-Request-Id`: the push connector pairs P's and
 D's requests by it. `GET /health` is 200 when P and D both answer 200.
-Written on the same stack as the rapidkv router (Starlette, uvicorn, httpx) so
+Written on the same stack as the rapidkv router (Starlette, uvicorn, aiohttp) so
 that the two relays cost about the same.
 """
 
@@ -49,18 +49,23 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_app(prefill_url: str, decode_url: str) -> Any:
-    import httpx
+    import aiohttp
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
-    state: dict[str, httpx.AsyncClient] = {}
+    state: dict[str, aiohttp.ClientSession] = {}
+    errors = (aiohttp.ClientError, TimeoutError)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
-        async with httpx.AsyncClient(timeout=600.0, limits=limits, trust_env=False) as http:
+        async with aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=1024),
+            timeout=aiohttp.ClientTimeout(total=None, sock_read=600.0),
+            auto_decompress=False,
+            trust_env=False,
+        ) as http:
             state["http"] = http
             yield
 
@@ -68,37 +73,34 @@ def build_app(prefill_url: str, decode_url: str) -> Any:
         http = state["http"]
         body = json.loads(await request.body())
         headers = {"X-Request-Id": uuid.uuid4().hex}
-        p = await http.post(
-            f"{prefill_url}/v1/completions", json=prefill_body(body), headers=headers
-        )
-        if p.status_code != 200:
-            return Response(p.content, status_code=p.status_code, media_type="application/json")
-        d_body = dict(body, kv_transfer_params=p.json().get("kv_transfer_params"))
-        upstream = await http.send(
-            http.build_request(
-                "POST", f"{decode_url}/v1/completions", json=d_body, headers=headers
-            ),
-            stream=True,
-        )
+        url = f"{prefill_url}/v1/completions"
+        async with http.post(url, json=prefill_body(body), headers=headers) as p:
+            answer = await p.read()
+        if p.status != 200:
+            return Response(answer, status_code=p.status, media_type="application/json")
+        d_body = dict(body, kv_transfer_params=json.loads(answer).get("kv_transfer_params"))
+        upstream = await http.post(f"{decode_url}/v1/completions", json=d_body, headers=headers)
 
         async def relay() -> AsyncIterator[bytes]:
             try:
-                async for chunk in upstream.aiter_raw():
+                async for chunk in upstream.content.iter_any():
                     yield chunk
             finally:
-                await upstream.aclose()
+                upstream.release()
 
         return StreamingResponse(
             relay(),
-            status_code=upstream.status_code,
+            status_code=upstream.status,
             media_type=upstream.headers.get("content-type"),
         )
 
     async def health(request: Request) -> Response:
         async def ok(url: str) -> bool:
             try:
-                return (await state["http"].get(f"{url}/health", timeout=2.0)).status_code == 200
-            except httpx.HTTPError:
+                timeout = aiohttp.ClientTimeout(total=2.0)
+                async with state["http"].get(f"{url}/health", timeout=timeout) as r:
+                    return r.status == 200
+            except errors:
                 return False
 
         healthy = await asyncio.gather(ok(prefill_url), ok(decode_url))

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-import httpx
+import aiohttp
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -35,6 +35,7 @@ from starlette.types import Receive, Scope, Send
 from rapidkv.router.config import Instance, RouterConfig
 from rapidkv.router.proxy import Router
 from rapidkv.router.rewrite import Endpoint, error_body
+from rapidkv.router.upstream import UPSTREAM_ERRORS, get
 
 
 class _ProxyEndpoint:
@@ -76,16 +77,15 @@ def build_app(config: RouterConfig) -> Starlette:
     async def models(request: Request) -> Response:
         failures = []
         for inst in config.decode:
+            url, timeout = f"{inst.url}/v1/models", config.health_timeout_s
             try:
-                resp = await router.http.get(
-                    f"{inst.url}/v1/models", headers=_auth(request), timeout=config.health_timeout_s
-                )
-            except httpx.HTTPError as e:
+                status, raw, content_type = await get(router.http, url, timeout, _auth(request))
+            except UPSTREAM_ERRORS as e:
                 failures.append(f"{inst.url}: {e!r}")
                 continue
-            if resp.status_code == 200:
-                return Response(resp.content, media_type=resp.headers.get("content-type"))
-            failures.append(f"{inst.url}: HTTP {resp.status_code}")
+            if status == 200:
+                return Response(raw, media_type=content_type or None)
+            failures.append(f"{inst.url}: HTTP {status}")
         message = "no decode instance listed its models: " + "; ".join(failures)
         return _error(503, message)
 
@@ -113,13 +113,14 @@ def build_app(config: RouterConfig) -> Starlette:
     return app
 
 
-async def _check_health(http: httpx.AsyncClient, inst: Instance, timeout: float) -> dict[str, Any]:
+async def _check_health(
+    http: aiohttp.ClientSession, inst: Instance, timeout: float
+) -> dict[str, Any]:
     try:
-        resp = await http.get(f"{inst.url}/health", timeout=timeout)
-    except httpx.HTTPError as e:
+        status, _, _ = await get(http, f"{inst.url}/health", timeout)
+    except UPSTREAM_ERRORS as e:
         return {"url": inst.url, "healthy": False, "detail": repr(e)}
-    healthy = resp.status_code == 200
-    return {"url": inst.url, "healthy": healthy, "detail": f"HTTP {resp.status_code}"}
+    return {"url": inst.url, "healthy": status == 200, "detail": f"HTTP {status}"}
 
 
 def _auth(request: Request) -> dict[str, str]:

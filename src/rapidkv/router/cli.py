@@ -94,7 +94,5 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    for chatty in ("httpx", "httpcore"):  # a line per upstream request otherwise
-        logging.getLogger(chatty).setLevel(logging.WARNING)
     run_router(config)
     return 0

@@ -10,13 +10,15 @@ response's ``kv_transfer_params``: ``{"rapidkv": {"control": "host:port",
 
 from __future__ import annotations
 
+import json
 from typing import Any
 from urllib.parse import urlsplit
 
-import httpx
+import aiohttp
 
 from rapidkv.control.address import format_address, parse_address
 from rapidkv.router.config import Instance
+from rapidkv.router.upstream import UPSTREAM_ERRORS, get, post_json
 
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
 
@@ -54,20 +56,21 @@ def control_from_answer(inst: Instance, answer: Any) -> str:
     return format_address(host, port)
 
 
-async def discover_control(http: httpx.AsyncClient, inst: Instance, timeout: float) -> str:
+async def discover_control(http: aiohttp.ClientSession, inst: Instance, timeout: float) -> str:
     """Ask `inst` for its control address; DiscoveryError if it cannot tell."""
     try:
-        models = await http.get(f"{inst.url}/v1/models", timeout=timeout)
-        models.raise_for_status()
+        status, raw, _ = await get(http, f"{inst.url}/v1/models", timeout)
+        if status != 200:
+            raise DiscoveryError(f"{inst.url}: /v1/models answered HTTP {status}")
         body = probe_body()
-        body["model"] = models.json()["data"][0]["id"]
-        resp = await http.post(f"{inst.url}/v1/completions", json=body, timeout=timeout)
-    except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as e:
+        body["model"] = json.loads(raw)["data"][0]["id"]
+        status, raw = await post_json(http, f"{inst.url}/v1/completions", body, timeout)
+    except (*UPSTREAM_ERRORS, KeyError, IndexError, TypeError, ValueError) as e:
         raise DiscoveryError(f"{inst.url}: probe failed: {e!r}") from None
-    if resp.status_code != 200:
-        raise DiscoveryError(f"{inst.url}: probe answered HTTP {resp.status_code}")
+    if status != 200:
+        raise DiscoveryError(f"{inst.url}: probe answered HTTP {status}")
     try:
-        answer = resp.json()
+        answer = json.loads(raw)
     except ValueError:
         raise DiscoveryError(f"{inst.url}: probe answer is not JSON") from None
     return control_from_answer(inst, answer)

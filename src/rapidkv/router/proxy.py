@@ -50,7 +50,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 from starlette.types import Message, Receive, Scope, Send
 
 from rapidkv.router.aborts import ControlAborter
@@ -79,6 +79,7 @@ from rapidkv.router.stitch import (
     continuation_body,
     is_output,
 )
+from rapidkv.router.upstream import UPSTREAM_ERRORS, open_session
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +154,7 @@ class Router:
             if instances
         }
         self._aborter = ControlAborter(config.secret, config.abort_timeout_s, self.metrics)
-        self._http: httpx.AsyncClient | None = None
+        self._http: aiohttp.ClientSession | None = None
         self._background: set[asyncio.Task[Any]] = set()
         # prefill URL -> its control address, once discovered (see `discovery`)
         self._discovery: dict[str, tuple[asyncio.Task[str], float]] = {}  # (probe, started)
@@ -163,20 +164,7 @@ class Router:
 
     async def start(self) -> None:
         """Open the shared upstream HTTP client (on the serving loop)."""
-        c = self.config
-        self._http = httpx.AsyncClient(
-            timeout=httpx.Timeout(
-                connect=c.connect_timeout_s,
-                read=c.upstream_read_timeout_s,
-                write=c.upstream_read_timeout_s,
-                pool=c.upstream_read_timeout_s,
-            ),
-            limits=httpx.Limits(
-                max_connections=c.max_connections,
-                max_keepalive_connections=min(c.max_connections, 256),
-            ),
-            trust_env=False,  # upstreams are reached directly, never through a proxy
-        )
+        self._http = open_session(self.config)
 
     def discover_all(self) -> None:
         """Start asking every prefill instance configured without a control
@@ -225,11 +213,11 @@ class Router:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         if self._http is not None:
-            await self._http.aclose()
+            await self._http.close()
         await asyncio.to_thread(self._aborter.close)
 
     @property
-    def http(self) -> httpx.AsyncClient:
+    def http(self) -> aiohttp.ClientSession:
         if self._http is None:
             raise RuntimeError("router not started")
         return self._http
@@ -363,28 +351,26 @@ class Router:
         answered = False  # P's status line arrived
         try:
             try:
-                async with self.http.stream(
-                    "POST", url, content=content, headers=ex.upstream_headers
-                ) as resp:
+                async with self.http.post(url, data=content, headers=ex.upstream_headers) as resp:
                     answered = True
-                    if first is None or resp.status_code >= 400:
-                        data = await resp.aread()
+                    if first is None or resp.status >= 400:
+                        data = await resp.read()
                     else:
                         data = b""
                         await _first_output(resp, first)
-            except (httpx.HTTPError, StreamError) as e:
+            except (*UPSTREAM_ERRORS, StreamError) as e:
                 kind = "stream" if answered else "connect"
                 self._upstream_error("prefill", inst, kind, ex, repr(e))
                 return False
-            if resp.status_code >= 400:
-                detail = f"HTTP {resp.status_code}: {data[:500]!r}"
+            if resp.status >= 400:
+                detail = f"HTTP {resp.status}: {data[:500]!r}"
                 self._upstream_error("prefill", inst, "status", ex, detail)
                 return False
             log.debug(
                 "xfer %s: prefill on %s answered %d after %.3fs",
                 ex.xfer_id,
                 inst.url,
-                resp.status_code,
+                resp.status,
                 time.monotonic() - ex.t_start,
             )
             return True
@@ -405,26 +391,25 @@ class Router:
         """D's request, its answer relayed to the client as it comes (P's first token
         stitched in front with `stitch`); returns the outcome."""
         try:
-            request = self.http.build_request(
-                "POST", inst.url + ex.path, content=content, headers=ex.upstream_headers
-            )
             try:
-                resp = await self.http.send(request, stream=True)
-            except httpx.HTTPError as e:
+                resp = await self.http.post(
+                    inst.url + ex.path, data=content, headers=ex.upstream_headers
+                )
+            except UPSTREAM_ERRORS as e:
                 self._upstream_error("decode", inst, "connect", ex, repr(e))
                 await _send_error(send, 502, f"decode instance {inst.url} did not answer: {e!r}")
                 return "unreachable"
             try:
-                ex.status = resp.status_code
+                ex.status = resp.status
                 await send(
                     {
                         "type": "http.response.start",
-                        "status": resp.status_code,
-                        "headers": _relayed_headers(resp.headers, ex.xfer_id),
+                        "status": resp.status,
+                        "headers": _relayed_headers(resp.raw_headers, ex.xfer_id),
                     }
                 )
                 content_type = resp.headers.get("content-type", "")
-                streaming = resp.status_code < 400 and content_type.startswith("text/event-stream")
+                streaming = resp.status < 400 and content_type.startswith("text/event-stream")
                 try:
                     if streaming and stitch is not None:
                         failed = await self._relay_stitched(resp, stitch, inst, ex, send)
@@ -432,14 +417,14 @@ class Router:
                             return failed
                     else:
                         await self._relay_raw(resp, streaming, ex, send)
-                except (httpx.HTTPError, StreamError) as e:
+                except (*UPSTREAM_ERRORS, StreamError) as e:
                     self._upstream_error("decode", inst, "stream", ex, repr(e))
                     return "stream_error"  # the response stays incomplete: the client sees it cut
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
             finally:
-                await resp.aclose()
-            if resp.status_code >= 400:
-                self._upstream_error("decode", inst, "status", ex, f"HTTP {resp.status_code}")
+                resp.release()  # back to the pool if read to its end, else closed (D aborts)
+            if resp.status >= 400:
+                self._upstream_error("decode", inst, "status", ex, f"HTTP {resp.status}")
                 return "upstream_error"
             self.metrics.e2e.labels(ex.endpoint, self.config.dispatch).observe(
                 time.monotonic() - ex.t_start
@@ -449,11 +434,11 @@ class Router:
             self._release("decode", index)
 
     async def _relay_raw(
-        self, resp: httpx.Response, streaming: bool, ex: Exchange, send: Send
+        self, resp: aiohttp.ClientResponse, streaming: bool, ex: Exchange, send: Send
     ) -> None:
         """D's answer, byte for byte."""
         detector = FirstTokenDetector() if streaming else None
-        async for chunk in resp.aiter_raw():
+        async for chunk in resp.content.iter_any():
             if detector is not None and detector.feed(chunk):
                 self._first_token_sent(ex)
                 if self.config.dispatch == "dual":
@@ -461,12 +446,12 @@ class Router:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
 
     async def _relay_stitched(
-        self, resp: httpx.Response, st: Stitch, inst: Instance, ex: Exchange, send: Send
+        self, resp: aiohttp.ClientResponse, st: Stitch, inst: Instance, ex: Exchange, send: Send
     ) -> str | None:
         """D's stream with P's first token in front (see `stitch`); an outcome if it failed."""
         stitch = st.merge
         splitter = EventSplitter()
-        chunks = resp.aiter_raw()
+        chunks = resp.content.iter_any()
         next_chunk: asyncio.Future[bytes] = asyncio.ensure_future(anext(chunks))
         prefill: asyncio.Future[Payload | None] | None = st.first
         counted = opened = False  # first token's source counted; client's stream opened
@@ -515,7 +500,7 @@ class Router:
             next_chunk.cancel()
         # D's first token differed from P's, which the client has: drop D's
         # answer (closing it aborts D's request), continue from prompt + P's token.
-        await resp.aclose()
+        resp.close()
         log.warning(
             "xfer %s: decode's first token differs from prefill's %s; continuing from the "
             "prompt plus prefill's token on %s",
@@ -529,15 +514,14 @@ class Router:
             await send({"type": "http.response.body", "body": end, "more_body": True})
             return None
         headers = dict(ex.upstream_headers, **{"x-request-id": f"{ex.xfer_id}-cont"})
-        async with self.http.stream(
-            "POST", inst.url + PATHS["completions"], content=encode(cont), headers=headers
-        ) as cresp:
-            if cresp.status_code >= 400:
-                detail = f"HTTP {cresp.status_code}: {(await cresp.aread())[:500]!r}"
+        url = inst.url + PATHS["completions"]
+        async with self.http.post(url, data=encode(cont), headers=headers) as cresp:
+            if cresp.status >= 400:
+                detail = f"HTTP {cresp.status}: {(await cresp.read())[:500]!r}"
                 self._upstream_error("decode", inst, "status", ex, detail)
                 return "stream_error"
             splitter = EventSplitter()
-            async for chunk in cresp.aiter_raw():
+            async for chunk in cresp.content.iter_any():
                 out = [b for event in splitter.feed(chunk) for b in stitch.on_continuation(event)]
                 if out:
                     await send(
@@ -622,10 +606,12 @@ async def _send_error(send: Send, status: int, message: str, param: str | None =
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-async def _first_output(resp: httpx.Response, first: asyncio.Future[Payload | None]) -> None:
+async def _first_output(
+    resp: aiohttp.ClientResponse, first: asyncio.Future[Payload | None]
+) -> None:
     """Read P's streamed answer to its end; resolve `first` with its first output event."""
     splitter = EventSplitter()
-    async for chunk in resp.aiter_raw():
+    async for chunk in resp.content.iter_any():
         if first.done():
             continue  # the rest of P's answer (its finish, [DONE]) is dropped
         for event in splitter.feed(chunk):
@@ -641,7 +627,9 @@ def _upstream_headers(scope: Scope) -> dict[str, str]:
     return headers
 
 
-def _relayed_headers(headers: httpx.Headers, xfer_id: str) -> list[tuple[bytes, bytes]]:
-    out = [(k, v) for k, v in headers.raw if k.lower() not in NOT_RELAYED]
+def _relayed_headers(
+    raw: tuple[tuple[bytes, bytes], ...], xfer_id: str
+) -> list[tuple[bytes, bytes]]:
+    out = [(k, v) for k, v in raw if k.lower() not in NOT_RELAYED]
     out.append((XFER_HEADER, xfer_id.encode()))
     return out
