@@ -212,7 +212,7 @@ def test_the_owner_polls_notifications_often_only_while_a_transfer_is_awaited() 
         idle = polls_in(0.5)
         before = transport.notif_polls
         worker.set_awaiting(True)
-        wait_for(lambda: transport.notif_polls > before, 0.02, "the first poll once awaiting")
+        wait_for(lambda: transport.notif_polls > before, 0.04, "the first poll once awaiting")
         awaiting = polls_in(0.5)
         worker.set_awaiting(False)
         time.sleep(0.1)

@@ -55,8 +55,9 @@ def build_app(prefill_url: str, decode_url: str) -> Any:
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
+    from rapidkv.router.upstream import UPSTREAM_ERRORS, get
+
     state: dict[str, aiohttp.ClientSession] = {}
-    errors = (aiohttp.ClientError, TimeoutError)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -97,10 +98,8 @@ def build_app(prefill_url: str, decode_url: str) -> Any:
     async def health(request: Request) -> Response:
         async def ok(url: str) -> bool:
             try:
-                timeout = aiohttp.ClientTimeout(total=2.0)
-                async with state["http"].get(f"{url}/health", timeout=timeout) as r:
-                    return r.status == 200
-            except errors:
+                return (await get(state["http"], f"{url}/health", 2.0))[0] == 200
+            except UPSTREAM_ERRORS:
                 return False
 
         healthy = await asyncio.gather(ok(prefill_url), ok(decode_url))

@@ -264,10 +264,9 @@ class KvtWorker:
     def set_awaiting(self, awaiting: bool) -> None:
         """Say whether a transfer into this worker is awaited: the owner then
         polls the transport every AWAIT_POLL_S instead of every IDLE_POLL_S."""
-        if awaiting and not self._awaiting:
-            self._awaiting = True
+        was, self._awaiting = self._awaiting, awaiting
+        if awaiting and not was:
             self._jobs.put(self._poll_soon)  # the owner may be in a long idle wait
-        self._awaiting = awaiting
 
     def _poll_soon(self) -> None:
         self._next_notif_poll = 0.0
