@@ -77,6 +77,8 @@ class KvtCore(RuleBasedStateMachine):
         self.confirmed: dict[str, set[int]] = defaultdict(set)  # xfer -> tokens' blocks done
         self.done: dict[str, SendDone] = {}
         self.settled_layers: Counter[int] = Counter()  # id(task) -> layers confirmed
+        self.layers_ok: dict[int, set[int]] = defaultdict(set)  # id(task) -> layers confirmed
+        self.failed: set[str] = set()  # xfers with a failed write
 
     # -- model helpers ----------------------------------------------------------
 
@@ -129,7 +131,7 @@ class KvtCore(RuleBasedStateMachine):
                         for layer in range(send.first, send.stop):
                             self.dst_written[(b, layer)] += 1
             if pieces:
-                self.tracker.posted(self.next_write, [(t, b - a) for t, a, b in pieces])
+                self.tracker.posted(self.next_write, list(pieces))
                 self.writes[self.next_write] = pieces
                 self.next_write += 1
 
@@ -261,6 +263,9 @@ class KvtCore(RuleBasedStateMachine):
         if ok:
             for tracked, first, stop in pieces:
                 self.settled_layers[id(tracked)] += stop - first
+                self.layers_ok[id(tracked)].update(range(first, stop))
+        else:
+            self.failed.update(t.task.xfer_id for t, _, _ in pieces)
         self.record(self.tracker.settled(write_id, ok, "" if ok else "injected failure"))
 
     # -- invariants -------------------------------------------------------------
@@ -284,6 +289,22 @@ class KvtCore(RuleBasedStateMachine):
                 self.settled_layers[id(t)] == LAYERS for t in xfer.tasks
             )
             assert not complete, f"{xfer.xfer_id} fully confirmed but no SendDone"
+
+    @invariant()
+    def leading_layers_are_those_confirmed_in_order(self) -> None:
+        for xfer in self.xfers.values():
+            if not self.tracker.is_live(xfer.xfer_id):
+                continue
+            expected = 0
+            if xfer.xfer_id not in self.failed and any(t.has_last_token for t in xfer.tasks):
+                leading = []
+                for t in xfer.tasks:
+                    n = 0
+                    while n in self.layers_ok[id(t)]:
+                        n += 1
+                    leading.append(n)
+                expected = min(leading)
+            assert self.tracker.leading_layers(xfer.xfer_id) == expected, xfer.xfer_id
 
 
 KvtCore.TestCase.settings = settings(max_examples=300, stateful_step_count=60, deadline=None)

@@ -126,7 +126,7 @@ def test_tracker_refuses_a_second_write_to_a_busy_block() -> None:
 def test_tracker_refuses_tasks_for_a_settled_transfer() -> None:
     tracker = CompletionTracker(num_layers=1, block_size=4, rank=3)
     t = tracker.add_task(task(has_last_token=True))
-    tracker.posted(1, [(t, 1)])
+    tracker.posted(1, [(t, 0, 1)])
     ((peer, done),) = [(s.peer, s.done) for s in tracker.settled(1, ok=True)]
     assert peer == "p"
     assert (done.ok, done.tokens_sent, done.rank) == (True, 8, 3)

@@ -179,6 +179,32 @@ def test_poll_received_collects_notifications_without_the_background_poll(pair) 
     wait_for(lambda: len(src_done) == 1, 10, "the source to settle")
 
 
+def test_a_layer_notifying_transfer_tells_the_destination_each_layer_in_place(pair) -> None:
+    """With `notify_layers`, each confirmed layer of a step-by-step transfer is
+    announced (`LayersLanded`) before the next is computed, and the layers it
+    announces are in the destination's memory; the last layer settles it with
+    its SendDone. A transfer without the flag announces nothing."""
+    src, dst, peer, src_mem, dst_mem, _ = pair
+    plain = Task("plain", peer, (1,), (20,), 0, BLOCK, True)
+    task = Task("split", peer, (3, 4), (10, 11), 0, 2 * BLOCK, True, notify_layers=True)
+    src.begin_step(1, [task, plain])
+    for layer in range(LAYERS - 1):
+        src.layer_done(layer)
+        wait_for(lambda n=layer + 1: dst.poll_received() or dst.landed("split") >= n, 10, "layers")
+        assert dst.landed("split") == layer + 1
+        assert torch.equal(dst_mem[: layer + 1, [10, 11]], src_mem[: layer + 1, [3, 4]])
+        assert not dst_mem[layer + 1 :, [10, 11]].any(), "a layer landed before it was computed"
+    src.layer_done(LAYERS - 1)
+    src.freeze_step()
+    done: list[SendDone] = []
+    wait_for(lambda: bool(done.extend(dst.poll_received()) or len(done) == 2), 10, "SendDones")
+    assert sorted((d.xfer_id, d.ok) for d in done) == [("plain", True), ("split", True)]
+    assert torch.equal(dst_mem[:, [10, 11]], src_mem[:, [3, 4]])
+    assert dst.landed("plain") == 0 and dst.landed("split") == LAYERS - 1
+    dst.forget_landed(["split"])
+    assert dst.landed("split") == 0
+
+
 class CountingTransport:
     """A transport that counts `take_notifs` calls (everything else passes through)."""
 

@@ -57,13 +57,17 @@ class BypassMsg(msgspec.Struct, frozen=True, kw_only=True):
     """`peers`: connect to these destination ranks (sent when a Handshake is
     accepted, so it precedes every send to them). `full`: send every layer of
     `tasks` now. `substep`: attach `tasks` to step `step_id` as substep
-    `substep_id` (kvt `attach_substep`)."""
+    `substep_id` (kvt `attach_substep`). `recv_over` (D): P answered the
+    TransferKV of `xfer_id`, a split prefill's load, so no more of its writes can
+    land; `ok`: every layer is in place."""
 
-    kind: Literal["peers", "full", "substep"]
+    kind: Literal["peers", "full", "substep", "recv_over"]
     tasks: list[Task] = []
     peers: list[Peer] = []
     step_id: int = 0
     substep_id: int = 0
+    xfer_id: str = ""
+    ok: bool = False
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -23,6 +23,7 @@ Which side calls what (docs/vllm-connector-contract.md has the details):
 | scheduler | `has_pending_block_frees` | blocks short: held P blocks will free soon |
 | worker | `register_kv_caches` | once: layout, kvt, transport |
 | worker | `bind_connector_metadata` | every step: begin the kvt step |
+| worker | `wait_for_layer_load` | before each layer: a split prefill's head in place |
 | worker | `save_kv_layer` | after each layer's KV is written: kvt `layer_done` |
 | worker | `wait_for_save` | after the forward: kvt `freeze_step` |
 | worker | `get_transfer_results` | every step: finished sending / receiving |
@@ -114,7 +115,11 @@ class RapidKVConnector(KVConnectorBase_V1):
         return  # KV is pushed by P; nothing to pull
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return
+        assert self.worker is not None
+        self.worker.wait_layer(layer_name)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.load_errors() if self.worker is not None else set()
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kw: Any) -> None:
         assert self.worker is not None

@@ -2,7 +2,8 @@
 
 A transfer (one `xfer_id`) moves the KV of tokens `[0, num_tokens)` of a prompt
 from P to D, where `num_tokens = prompt_len - 1` (D recomputes the last prompt
-token). D's prefix-cache hits, the first `first_block` blocks, are never
+token), or, in a split prefill, P's whole prompt (a block-aligned head of D's,
+whose tail D computes itself). D's prefix-cache hits, the first `first_block` blocks, are never
 written. P computes the prompt in chunks; at any moment three token counts
 describe a request on P:
 
@@ -41,6 +42,7 @@ class Window:
     dst_blocks: tuple[int, ...]  # one per block of tokens [0, num_tokens)
     first_block: int  # blocks before this are D's prefix hits: never written
     num_tokens: int
+    notify_layers: bool = False  # D computes with the layers as they land
 
     def start(self, block_size: int) -> int:
         return self.first_block * block_size
@@ -75,6 +77,7 @@ def _task(window: Window, src_blocks: tuple[int, ...], start: int, end: int, bs:
         seen_tokens=start,
         new_tokens=end - start,
         has_last_token=end == window.num_tokens,
+        notify_layers=window.notify_layers,
     )
 
 

@@ -10,7 +10,13 @@ D role (`role == "decode"`): asks vLLM to load `prompt_len - 1 - local hits`
 tokens asynchronously, sends Handshake (once per P) and TransferKV from
 `after_alloc`, tells the workers which transfer each request waits for, and
 turns a refused or failed transfer into a load failure (vLLM's "recompute"
-policy then prefills locally).
+policy then prefills locally). A *split prefill* (`split_tokens` in the
+request's params: P was sent only that block-aligned head of the prompt) is
+loaded synchronously instead: vLLM schedules the tail at once and the workers
+wait for each layer of the head in `wait_for_layer_load`; the TransferKV's
+answer reaches them over the bypass channel (`recv_over`), so a refused or
+failed head stops their wait (its blocks are then reported invalid, and
+recomputed).
 
 Locking: every structure here is shared between the engine thread and the RPC
 server's loop thread and touched only under `self._lock`; the engine thread
@@ -86,8 +92,9 @@ class Consumed:
     req_id: str
     prefill_control: str | None
     mode: str | None
+    split: int = 0  # split prefill: P computes this head of the prompt (0: all of it)
     local_hits: int = 0
-    state: str = "new"  # new -> loading -> done | local
+    state: str = "new"  # new -> loading -> done | local; new -> split (loaded in one step)
 
 
 @dataclass
@@ -105,6 +112,7 @@ class _Pending:
     release: list[str] = field(default_factory=list)
     expect: dict[str, str] = field(default_factory=dict)
     recv_failed: list[str] = field(default_factory=list)
+    split_recv: dict[str, tuple[str, list[int]]] = field(default_factory=dict)
     rank_full: dict[int, list[Task]] = field(default_factory=dict)
 
 
@@ -213,11 +221,16 @@ class SchedulerSide:
                     self.counters["parked_served"] += 1
                     self._accept(p, parked.msg, parked.reply)
             elif ours.get("role") == "decode":
+                split = ours.get("split_tokens", 0)
+                if not isinstance(split, int) or isinstance(split, bool) or split < 0:
+                    log.warning("rapidkv: xfer %s: bad split_tokens %r ignored", xfer_id, split)
+                    split = 0
                 self._consumed[request.request_id] = Consumed(
                     xfer_id,
                     request.request_id,
                     ours.get("prefill_control"),
                     ours.get("transfer_kv_mode"),
+                    split,
                 )
                 self._event(xfer_id, "d_admitted")
 
@@ -228,6 +241,12 @@ class SchedulerSide:
         if c is None or c.state != "new" or not c.prefill_control:
             return 0, False
         c.local_hits = num_computed
+        if c.split:
+            # a block-aligned head that leaves D at least one token to compute,
+            # loaded synchronously: D computes the tail as the head's layers land
+            if c.split % self.block_size or c.split > request.num_prompt_tokens - 1:
+                return 0, False  # D computes it all (P is told nothing is loaded)
+            return max(c.split - num_computed, 0), False
         n = request.num_prompt_tokens - 1 - num_computed
         return (n, True) if n > 0 else (0, False)
 
@@ -240,21 +259,29 @@ class SchedulerSide:
             if c.prefill_control:  # nothing to load: P may free at once
                 self._abort_p(c, AbortReason.NOTHING_TO_LOAD)
             return
-        c.state = "loading"
-        num_tokens = request.num_prompt_tokens - 1
+        c.state = "split" if c.split else "loading"
+        num_tokens = c.split or request.num_prompt_tokens - 1
         nblocks = -(-num_tokens // self.block_size)
         block_ids = list(blocks.get_block_ids()[0][:nblocks])
+        first_block = c.local_hits // self.block_size
         msg = TransferKV(
             xfer_id=c.xfer_id,
             dst_instance=self.instance_id,
             dst_blocks=block_ids,
-            first_block=c.local_hits // self.block_size,
+            first_block=first_block,
             num_tokens=num_tokens,
-            prompt_hash=prompt_hash(request.prompt_token_ids),
+            prompt_hash=prompt_hash(
+                request.prompt_token_ids[:num_tokens] if c.split else request.prompt_token_ids
+            ),
             transfer_kv_mode=c.mode,
+            notify_layers=bool(c.split),
         )
         with self._lock:
-            self._pending.expect[c.xfer_id] = c.req_id
+            if c.split:
+                self.counters["split_prefills"] += 1
+                self._pending.split_recv[c.xfer_id] = (c.req_id, block_ids[first_block:])
+            else:
+                self._pending.expect[c.xfer_id] = c.req_id
         self.counters["transfer_kv_sent"] += 1
         with self._lock:
             self._event(c.xfer_id, "d_transfer_kv_sent")
@@ -312,6 +339,7 @@ class SchedulerSide:
         meta.release = pending.release
         meta.expect_recv = pending.expect
         meta.recv_failed = pending.recv_failed
+        meta.split_recv = pending.split_recv
         return meta
 
     def request_finished(
@@ -404,7 +432,12 @@ class SchedulerSide:
             )
             return
         window = Window(
-            msg.xfer_id, msg.dst_instance, tuple(msg.dst_blocks), msg.first_block, msg.num_tokens
+            msg.xfer_id,
+            msg.dst_instance,
+            tuple(msg.dst_blocks),
+            msg.first_block,
+            msg.num_tokens,
+            msg.notify_layers,
         )
         mode = msg.transfer_kv_mode or self.config.transfer_kv_mode
         p.accept(window, reply, self.block_size, mode)
@@ -590,7 +623,10 @@ class SchedulerSide:
             )
             with self._lock:
                 self.counters["recompute_fallbacks"] += 1
-                self._pending.recv_failed.append(c.req_id)
+                if c.split:
+                    self._split_over(c.xfer_id, ok=False)
+                else:
+                    self._pending.recv_failed.append(c.req_id)
 
         deadline = time.monotonic() + self.config.rpc_timeout_s
         backoff = [0.05]
@@ -604,8 +640,12 @@ class SchedulerSide:
             except Exception as e:
                 failed(f"TransferKV: {type(e).__name__}: {e}")
                 return
-            retry = reply.code in (Code.NOT_FOUND, Code.BUSY)
-            if retry and time.monotonic() + backoff[0] < deadline:
+            # a split prefill's tail is computing now, waiting for the head: no retries
+            retry = reply.code in (Code.NOT_FOUND, Code.BUSY) and not c.split
+            if reply.code == Code.OK and c.split:
+                with self._lock:
+                    self._split_over(c.xfer_id, ok=True)
+            elif retry and time.monotonic() + backoff[0] < deadline:
                 # NOT_FOUND: P has not seen the request within its park TTL;
                 # BUSY: too many of our transfers outstanding there. Ask again later.
                 with self._lock:
@@ -629,6 +669,12 @@ class SchedulerSide:
             send()
 
         self._handshake(address).add_done_callback(on_handshake)
+
+    def _split_over(self, xfer_id: str, ok: bool) -> None:
+        """P answered a split prefill's TransferKV (or it failed): tell the
+        workers waiting for its layers (caller holds the lock)."""
+        if self._bypass is not None:
+            self._bypass.send(BypassMsg(kind="recv_over", xfer_id=xfer_id, ok=ok))
 
     def _abort_p(self, c: Consumed, reason: AbortReason, report: bool = False) -> None:
         if not c.prefill_control:

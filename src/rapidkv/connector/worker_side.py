@@ -11,6 +11,15 @@ Reporting rules (vLLM kills the engine otherwise):
 - `finished_recving` holds a D request once, when its transfer's SendDone
   arrived (ok or not) or the scheduler side said it failed; failed ones are also
   in `failed_recving`.
+
+Split prefills (D computes a prompt's tail while P computes its head, see
+`SplitLoad`): before each layer's attention (`wait_layer`) the forward waits
+until P said that layer of the head is in place (kvt `LayersLanded`, or the
+SendDone), or until the load is over without it (a failed SendDone, or the
+scheduler side's `recv_over` after P answered: no more writes can land). The
+head's blocks of a load that did not complete are reported invalid
+(`load_errors`): vLLM then recomputes them. Such requests never appear in
+`finished_recving` (vLLM loads them synchronously).
 """
 
 from __future__ import annotations
@@ -18,8 +27,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import msgspec
 import torch
@@ -35,6 +45,19 @@ from rapidkv.kvt.transport import create_transport
 from rapidkv.kvt.worker import KvtWorker
 
 log = logging.getLogger(__name__)
+
+SPLIT_POLL_S = 0.0002  # a waiting forward asks the kvt owner for notifications this often
+SPLIT_MEMORY = 1024  # finished split loads whose late SendDones are dropped
+
+
+@dataclass
+class SplitLoad:
+    """A split prefill's head, loaded while this step computes the tail."""
+
+    req_id: str
+    blocks: list[int]  # what P writes: invalid unless every layer landed
+    deadline: float  # perf_counter(): stop waiting, whatever P says
+    ok: bool | None = None  # None: layers still arriving
 
 
 class WorkerSide:
@@ -58,6 +81,10 @@ class WorkerSide:
         self._expect: dict[str, str] = {}  # xfer_id -> D request id
         self._received: dict[str, SendDone] = {}  # arrived, not yet mapped
         self._failed_now: set[str] = set()  # D requests the scheduler said failed
+        self._splits: dict[str, SplitLoad] = {}  # this step's split loads
+        self._split_over: dict[str, bool] = {}  # xfer_id -> ok, from the scheduler side
+        self._split_done: OrderedDict[str, None] = OrderedDict()  # drop their SendDones
+        self._load_errors: set[int] = set()
         self._counters: Counter[str] = Counter()
         # layer-by-layer evidence: when this step began, had step tasks, and when
         # its first per-layer write was handed to the transport
@@ -149,7 +176,10 @@ class WorkerSide:
         self._expect.update(meta.expect_recv)
         for req_id in meta.recv_failed:
             self._fail_recv(req_id)
-        kvt.set_awaiting(bool(self._expect))
+        deadline = time.perf_counter() + self.config.rpc_timeout_s + self.config.write_timeout_s
+        for xfer_id, (req_id, blocks) in meta.split_recv.items():
+            self._splits[xfer_id] = SplitLoad(req_id, blocks, deadline)
+        kvt.set_awaiting(bool(self._expect or self._splits))
         self.step_id = meta.step_id
         self._computes_prompt = meta.computes_prompt
         with self._lock:
@@ -161,6 +191,79 @@ class WorkerSide:
         if full:
             kvt.send_full(self._mine(full))
 
+    def wait_layer(self, layer_name: str) -> None:
+        """Before a layer's attention: wait until that layer of every split
+        load's head is in place, or the load is over without it."""
+        if not self._splits:
+            return
+        kvt = self._require_kvt()
+        need = self.layer_index[layer_name] + 1
+        waiting = [x for x, s in self._splits.items() if s.ok is None]
+        while waiting:
+            for done in kvt.poll_received():
+                self._received[done.xfer_id] = done
+            with self._lock:
+                over = dict(self._split_over)
+            now = time.perf_counter()
+            still = []
+            for xfer_id in waiting:
+                load = self._splits[xfer_id]
+                done = self._received.get(xfer_id)
+                if done is not None or xfer_id in over:
+                    load.ok = done.ok if done is not None else over[xfer_id]
+                    if not load.ok:
+                        log.warning(
+                            "rapidkv worker rank %d: split prefill %s: head not loaded (%s); "
+                            "its %d blocks are recomputed",
+                            self.rank,
+                            xfer_id,
+                            done.error if done is not None else "TransferKV failed",
+                            len(load.blocks),
+                        )
+                elif kvt.landed(xfer_id) < need:
+                    if now < load.deadline:
+                        still.append(xfer_id)
+                        continue
+                    log.error(
+                        "rapidkv worker rank %d: split prefill %s: layer %d of the head "
+                        "did not arrive in time; its blocks are recomputed",
+                        self.rank,
+                        xfer_id,
+                        need - 1,
+                    )
+                    load.ok = False
+            waiting = still
+            if waiting:
+                time.sleep(SPLIT_POLL_S)
+
+    def load_errors(self) -> set[int]:
+        """Blocks whose load failed since the last call (vLLM recomputes them)."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def _end_splits(self) -> None:
+        """The step's forward is over: settle its split loads."""
+        kvt = self._require_kvt()
+        if any(load.ok is None for load in self._splits.values()):
+            # the forward ran no attention layer for them: complete only if settled
+            for done in kvt.poll_received():
+                self._received[done.xfer_id] = done
+        with self._lock:
+            for xfer_id, load in self._splits.items():
+                if load.ok is None:
+                    done = self._received.get(xfer_id)
+                    load.ok = done is not None and done.ok
+                if not load.ok:
+                    self._load_errors.update(load.blocks)
+                self._counters["split_loads_ok" if load.ok else "split_loads_failed"] += 1
+                self._received.pop(xfer_id, None)
+                self._split_over.pop(xfer_id, None)
+                self._split_done[xfer_id] = None
+            while len(self._split_done) > SPLIT_MEMORY:
+                self._split_done.popitem(last=False)
+        kvt.forget_landed(list(self._splits))
+        self._splits = {}
+
     def layer_saved(self, layer_name: str) -> None:
         self._require_kvt().layer_done(self.layer_index[layer_name])
         self._last_layer_done = time.perf_counter()
@@ -168,6 +271,8 @@ class WorkerSide:
             time.sleep(self.config.debug_layer_delay_s)
 
     def step_done(self) -> None:
+        if self._splits:
+            self._end_splits()
         ack = self._require_kvt().freeze_step()
         with self._lock:
             self._acks.append((self.step_id, ack, self.rank))
@@ -189,7 +294,10 @@ class WorkerSide:
         kvt = self._require_kvt()
         # SendDones matter only here, once a step: asked for while some are awaited
         for done in kvt.poll_received() if self._expect else kvt.take_received():
-            self._received[done.xfer_id] = done
+            with self._lock:
+                late = done.xfer_id in self._split_done  # a split load's: used in its step
+            if not late:
+                self._received[done.xfer_id] = done
         for xfer_id in [x for x in self._received if x in self._expect]:
             done = self._received.pop(xfer_id)
             req_id = self._expect.pop(xfer_id)
@@ -221,6 +329,11 @@ class WorkerSide:
 
     def _on_bypass(self, msg: BypassMsg) -> None:
         kvt = self._require_kvt()
+        if msg.kind == "recv_over":
+            with self._lock:
+                if msg.xfer_id not in self._split_done:
+                    self._split_over[msg.xfer_id] = msg.ok
+            return
         if msg.kind == "peers":
             for peer in msg.peers:
                 self._add_peer(peer.instance_id, peer.rank, peer.transport_metadata, peer.layout)

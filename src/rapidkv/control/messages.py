@@ -250,6 +250,9 @@ class TransferKV(msgspec.Struct, frozen=True, tag="transfer_kv", kw_only=True):
     prompt_hash: PromptHash
     migration: bool = False
     transfer_kv_mode: TransferKVMode | None = None
+    # D computes the rest of its prompt with these layers as they land (a split
+    # prefill): P announces each layer in place (kvt `LayersLanded`)
+    notify_layers: bool = False
 
     def __post_init__(self) -> None:
         if self.first_block > len(self.dst_blocks):

@@ -42,7 +42,16 @@ class Tracked:
     """A registered task and its progress; identity is the object itself."""
 
     task: Task
-    confirmed_layers: int = 0
+    confirmed: int = 0  # bit i set: layer i confirmed written
+
+    @property
+    def confirmed_layers(self) -> int:
+        return self.confirmed.bit_count()
+
+    @property
+    def leading_layers(self) -> int:
+        """Layers 0 .. n-1 all confirmed: n."""
+        return (~self.confirmed & (self.confirmed + 1)).bit_length() - 1
 
     @property
     def has_last_token(self) -> bool:
@@ -75,7 +84,8 @@ class CompletionTracker:
         self._xfers: dict[str, _Transfer] = {}
         self._busy: dict[str, set[int]] = {}  # peer -> dst blocks of live transfers
         self._finished: OrderedDict[str, None] = OrderedDict()
-        self._writes: dict[int, list[tuple[Tracked, int]]] = {}  # write id -> (task, layers)
+        # write id -> (task, first layer, stop layer) it carries
+        self._writes: dict[int, list[tuple[Tracked, int, int]]] = {}
 
     # -- events ---------------------------------------------------------------
 
@@ -121,21 +131,22 @@ class CompletionTracker:
         xfer = self._xfers.get(tracked.task.xfer_id)
         return xfer is not None and not xfer.error
 
-    def posted(self, write_id: int, pieces: list[tuple[Tracked, int]]) -> None:
-        """A write carrying `layers` layers of each task was handed to the transport."""
+    def posted(self, write_id: int, pieces: list[tuple[Tracked, int, int]]) -> None:
+        """A write carrying layers `[first, stop)` of each task was handed to the
+        transport."""
         if write_id in self._writes:
             raise ValueError(f"write {write_id} posted twice")
         self._writes[write_id] = pieces
-        for xfer_id in {t.task.xfer_id for t, _ in pieces}:
+        for xfer_id in {t.task.xfer_id for t, _, _ in pieces}:
             self._xfers[xfer_id].outstanding += 1
 
     def settled(self, write_id: int, ok: bool, error: str = "") -> list[Settled]:
         """A posted write is confirmed DONE (`ok`) or failed/given up on."""
         pieces = self._writes.pop(write_id)
-        xfer_ids = {t.task.xfer_id for t, _ in pieces}
-        for tracked, layers in pieces:
+        xfer_ids = {t.task.xfer_id for t, _, _ in pieces}
+        for tracked, first, stop in pieces:
             if ok:
-                tracked.confirmed_layers += layers
+                tracked.confirmed |= (1 << stop) - (1 << first)
         for xfer_id in xfer_ids:
             xfer = self._xfers[xfer_id]
             xfer.outstanding -= 1
@@ -161,6 +172,15 @@ class CompletionTracker:
     def is_live(self, xfer_id: str) -> bool:
         """The transfer is registered and has not settled yet."""
         return xfer_id in self._xfers
+
+    def leading_layers(self, xfer_id: str) -> int:
+        """How many leading layers of the whole transfer are confirmed at the
+        destination: every registered task's, once the task with the last token
+        is registered (0 before, or for a transfer not live)."""
+        xfer = self._xfers.get(xfer_id)
+        if xfer is None or xfer.error or not any(t.has_last_token for t in xfer.tasks):
+            return 0
+        return min(t.leading_layers for t in xfer.tasks)
 
     def outstanding_writes(self) -> int:
         return len(self._writes)

@@ -23,21 +23,39 @@ class SendDone(msgspec.Struct, frozen=True, tag="send_done"):
     error: str = ""
 
 
+class LayersLanded(msgspec.Struct, frozen=True, tag="layers_landed"):
+    """The first `layers` layers of every block of a transfer that announces its
+    layers (`Task.notify_layers`) are in place at the destination, from one
+    source rank. Sent when that count grows, always before the transfer's
+    SendDone (which alone says that every layer is in place). Monotonic per
+    (`xfer_id`, `rank`)."""
+
+    xfer_id: str
+    rank: int
+    layers: int
+
+
+Notif = SendDone | LayersLanded
+
 MAX_NOTIF_BYTES = 4096
 
 _encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(SendDone)
+_notif_decoder = msgspec.msgpack.Decoder(Notif)
 
 
-def encode_send_done(msg: SendDone) -> bytes:
+def encode_notif(msg: Notif) -> bytes:
     return _encoder.encode(msg)
 
 
-def decode_send_done(payload: bytes) -> SendDone:
-    """Decode and validate; raises `msgspec.DecodeError`/`ValueError` on bad input."""
+def decode_notif(payload: bytes) -> Notif:
+    """Decode and validate any data-plane notification; raises
+    `msgspec.DecodeError`/`ValueError` on bad input."""
     if len(payload) > MAX_NOTIF_BYTES:
         raise ValueError(f"notification of {len(payload)} bytes exceeds {MAX_NOTIF_BYTES}")
-    msg = _decoder.decode(payload)
-    if msg.rank < 0 or msg.tokens_sent < 0:
-        raise ValueError(f"invalid SendDone {msg}")
+    msg = _notif_decoder.decode(payload)
+    if isinstance(msg, SendDone):
+        if msg.rank < 0 or msg.tokens_sent < 0:
+            raise ValueError(f"invalid SendDone {msg}")
+    elif msg.rank < 0 or msg.layers < 1:
+        raise ValueError(f"invalid LayersLanded {msg}")
     return msg

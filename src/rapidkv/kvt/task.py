@@ -25,6 +25,9 @@ class Task(msgspec.Struct, frozen=True):
     seen_tokens: int  # tokens of this transfer already at the destination before this task
     new_tokens: int  # tokens this task's blocks add
     has_last_token: bool
+    # the destination computes with these layers as they land (a split prefill):
+    # the source tells it, per transfer, how many leading layers are in place
+    notify_layers: bool = False
 
     @property
     def end_tokens(self) -> int:

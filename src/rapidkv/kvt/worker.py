@@ -66,7 +66,7 @@ from rapidkv.kvt.completions import CompletionTracker, Settled, Tracked
 from rapidkv.kvt.coordinator import Attach, Send, StepCoordinator
 from rapidkv.kvt.layout import Layout, layer_descs
 from rapidkv.kvt.memory import advise_hugepages
-from rapidkv.kvt.messages import SendDone, decode_send_done, encode_send_done
+from rapidkv.kvt.messages import LayersLanded, SendDone, decode_notif, encode_notif
 from rapidkv.kvt.task import Task
 from rapidkv.kvt.transport.base import Transport, XferState
 
@@ -102,10 +102,13 @@ class _Write:
     peer: str
     deadline: float
     ready_at: float = 0.0  # with a bandwidth cap: not confirmed before this
-    pieces: list[tuple[Tracked, int]] = field(default_factory=list)
-    # carries some task's last layer: its completion may settle a transfer
+    pieces: list[tuple[Tracked, int, int]] = field(default_factory=list)  # (task, first, stop)
+    # its completion may settle a transfer (it carries some task's last layer) or
+    # let a destination go on computing (a task that notifies layers)
     settles: bool = True
 
+
+LANDED_MEMORY = 4096  # transfers whose LayersLanded a receiving worker remembers
 
 # (kind, t_event, t_post, nbytes): a write was handed to the transport at t_post
 PostedHook = Callable[[str, float, float, int], None]
@@ -169,6 +172,8 @@ class KvtWorker:
         self._writes: dict[int, _Write] = {}
         self._next_write = 0
         self._received: list[SendDone] = []
+        self._landed: dict[str, int] = {}  # receiving: xfer_id -> layers in place
+        self._landed_sent: dict[str, int] = {}  # sending: xfer_id -> layers notified
         self._received_lock = threading.Lock()
         self._received_event = threading.Event()
         if hugepages:
@@ -260,6 +265,17 @@ class KvtWorker:
         per call instead of a faster background poll."""
         self._call(self._poll_notifs)
         return self.take_received()
+
+    def landed(self, xfer_id: str) -> int:
+        """Receiving side: leading layers of `xfer_id` the source said are in
+        place (`LayersLanded`, collected by the owner's notification polls)."""
+        with self._received_lock:
+            return self._landed.get(xfer_id, 0)
+
+    def forget_landed(self, xfer_ids: Sequence[str]) -> None:
+        with self._received_lock:
+            for xfer_id in xfer_ids:
+                self._landed.pop(xfer_id, None)
 
     def set_awaiting(self, awaiting: bool) -> None:
         """Say whether a transfer into this worker is awaited: the owner then
@@ -447,8 +463,10 @@ class KvtWorker:
             if self.bandwidth_cap_bps:  # one link: writes queue behind each other
                 write.ready_at = max(self._link_free_at, t_post) + nbytes / self.bandwidth_cap_bps
                 self._link_free_at = write.ready_at
-            write.pieces = [(t, stop - first) for t, first, stop in group]
-            write.settles = any(stop == len(self.layout.layers) for _, _, stop in group)
+            write.pieces = group
+            write.settles = any(
+                stop == len(self.layout.layers) or t.task.notify_layers for t, _, stop in group
+            )
             self._writes[write_id] = write
             with self._lock:
                 self._tracker.posted(write_id, write.pieces)
@@ -484,8 +502,32 @@ class KvtWorker:
             self.transport.release(write.handle)
             with self._lock:
                 dones = self._tracker.settled(write_id, ok, error)
+                landed = self._layers_landed(write)
+            for peer, msg in landed:
+                self._notify(peer, msg)
             self._finish(dones)
         return settled_any
+
+    def _layers_landed(self, write: _Write) -> list[tuple[str, LayersLanded]]:
+        """Progress notifications a settled write makes due (lock held): for each
+        layer-notifying transfer it carried that is still open, the leading
+        layers in place if more than last said (a settled one gets its SendDone)."""
+        out = []
+        for xfer_id in {t.task.xfer_id for t, _, _ in write.pieces if t.task.notify_layers}:
+            if not self._tracker.is_live(xfer_id):
+                self._landed_sent.pop(xfer_id, None)
+                continue
+            layers = self._tracker.leading_layers(xfer_id)
+            if layers > self._landed_sent.get(xfer_id, 0):
+                self._landed_sent[xfer_id] = layers
+                out.append((write.peer, LayersLanded(xfer_id, self.rank, layers)))
+        return out
+
+    def _notify(self, peer: str, msg: SendDone | LayersLanded) -> None:
+        try:
+            self.transport.send_notif(peer, encode_notif(msg))
+        except Exception as e:
+            log.warning("kvt rank %d: %s to %s lost: %s", self.rank, msg, peer, e)
 
     def _finish(self, settled: list[Settled]) -> None:
         for item in settled:
@@ -495,10 +537,8 @@ class KvtWorker:
             else:
                 self.stats.transfers_failed += 1
             log.debug("kvt rank %d: %s", self.rank, done)
-            try:
-                self.transport.send_notif(item.peer, encode_send_done(done))
-            except Exception as e:
-                log.warning("kvt rank %d: %s to %s lost: %s", self.rank, done, item.peer, e)
+            self._landed_sent.pop(done.xfer_id, None)
+            self._notify(item.peer, done)
             if self.on_send_done is not None:
                 self.on_send_done(done)
 
@@ -507,18 +547,26 @@ class KvtWorker:
         if not notifs:
             return
         received = []
+        landed: list[LayersLanded] = []
         for peer, payload in notifs:
             try:
-                done = decode_send_done(payload)
+                msg = decode_notif(payload)
             except (msgspec.DecodeError, ValueError) as e:
                 log.warning("kvt rank %d: bad notification from %s: %s", self.rank, peer, e)
                 continue
-            if done.ok:
+            if isinstance(msg, LayersLanded):
+                landed.append(msg)
+                continue
+            if msg.ok:
                 self.stats.received_ok += 1
             else:
                 self.stats.received_failed += 1
-            received.append(done)
+            received.append(msg)
         with self._received_lock:
+            for msg in landed:
+                self._landed[msg.xfer_id] = max(self._landed.get(msg.xfer_id, 0), msg.layers)
+            while len(self._landed) > LANDED_MEMORY:  # never forgotten by the caller
+                del self._landed[next(iter(self._landed))]
             self._received.extend(received)
             if self._received:
                 self._received_event.set()
