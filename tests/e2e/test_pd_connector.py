@@ -180,7 +180,9 @@ def workloads(tiny_model: Path, single_server_starter) -> dict[str, tuple[list, 
     prefix = [base, base[: 2 * BLOCK] + random_prompts(tiny_model, [300], seed=78)[0]]
     out["prefix"] = (prefix, complete_many(single.base_url, prefix, MAX_TOKENS))
     # distinct: no D prefix hits
-    for seed, name in enumerate(["router-dual", "router-serial", "router-dual-continuation"]):
+    for seed, name in enumerate(
+        ["router-dual", "router-serial", "router-dual-continuation", "router-split"]
+    ):
         router = random_prompts(
             tiny_model, LENGTHS * (1 if "continuation" in name else 2), seed=3000 + seed
         )
@@ -191,6 +193,8 @@ def workloads(tiny_model: Path, single_server_starter) -> dict[str, tuple[list, 
     for name, lengths, seed, max_tokens in SMALL_P_WORKLOADS:
         prompts = random_prompts(tiny_model, lengths, seed=seed)
         out[name] = (prompts, complete_many(single.base_url, prompts, max_tokens))
+    split_fail = random_prompts(tiny_model, [600, 700], seed=2100)
+    out["split_fail"] = (split_fail, complete_many(single.base_url, split_fail, MAX_TOKENS))
     for seed, name in enumerate(["late_p", "gone", "abort_d", "nothing"]):
         one = random_prompts(
             tiny_model, [BLOCK + 1 if name == "nothing" else 600], seed=2000 + seed
@@ -397,6 +401,7 @@ def test_router_streams_pd_outputs_equal_to_single_instance(
         port=0,
         dispatch="serial" if dispatch == "serial" else "dual",
         debug_first_token_mismatch=dispatch == "dual-continuation",
+        split_prefill=False,  # P's first token opens the streams (splits: below)
     )
 
     async def main(url: str):
@@ -436,6 +441,92 @@ def test_router_streams_pd_outputs_equal_to_single_instance(
         2.0,
     )
     assert pd_pair.stats("d").get("recompute_fallbacks", 0) == d0.get("recompute_fallbacks", 0)
+    assert_back_to_baseline(pd_pair, before)
+
+
+def test_router_split_prefills_equal_single_instance_outputs(
+    pd_pair: Pair, workloads: dict
+) -> None:
+    """One request at a time through the router (P and D idle): every prompt
+    with a whole block to spare is split, P computing a head of whole blocks
+    while D computes the tail, waiting for each layer of the head as P sends it;
+    the outputs are the single instance's."""
+    from rapidkv.harness.client import acomplete_stream
+    from rapidkv.router.config import Instance, RouterConfig
+    from rapidkv.router.server import start_router
+    from rapidkv.router.split import split_point
+
+    prompts, expected = workloads["router-split"]
+    before = {"p": pd_pair.stats("p"), "d": pd_pair.stats("d")}
+    config = RouterConfig(
+        prefill=(Instance(pd_pair.p.base_url),),  # control and block size discovered
+        decode=(Instance(pd_pair.d.base_url, pd_pair.d_control),),
+        port=0,
+    )
+
+    async def main(url: str):
+        async with httpx.AsyncClient() as client:
+            return [await acomplete_stream(client, url, ids, MAX_TOKENS) for ids in prompts]
+
+    with start_router(config) as router:
+        outs = asyncio.run(main(router.url))
+        split = metric_sum(get_metrics(router.url), "rapidkv_router_split_prefills_total")
+    assert [o.token_ids for o in outs] == expected
+    splittable = sum(split_point(len(ids), BLOCK, config.split_fraction) > 0 for ids in prompts)
+    assert splittable >= len(prompts) // 2
+    assert split == splittable
+    d = pd_pair.stats("d")
+    assert d.get("split_loads_ok", 0) - before["d"].get("split_loads_ok", 0) == splittable
+    assert d.get("split_loads_failed", 0) == before["d"].get("split_loads_failed", 0)
+    assert d.get("recompute_fallbacks", 0) == before["d"].get("recompute_fallbacks", 0)
+    assert wait_for(
+        lambda: (
+            pd_pair.stats("p").get("transfers_ok", 0) - before["p"].get("transfers_ok", 0)
+            == len(prompts)
+        ),
+        2.0,
+    )
+    assert_back_to_baseline(pd_pair, before)
+
+
+@pytest.mark.parametrize("failure", ["p_refuses", "p_unreachable"])
+def test_a_split_prefill_whose_head_fails_is_recomputed_by_d(
+    pd_pair: Pair, workloads: dict, failure: str
+) -> None:
+    """D waits for a head that never comes: P refuses the TransferKV (the head P
+    was sent is not the start of D's prompt) or cannot be reached. The wait ends
+    when the TransferKV fails, D reports the head's blocks as load errors, vLLM
+    recomputes them, and the output is still the single instance's."""
+    prompts, expected = workloads["split_fail"]
+    ids = prompts[0] if failure == "p_refuses" else prompts[1]
+    want = expected[0] if failure == "p_refuses" else expected[1]
+    before = {"p": pd_pair.stats("p"), "d": pd_pair.stats("d")}
+    head = 2 * BLOCK
+    xfer_id = f"split-{failure}"
+    pk, dk = pd_pair.params(xfer_id)
+    dk["rapidkv"]["split_tokens"] = head
+    if failure == "p_unreachable":
+        dk["rapidkv"]["prefill_control"] = f"127.0.0.1:{free_port()}"
+
+    async def main():
+        async with httpx.AsyncClient() as client:
+            to_d = acomplete_full(
+                client, pd_pair.d.base_url, ids, MAX_TOKENS, kv_transfer_params=dk
+            )
+            if failure == "p_unreachable":
+                return await to_d
+            wrong_head = ids[1 : head + 1]
+            to_p = acomplete_full(client, pd_pair.p.base_url, wrong_head, 1, kv_transfer_params=pk)
+            return (await asyncio.gather(to_d, to_p))[0]
+
+    assert asyncio.run(main()).token_ids == want
+    d = pd_pair.stats("d")
+    assert d.get("split_loads_failed", 0) == before["d"].get("split_loads_failed", 0) + 1
+    assert d.get("recompute_fallbacks", 0) == before["d"].get("recompute_fallbacks", 0) + 1
+    if failure == "p_refuses":
+        assert pd_pair.stats("p").get("prompt_mismatch", 0) == (
+            before["p"].get("prompt_mismatch", 0) + 1
+        )
     assert_back_to_baseline(pd_pair, before)
 
 

@@ -15,6 +15,9 @@ where role is this fake's ``role`` ("prefill" / "decode"):
 - ``error``: answer 503 with a vLLM-style error body;
 - ``cut``: start a streamed answer, then drop the connection mid-way.
 
+``POST /tokenize`` answers a text prompt's "token ids" (its characters' code
+points), or 500 for a prompt that starts with "untokenizable".
+
 Every answer's exact bytes are recorded (`sent`), so a test can check that the
 router relayed them byte for byte. Order across fakes is recorded with one
 process-wide sequence (`Seen.seq`, `Seen.answered_seq`).
@@ -145,6 +148,9 @@ class FakeVLLM:
         body = json.loads(raw)
         seen = Seen(path, headers, raw, body, next(_sequence))
         self.seen.append(seen)
+        if path == "/tokenize":
+            await self._tokenize(seen, send)
+            return
         behaviour = (body.get("fake") or {}).get(self.role, "ok")
         chat = path == "/v1/chat/completions"
         streaming = body.get("stream") is True
@@ -186,6 +192,15 @@ class FakeVLLM:
         else:
             answer = json.dumps(_full(seen, chat, self.name)).encode()
             await self._answer(seen, send, 200, "application/json", [answer])
+
+    async def _tokenize(self, seen: Seen, send: Any) -> None:
+        prompt = seen.body.get("prompt", "")
+        if prompt.startswith("untokenizable"):
+            await self._answer(seen, send, 500, "application/json", [b'{"error": "no"}'])
+            return
+        tokens = [ord(c) for c in prompt]
+        answer = {"count": len(tokens), "max_model_len": 1024, "tokens": tokens}
+        await self._answer(seen, send, 200, "application/json", [json.dumps(answer).encode()])
 
     async def _hold(self, receive: Any) -> bool:
         """Wait for release (True) or the caller's disconnect (False)."""

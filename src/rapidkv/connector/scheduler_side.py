@@ -350,7 +350,11 @@ class SchedulerSide:
             # a router asks where our control plane listens (the answer goes out
             # in the response's kv_transfer_params)
             return False, {
-                "rapidkv": {"control": self.server.address, "instance_id": self.instance_id}
+                "rapidkv": {
+                    "control": self.server.address,
+                    "instance_id": self.instance_id,
+                    "block_size": self.block_size,
+                }
             }
         self._requests.pop(req_id, None)
         with self._lock:
@@ -430,6 +434,9 @@ class SchedulerSide:
                     message="prompt token ids differ between P and D",
                 )
             )
+            # nothing of it will ever be asked for: free it once it finishes
+            self._abort_produced(p, "prompt token ids differ between P and D")
+            self._maybe_release(p)
             return
         window = Window(
             msg.xfer_id,

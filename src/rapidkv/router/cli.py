@@ -63,6 +63,22 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         help="dual dispatch: always stream D's answer alone (by default P's first token "
         "opens the stream of a streamed greedy completion; docs/router.md)",
     )
+    parser.add_argument(
+        "--no-split-prefill",
+        dest="split_prefill",
+        action="store_false",
+        help="dual dispatch: always have P compute the whole prompt (by default, while P "
+        "and D are idle, P computes a head of a completion's prompt and D the tail at the "
+        "same time; docs/router.md)",
+    )
+    parser.add_argument(
+        "--split-fraction",
+        type=float,
+        default=0.55,
+        metavar="F",
+        help="split prefill: the share of the prompt P computes, rounded to whole blocks "
+        "(default %(default)s)",
+    )
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     return run
 
@@ -79,6 +95,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         upstream_read_timeout_s=args.upstream_timeout,
         discover=args.discover,
         prefill_first_token=args.prefill_first_token,
+        split_prefill=args.split_prefill,
+        split_fraction=args.split_fraction,
     )
 
 

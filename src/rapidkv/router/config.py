@@ -30,6 +30,7 @@ class Instance:
 
     url: str
     control: str | None = None
+    block_size: int | None = None  # a prefill instance's KV block size, once discovered
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
@@ -77,6 +78,10 @@ class RouterConfig:
     discover: bool = True
     # dual dispatch: P's first token opens the client's stream when it may (see `stitch`)
     prefill_first_token: bool = True
+    # dual dispatch: while P and D are idle, P computes a head of the prompt and D
+    # the tail at the same time (`split`); the head is about this fraction of it
+    split_prefill: bool = True
+    split_fraction: float = 0.55
     # test hook: treat D's first token as different from P's (exercises the continuation)
     debug_first_token_mismatch: bool = False
     secret: bytes | None = None
@@ -104,6 +109,8 @@ class RouterConfig:
             raise ValueError("give the host to bind explicitly (0.0.0.0 for every interface)")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port {self.port} out of range")
+        if not 0 < self.split_fraction < 1:
+            raise ValueError(f"split_fraction must be between 0 and 1, not {self.split_fraction}")
         if self.secret is not None and not self.secret:
             raise ValueError("an empty shared secret authenticates nothing; use None")
 

@@ -4,8 +4,9 @@ When an instance is configured without one (``--prefill URL``), the router
 sends it a one-token completion whose ``kv_transfer_params`` carry
 ``{"rapidkv": {"discover": true}}``. The instance's connector answers in the
 response's ``kv_transfer_params``: ``{"rapidkv": {"control": "host:port",
-"instance_id": ...}}``. A control plane listening on every interface
-(``0.0.0.0`` or ``::``) is reached at the host of the instance's URL.
+"instance_id": ..., "block_size": N}}``. A control plane listening on every
+interface (``0.0.0.0`` or ``::``) is reached at the host of the instance's URL.
+The block size (which a split prefill's head is a multiple of) is optional.
 """
 
 from __future__ import annotations
@@ -56,8 +57,18 @@ def control_from_answer(inst: Instance, answer: Any) -> str:
     return format_address(host, port)
 
 
-async def discover_control(http: aiohttp.ClientSession, inst: Instance, timeout: float) -> str:
-    """Ask `inst` for its control address; DiscoveryError if it cannot tell."""
+def block_size_from_answer(answer: Any) -> int | None:
+    """The block size in a probe's answer, if it gives a valid one."""
+    ours = answer.get("kv_transfer_params", {}).get("rapidkv", {})
+    size = ours.get("block_size")
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
+
+
+async def discover_control(
+    http: aiohttp.ClientSession, inst: Instance, timeout: float
+) -> tuple[str, int | None]:
+    """Ask `inst` for its control address and block size; DiscoveryError if it
+    cannot tell the address."""
     try:
         status, raw, _ = await get(http, f"{inst.url}/v1/models", timeout)
         if status != 200:
@@ -73,4 +84,4 @@ async def discover_control(http: aiohttp.ClientSession, inst: Instance, timeout:
         answer = json.loads(raw)
     except ValueError:
         raise DiscoveryError(f"{inst.url}: probe answer is not JSON") from None
-    return control_from_answer(inst, answer)
+    return control_from_answer(inst, answer), block_size_from_answer(answer)

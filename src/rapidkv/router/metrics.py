@@ -100,6 +100,11 @@ class RouterMetrics:
             ["outcome"],
             registry=r,
         )
+        self.split_prefills = Counter(
+            "rapidkv_router_split_prefills",
+            "Dual-dispatch requests whose prompt P and D computed in two parts at once",
+            registry=r,
+        )
         self.first_token = Counter(
             "rapidkv_router_first_token",
             "Streamed dual-dispatch answers by the source of their first token",

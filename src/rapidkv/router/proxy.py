@@ -8,6 +8,8 @@ Theory of operation
 (least outstanding, ties in turn) and dispatches by the configured mode:
 
 - ``dual``: P's request is started, and D's at once, without waiting for P;
+  while P and D have nothing else to do, P is sent only a head of the prompt
+  and D computes the tail at the same time (`split`);
 - ``serial``: P's request is sent and its answer awaited, then D's is sent
   (the conventional flow, for comparison);
 - ``local``: only D, sent the client's bytes untouched.
@@ -70,6 +72,7 @@ from rapidkv.router.rewrite import (
     prefill_body,
     stitchable,
 )
+from rapidkv.router.split import head_body, prompt_ids, split_point, splittable
 from rapidkv.router.sse import FirstTokenDetector
 from rapidkv.router.stitch import (
     EventSplitter,
@@ -157,7 +160,8 @@ class Router:
         self._http: aiohttp.ClientSession | None = None
         self._background: set[asyncio.Task[Any]] = set()
         # prefill URL -> its control address, once discovered (see `discovery`)
-        self._discovery: dict[str, tuple[asyncio.Task[str], float]] = {}  # (probe, started)
+        # (probe, started)
+        self._discovery: dict[str, tuple[asyncio.Task[tuple[str, int | None]], float]] = {}
         self._announced: set[str] = set()
 
     # ------------------------------------------------------------------ lifecycle
@@ -173,7 +177,7 @@ class Router:
             if inst.control is None:
                 self._discovery_task(inst)
 
-    def _discovery_task(self, inst: Instance) -> asyncio.Task[str]:
+    def _discovery_task(self, inst: Instance) -> asyncio.Task[tuple[str, int | None]]:
         """The probe of `inst` (a new one if the last failed over DISCOVERY_RETRY_S ago)."""
         entry = self._discovery.get(inst.url)
         if entry is not None:
@@ -186,13 +190,18 @@ class Router:
         return task
 
     async def _with_control(self, inst: Instance, ex: Exchange) -> Instance:
-        """`inst` with its control address filled in, discovered if need be; as
-        is (D then computes the prompt itself) if the instance cannot tell."""
-        if inst.control is not None or not self.config.discover:
+        """`inst` with its control address (and block size, for split prefills)
+        filled in, discovered if need be; as is if the instance cannot tell (D
+        then computes the prompt itself when the address is missing)."""
+        splits = self.config.split_prefill and self.config.dispatch == "dual"
+        known = inst.control is not None and (inst.block_size is not None or not splits)
+        if known or not self.config.discover:
             return inst
         try:
-            control = await asyncio.shield(self._discovery_task(inst))
+            control, block_size = await asyncio.shield(self._discovery_task(inst))
         except DiscoveryError as e:
+            if inst.control is not None:
+                return inst  # configured address; no block size: no split prefills
             self.metrics.upstream_errors.labels("prefill", inst.url, "discovery").inc()
             log.warning(
                 "xfer %s: no control address for %s (%s); decode will compute the prompt",
@@ -203,8 +212,13 @@ class Router:
             return inst
         if inst.url not in self._announced:
             self._announced.add(inst.url)
-            log.info("prefill %s: control plane discovered at %s", inst.url, control)
-        return dataclasses.replace(inst, control=control)
+            log.info(
+                "prefill %s: control plane discovered at %s (block size %s)",
+                inst.url,
+                control,
+                block_size,
+            )
+        return dataclasses.replace(inst, control=inst.control or control, block_size=block_size)
 
     async def close(self) -> None:
         """Cancel background prefill requests, close the HTTP and RPC clients."""
@@ -289,6 +303,17 @@ class Router:
                 except BaseException:
                     self._release("prefill", p_index)
                     raise
+                split, ids = 0, None
+                if mode == "dual" and self._may_split(ex, body, p_index):
+                    timeout = self.config.connect_timeout_s
+                    ids = await prompt_ids(self.http, ex.prefill.url, body, timeout)
+                    block = ex.prefill.block_size
+                    assert block is not None
+                    split = split_point(len(ids), block, self.config.split_fraction) if ids else 0
+                if split:
+                    assert ids is not None
+                    stitching = False  # P's token ends the head, not the prompt
+                    self.metrics.split_prefills.inc()
                 if stitching:
                     stitch = Stitch(
                         body,
@@ -299,7 +324,9 @@ class Router:
                         asyncio.get_running_loop().create_future(),
                     )
                 p_content = encode(
-                    prefill_body(body, ex.endpoint, ex.xfer_id, first_token=stitching)
+                    head_body(body, ex.xfer_id, ids, split)
+                    if split and ids is not None
+                    else prefill_body(body, ex.endpoint, ex.xfer_id, first_token=stitching)
                 )
                 first = stitch.first if stitch is not None else None
                 prefill = self._spawn(self._prefill(p_index, ex.prefill, p_content, ex, first))
@@ -308,7 +335,9 @@ class Router:
                     if not prefill.done():
                         self._client_gone(ex, prefill)
                         return "client_abort"
-                d_content = encode(decode_body(body, ex.xfer_id, ex.prefill, first_token=stitching))
+                d_content = encode(
+                    decode_body(body, ex.xfer_id, ex.prefill, first_token=stitching, split=split)
+                )
             d_index, ex.decode = self._acquire("decode")
             relay = asyncio.create_task(
                 self._relay(d_index, ex.decode, d_content, ex, send, stitch)
@@ -328,6 +357,20 @@ class Router:
             gone.cancel()
             if relay is not None and not relay.done():
                 relay.cancel()
+
+    def _may_split(self, ex: Exchange, body: Body, p_index: int) -> bool:
+        """Split this request's prefill: enabled, possible for this request and
+        P, and nothing else in flight on P (but this) or on any D."""
+        p = ex.prefill
+        return (
+            self.config.split_prefill
+            and p is not None
+            and p.control is not None
+            and p.block_size is not None
+            and splittable(body, ex.endpoint)
+            and self.outstanding("prefill")[p_index] == 1
+            and not any(self.outstanding("decode"))
+        )
 
     def _client_gone(self, ex: Exchange, prefill: asyncio.Task[bool] | None) -> None:
         """The client left before its answer was relayed: stop P too, and tell its connector."""

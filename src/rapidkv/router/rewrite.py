@@ -148,9 +148,12 @@ def prefill_body(body: Body, endpoint: Endpoint, xfer_id: str, *, first_token: b
     return out
 
 
-def decode_body(body: Body, xfer_id: str, prefill: Instance, *, first_token: bool = False) -> Body:
+def decode_body(
+    body: Body, xfer_id: str, prefill: Instance, *, first_token: bool = False, split: int = 0
+) -> Body:
     """What D is sent: the client's request, told where its prompt's KV comes from
-    (with token ids when its first token is compared with P's)."""
+    (with token ids when its first token is compared with P's), and, for a split
+    prefill, how many tokens of the prompt P computes (`split`)."""
     ours: dict[str, Any] = {
         "xfer_id": xfer_id,
         "role": "decode",
@@ -160,6 +163,8 @@ def decode_body(body: Body, xfer_id: str, prefill: Instance, *, first_token: boo
     mode = client_transfer_kv_mode(body)
     if mode is not None:
         ours["transfer_kv_mode"] = mode
+    if split:
+        ours["split_tokens"] = split
     out = dict(body)
     out["kv_transfer_params"] = {"do_remote_prefill": True, "rapidkv": ours}
     if first_token:

@@ -1,0 +1,171 @@
+"""Split prefill in the router (against fake vLLM upstreams): when P and D are
+idle, P gets a block-aligned head of the prompt and D is told its size; in
+every other case the request goes out as a whole-prompt dual dispatch."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from fake_vllm import FakeVLLM, MakeRouter, Seen
+
+from rapidkv.harness import get_metrics, metric_sum, wait_until
+from rapidkv.router import Instance, RunningRouter
+from rapidkv.router.discovery import block_size_from_answer
+from rapidkv.router.split import split_point, splittable
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
+
+PROMPT = list(range(100, 110))  # 10 tokens
+BLOCK = 4
+BODY = {"model": "m", "prompt": PROMPT, "max_tokens": 5, "temperature": 0.0}
+
+
+def router_for(make_router: MakeRouter, p: FakeVLLM, d: FakeVLLM, **config) -> RunningRouter:
+    return make_router([Instance(p.url, "127.0.0.1:7001", block_size=BLOCK)], [d], **config)
+
+
+def completions(seen: list[Seen]) -> list[Seen]:
+    return [s for s in seen if s.path == "/v1/completions"]
+
+
+def splits(router: RunningRouter) -> float:
+    return metric_sum(get_metrics(router.url), "rapidkv_router_split_prefills_total")
+
+
+@pytest.mark.parametrize(
+    ("tokens", "block", "fraction", "head"),
+    [
+        (10, 4, 0.55, 4),  # 9 * 0.55 = 4.95 -> one block
+        (510, 128, 0.55, 256),
+        (600, 128, 0.55, 384),  # rounds up: 329.5 -> 2.6 blocks -> 3
+        (900, 128, 0.55, 512),
+        (129, 128, 0.55, 128),  # rounds up to the one whole block that leaves D a token
+        (128, 128, 0.55, 0),  # no block leaves D a token
+        (300, 128, 0.3, 128),
+        (130, 128, 0.1, 0),  # rounds to no block
+    ],
+)
+def test_the_head_is_whole_blocks_near_the_fraction_leaving_d_a_token(
+    tokens: int, block: int, fraction: float, head: int
+) -> None:
+    assert split_point(tokens, block, fraction) == head
+
+
+@pytest.mark.parametrize(
+    ("body", "endpoint", "ok"),
+    [
+        (BODY, "completions", True),
+        (dict(BODY, prompt="some text"), "completions", True),
+        (dict(BODY, prompt=["a", "b"]), "completions", False),  # several prompts
+        (dict(BODY, prompt=[[1, 2], [3]]), "completions", False),
+        (dict(BODY, echo=True), "completions", False),
+        (dict(BODY, prompt_logprobs=1), "completions", False),
+        ({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, "chat", False),
+    ],
+)
+def test_only_single_prompt_completions_without_prompt_outputs_split(
+    body: dict, endpoint: str, ok: bool
+) -> None:
+    assert splittable(body, endpoint) is ok
+
+
+def test_the_discovery_answer_may_carry_the_block_size() -> None:
+    assert block_size_from_answer({"kv_transfer_params": {"rapidkv": {"block_size": 16}}}) == 16
+    for bad in (None, 0, -4, True, "16"):
+        answer = {"kv_transfer_params": {"rapidkv": {"block_size": bad}}}
+        assert block_size_from_answer(answer) is None
+
+
+def test_idle_p_and_d_split_a_token_id_prompt(
+    pd: tuple[FakeVLLM, FakeVLLM], make_router: MakeRouter, http: httpx.Client
+) -> None:
+    p, d = pd
+    router = router_for(make_router, p, d)
+    resp = http.post(f"{router.url}/v1/completions", json=dict(BODY, stream=True))
+    assert resp.status_code == 200
+    (p_seen,), (d_seen,) = completions(p.wait_seen(1)), completions(d.wait_seen(1))
+    assert not p.requests("/tokenize"), "token ids need no tokenizing"
+    assert p_seen.body["prompt"] == PROMPT[:4]
+    assert p_seen.body["max_tokens"] == 1 and p_seen.body["stream"] is False
+    assert p_seen.kv_transfer_params["rapidkv"]["role"] == "prefill"
+    assert d_seen.body["prompt"] == PROMPT  # D's own prompt: all of it
+    assert d_seen.kv_transfer_params["rapidkv"]["split_tokens"] == 4
+    assert resp.content == bytes(d_seen.sent)  # the answer is D's alone: no stitch
+    assert splits(router) == 1
+
+
+def test_a_text_prompt_is_tokenized_by_p_first(
+    pd: tuple[FakeVLLM, FakeVLLM], make_router: MakeRouter, http: httpx.Client
+) -> None:
+    p, d = pd
+    router = router_for(make_router, p, d)
+    body = dict(BODY, prompt="abcdefghij", add_special_tokens=False)
+    assert http.post(f"{router.url}/v1/completions", json=body).status_code == 200
+    (ask,) = p.wait_seen(2)[:1]
+    assert ask.path == "/tokenize"
+    assert ask.body == {"prompt": "abcdefghij", "model": "m", "add_special_tokens": False}
+    (p_seen,), (d_seen,) = completions(p.wait_seen(2)), completions(d.wait_seen(1))
+    assert p_seen.body["prompt"] == [ord(c) for c in "abcd"]
+    assert d_seen.body["prompt"] == "abcdefghij"
+    assert d_seen.kv_transfer_params["rapidkv"]["split_tokens"] == 4
+
+
+def test_an_untokenizable_prompt_goes_out_whole(
+    pd: tuple[FakeVLLM, FakeVLLM], make_router: MakeRouter, http: httpx.Client
+) -> None:
+    p, d = pd
+    router = router_for(make_router, p, d)
+    body = dict(BODY, prompt="untokenizable text")
+    assert http.post(f"{router.url}/v1/completions", json=body).status_code == 200
+    (p_seen,), (d_seen,) = completions(p.wait_seen(2)), completions(d.wait_seen(1))
+    assert p_seen.body["prompt"] == "untokenizable text"
+    assert "split_tokens" not in d_seen.kv_transfer_params["rapidkv"]
+    assert splits(router) == 0
+
+
+@pytest.mark.parametrize(
+    ("body", "config", "block"),
+    [
+        (dict(BODY, prompt=PROMPT[:4]), {}, BLOCK),  # no block leaves D a token
+        ({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, {}, BLOCK),
+        (BODY, {"split_prefill": False}, BLOCK),
+        (BODY, {}, None),  # P's block size unknown
+    ],
+)
+def test_otherwise_the_whole_prompt_goes_to_p(
+    pd: tuple[FakeVLLM, FakeVLLM],
+    make_router: MakeRouter,
+    http: httpx.Client,
+    body: dict,
+    config: dict,
+    block: int | None,
+) -> None:
+    p, d = pd
+    router = make_router([Instance(p.url, "127.0.0.1:7001", block_size=block)], [d], **config)
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    assert http.post(router.url + path, json=body).status_code == 200
+    p_seen, d_seen = p.wait_seen(1)[0], d.wait_seen(1)[0]
+    assert p_seen.path == path
+    assert p_seen.body.get("prompt") == body.get("prompt")
+    assert "split_tokens" not in d_seen.kv_transfer_params["rapidkv"]
+    assert splits(router) == 0
+
+
+def test_no_split_while_d_has_a_request_in_flight(
+    pd: tuple[FakeVLLM, FakeVLLM], make_router: MakeRouter, http: httpx.Client
+) -> None:
+    p, d = pd
+    router = router_for(make_router, p, d)
+    with httpx.Client(timeout=60, trust_env=False) as other:
+        held = dict(BODY, stream=True, fake={"decode": "hang_stream"})
+        with other.stream("POST", f"{router.url}/v1/completions", json=held) as first:
+            wait_until(lambda: len(completions(d.seen)) == 1, 10, what="D to hold a request")
+            wait_until(lambda: len(completions(p.seen)) == 1, 10, what="P to get the first")
+            assert http.post(f"{router.url}/v1/completions", json=BODY).status_code == 200
+            second = completions(d.wait_seen(2))[1]
+            assert "split_tokens" not in second.kv_transfer_params["rapidkv"]
+            assert completions(p.wait_seen(2))[1].body["prompt"] == PROMPT
+            d.release()
+            assert first.status_code == 200
+            first.read()
+    assert splits(router) == 1  # the first one, sent while everything was idle
