@@ -410,6 +410,30 @@ def test_client_disconnect_cancels_both_upstreams_and_aborts_p(
     assert metric(router, "rapidkv_router_requests_in_flight") == 0
 
 
+@pytest.mark.parametrize("dispatch", ["dual", "serial"])
+def test_a_failed_prefill_is_aborted_on_p_so_d_need_not_wait_for_its_transfer(
+    make_fake: MakeFake,
+    make_router: MakeRouter,
+    recorder: AbortRecorder,
+    http: httpx.Client,
+    dispatch: str,
+) -> None:
+    p, d = make_fake("P0", "prefill"), make_fake("D0", "decode")
+    router = make_router(
+        [Instance(p.url, recorder.server.address)],
+        [d],
+        dispatch=dispatch,
+        secret=b"router-test-secret",
+    )
+    body = dict(COMPLETION, fake={"prefill": "error"})
+    assert http.post(f"{router.url}/v1/completions", json=body).status_code == 200
+    xfer = the_one(d).request_id
+    wait_until(lambda: recorder.aborts, 10, what="P's connector to get an Abort")
+    assert recorder.aborts == [Abort(xfer_id=xfer, reason=AbortReason.PREFILL_FAILED)]
+    http.post(f"{router.url}/v1/completions", json=COMPLETION)  # a prefill that works
+    assert len(recorder.aborts) == 1
+
+
 def test_an_unreachable_control_address_makes_the_abort_fail_harmlessly(
     pd: tuple[FakeVLLM, FakeVLLM], make_router: MakeRouter, http: httpx.Client
 ) -> None:

@@ -99,9 +99,15 @@ CONFIGS: dict[str, Config] = {
             "rapidkv-serial", "router-serial", "rapidkv, router serial dispatch, default mode"
         ),
         _rapidkv(
+            "rapidkv-whole",
+            "router-dual-whole",
+            "rapidkv, dual, default mode, router --no-split-prefill (P computes every prompt)",
+        ),
+        _rapidkv(
             "rapidkv-d-first",
             "router-dual-d-first",
-            "rapidkv, dual, default mode, router --no-prefill-first-token (every token from D)",
+            "rapidkv, dual, default mode, router --no-split-prefill --no-prefill-first-token "
+            "(P computes every prompt, every token from D)",
         ),
     )
 }
@@ -279,7 +285,11 @@ def _group_plan(
             return [
                 ("router-dual", _router_argv("dual", p, d)),
                 ("router-serial", _router_argv("serial", p, d)),
-                ("router-dual-d-first", [*_router_argv("dual", p, d), "--no-prefill-first-token"]),
+                ("router-dual-whole", [*_router_argv("dual", p, d), "--no-split-prefill"]),
+                (
+                    "router-dual-d-first",
+                    [*_router_argv("dual", p, d), "--no-split-prefill", "--no-prefill-first-token"],
+                ),
             ]
 
         return specs, rapidkv_fronts

@@ -307,6 +307,7 @@ class AbortReason(enum.Enum):
     CLIENT_ABORT = "client_abort"  # the client went away
     NOTHING_TO_LOAD = "nothing_to_load"  # D's local hits cover the prompt: release
     TIMEOUT = "timeout"  # the sender gave up waiting
+    PREFILL_FAILED = "prefill_failed"  # the router's request to P failed: D recomputes
 
 
 class Abort(msgspec.Struct, frozen=True, tag="abort", kw_only=True):

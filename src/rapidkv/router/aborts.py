@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 
 class ControlAborter:
-    """Sends client-abort notices to prefill instances' control addresses."""
+    """Sends Abort notices to prefill instances' control addresses."""
 
     def __init__(self, secret: bytes | None, timeout_s: float, metrics: RouterMetrics) -> None:
         self._secret = secret
@@ -37,8 +37,10 @@ class ControlAborter:
         self._closed = False
         self._lock = threading.Lock()
 
-    def abort(self, address: str, xfer_id: str) -> None:
-        """Send ``Abort(xfer_id, client_abort)`` to `address`; returns at once."""
+    def abort(
+        self, address: str, xfer_id: str, reason: AbortReason = AbortReason.CLIENT_ABORT
+    ) -> None:
+        """Send ``Abort(xfer_id, reason)`` to `address`; returns at once."""
         try:
             with self._lock:
                 if self._closed:
@@ -46,7 +48,7 @@ class ControlAborter:
                 if self._client is None:
                     self._client = RpcClient(self._secret)
                 client = self._client
-            request = Abort(xfer_id=xfer_id, reason=AbortReason.CLIENT_ABORT)
+            request = Abort(xfer_id=xfer_id, reason=reason)
             future = client.submit(address, request, self._timeout_s)
         except Exception as e:
             self._failed(address, xfer_id, e)

@@ -61,7 +61,7 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         dest="prefill_first_token",
         action="store_false",
         help="dual dispatch: always stream D's answer alone (by default P's first token "
-        "opens the stream of a streamed greedy completion; docs/router.md)",
+        "opens the stream of a streamed greedy completion; docs/configuration.md)",
     )
     parser.add_argument(
         "--no-split-prefill",
@@ -69,7 +69,7 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         action="store_false",
         help="dual dispatch: always have P compute the whole prompt (by default, while P "
         "and D are idle, P computes a head of a completion's prompt and D the tail at the "
-        "same time; docs/router.md)",
+        "same time; docs/configuration.md)",
     )
     parser.add_argument(
         "--split-fraction",

@@ -30,7 +30,8 @@ Rules
 -----
 - A failed P request (error status, no answer) never fails the client in
   ``dual`` or ``serial`` mode: D's connector recomputes what P did not send. It
-  is logged (warning) and counted.
+  is logged (warning) and counted, and P's connector is sent an Abort
+  (``prefill_failed``), so that D's TransferKV is answered at once.
 - A D error status is relayed as is (status and body); a D that does not
   answer gives the client 502; a D answer that breaks off closes the client's
   connection before the end of the answer, so the client sees it truncated.
@@ -55,6 +56,7 @@ from typing import Any
 import aiohttp
 from starlette.types import Message, Receive, Scope, Send
 
+from rapidkv.control.messages import AbortReason
 from rapidkv.router.aborts import ControlAborter
 from rapidkv.router.balance import LeastOutstanding
 from rapidkv.router.config import Instance, RouterConfig
@@ -330,6 +332,7 @@ class Router:
                 )
                 first = stitch.first if stitch is not None else None
                 prefill = self._spawn(self._prefill(p_index, ex.prefill, p_content, ex, first))
+                prefill.add_done_callback(lambda task: self._prefill_done(ex, task))
                 if mode == "serial":
                     await asyncio.wait({prefill, gone}, return_when=asyncio.FIRST_COMPLETED)
                     if not prefill.done():
@@ -371,6 +374,15 @@ class Router:
             and self.outstanding("prefill")[p_index] == 1
             and not any(self.outstanding("decode"))
         )
+
+    def _prefill_done(self, ex: Exchange, task: asyncio.Task[bool]) -> None:
+        """P's request failed: tell P's connector, so that D's TransferKV is
+        answered at once (GONE: D recomputes) rather than after P's park TTL; a
+        split prefill's tail stops waiting for the head."""
+        if task.cancelled() or (task.exception() is None and task.result()):
+            return
+        if ex.prefill is not None and ex.prefill.control is not None:
+            self._aborter.abort(ex.prefill.control, ex.xfer_id, AbortReason.PREFILL_FAILED)
 
     def _client_gone(self, ex: Exchange, prefill: asyncio.Task[bool] | None) -> None:
         """The client left before its answer was relayed: stop P too, and tell its connector."""
