@@ -200,8 +200,7 @@ class WorkerSide:
         need = self.layer_index[layer_name] + 1
         waiting = [x for x, s in self._splits.items() if s.ok is None]
         while waiting:
-            for done in kvt.poll_received():
-                self._received[done.xfer_id] = done
+            self._collect(kvt.poll_received())
             with self._lock:
                 over = dict(self._split_over)
             now = time.perf_counter()
@@ -246,8 +245,7 @@ class WorkerSide:
         kvt = self._require_kvt()
         if any(load.ok is None for load in self._splits.values()):
             # the forward ran no attention layer for them: complete only if settled
-            for done in kvt.poll_received():
-                self._received[done.xfer_id] = done
+            self._collect(kvt.poll_received())
         with self._lock:
             for xfer_id, load in self._splits.items():
                 if load.ok is None:
@@ -271,8 +269,6 @@ class WorkerSide:
             time.sleep(self.config.debug_layer_delay_s)
 
     def step_done(self) -> None:
-        if self._splits:
-            self._end_splits()
         ack = self._require_kvt().freeze_step()
         with self._lock:
             self._acks.append((self.step_id, ack, self.rank))
@@ -285,6 +281,8 @@ class WorkerSide:
 
     def finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str], set[str], set[str]]:
         """`(finished_sending, finished_recving, failed_recving)` for this step."""
+        if self._splits:  # the forward is over (vLLM asks for load errors next)
+            self._end_splits()
         self._finished.update(finished_req_ids)
         sending = self._release & self._finished
         self._release -= sending
@@ -293,11 +291,7 @@ class WorkerSide:
         failed: set[str] = set()
         kvt = self._require_kvt()
         # SendDones matter only here, once a step: asked for while some are awaited
-        for done in kvt.poll_received() if self._expect else kvt.take_received():
-            with self._lock:
-                late = done.xfer_id in self._split_done  # a split load's: used in its step
-            if not late:
-                self._received[done.xfer_id] = done
+        self._collect(kvt.poll_received() if self._expect else kvt.take_received())
         for xfer_id in [x for x in self._received if x in self._expect]:
             done = self._received.pop(xfer_id)
             req_id = self._expect.pop(xfer_id)
@@ -363,6 +357,15 @@ class WorkerSide:
                 return
             self._require_kvt().add_peer(metadata, msgspec.msgpack.decode(layout, type=Layout))
             self._peers.add(instance_id)
+
+    def _collect(self, dones: list[SendDone]) -> None:
+        """Keep arrived SendDones until acted on, except a finished split load's
+        (it was used, or given up on, in its step)."""
+        for done in dones:
+            with self._lock:
+                late = done.xfer_id in self._split_done
+            if not late:
+                self._received[done.xfer_id] = done
 
     def _fail_recv(self, req_id: str) -> None:
         xfers = [x for x, r in self._expect.items() if r == req_id]
