@@ -288,7 +288,9 @@ def test_bench_serve_runs_single_and_rapidkv_and_matches(tmp_path: Path) -> None
                 assert c1[measure][key] > 0, (name, measure, key)
         assert c1["throughput_req_s"] > 0 and c1["output_tok_s"] > 0
         assert c1["server_cpu_s_per_req"] > 0
-    assert report["configs"]["rapidkv"]["loads"]["c1"]["kv_transferred_fraction"] > 0.9
+    # one request at a time: the router splits each prompt, and the head (about
+    # 55 % of it, in whole blocks) reaches D through the connector
+    assert report["configs"]["rapidkv"]["loads"]["c1"]["kv_transferred_fraction"] > 0.3
     assert (tmp_path / "serve.png").stat().st_size > 0
     fronts = sorted(p.name for p in (tmp_path / "logs").rglob("rapidkv.router*.log"))
     assert fronts == ["rapidkv.router-dual.log"]
