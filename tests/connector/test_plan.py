@@ -93,3 +93,15 @@ def test_inconsistent_counts_are_refused() -> None:
         plan(window, 16, (1, 2), sent_upto=16, ready_upto=20, in_flight_upto=0)
     with pytest.raises(ValueError, match="need 2 blocks"):
         plan(window, 16, (1,), sent_upto=0, ready_upto=20, in_flight_upto=20)
+
+
+def test_a_split_prefills_window_makes_every_task_announce_its_layers() -> None:
+    """P's whole (head) prompt is the window; its tasks carry `notify_layers`
+    so that D can compute with each layer as it lands."""
+    window = Window("x", "d", tuple(range(10, 14)), 0, 64, notify_layers=True)
+    p = plan(window, 16, tuple(range(4)), 0, 32, 64)
+    assert p.full is not None and p.step is not None
+    assert p.full.notify_layers and p.step.notify_layers
+    assert p.step.has_last_token and p.step.end_tokens == 64
+    plain = plan(Window("y", "d", tuple(range(10, 14)), 0, 63), 16, tuple(range(4)), 0, 0, 63)
+    assert plain.step is not None and not plain.step.notify_layers
