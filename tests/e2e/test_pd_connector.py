@@ -195,6 +195,8 @@ def workloads(tiny_model: Path, single_server_starter) -> dict[str, tuple[list, 
         out[name] = (prompts, complete_many(single.base_url, prompts, max_tokens))
     split_fail = random_prompts(tiny_model, [600, 700], seed=2100)
     out["split_fail"] = (split_fail, complete_many(single.base_url, split_fail, MAX_TOKENS))
+    split_step = random_prompts(tiny_model, [500], seed=2101)
+    out["split_step"] = (split_step, complete_many(single.base_url, split_step, MAX_TOKENS))
     for seed, name in enumerate(["late_p", "gone", "abort_d", "nothing"]):
         one = random_prompts(
             tiny_model, [BLOCK + 1 if name == "nothing" else 600], seed=2000 + seed
@@ -486,6 +488,35 @@ def test_router_split_prefills_equal_single_instance_outputs(
         ),
         2.0,
     )
+    assert_back_to_baseline(pd_pair, before)
+
+
+def test_a_split_prefills_head_goes_layer_by_layer_whatever_the_mode(
+    pd_pair: Pair, workloads: dict
+) -> None:
+    """A split prefill asked for in `step` mode: P still sends the head layer by
+    layer (D's forward is waiting for each layer), as a substep if its step had
+    begun; the output is the single instance's."""
+    (ids,), (want,) = workloads["split_step"]
+    before = {"p": pd_pair.stats("p"), "d": pd_pair.stats("d")}
+    pk, dk = pd_pair.params("split-step", mode="step")
+    dk["rapidkv"]["split_tokens"] = 3 * BLOCK
+
+    async def main():
+        async with httpx.AsyncClient() as client:
+            to_d = acomplete_full(
+                client, pd_pair.d.base_url, ids, MAX_TOKENS, kv_transfer_params=dk
+            )
+            to_p = acomplete_full(
+                client, pd_pair.p.base_url, ids[: 3 * BLOCK], 1, kv_transfer_params=pk
+            )
+            return (await asyncio.gather(to_d, to_p))[0]
+
+    assert asyncio.run(main()).token_ids == want
+    d = pd_pair.stats("d")
+    assert d.get("split_loads_ok", 0) == before["d"].get("split_loads_ok", 0) + 1
+    p = pd_pair.stats("p")
+    assert p.get("steps_with_layer_sends", 0) > before["p"].get("steps_with_layer_sends", 0)
     assert_back_to_baseline(pd_pair, before)
 
 

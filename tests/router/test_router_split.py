@@ -129,6 +129,8 @@ def test_an_untokenizable_prompt_goes_out_whole(
         (dict(BODY, prompt=PROMPT[:4]), {}, BLOCK),  # no block leaves D a token
         ({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, {}, BLOCK),
         (BODY, {"split_prefill": False}, BLOCK),
+        (dict(BODY, kv_transfer_params={"rapidkv": {"transfer_kv_mode": "step"}}), {}, BLOCK),
+        (dict(BODY, kv_transfer_params={"rapidkv": {"transfer_kv_mode": "bypass"}}), {}, BLOCK),
         (BODY, {}, None),  # P's block size unknown
     ],
 )

@@ -446,7 +446,11 @@ class SchedulerSide:
             msg.num_tokens,
             msg.notify_layers,
         )
-        mode = msg.transfer_kv_mode or self.config.transfer_kv_mode
+        # a split prefill's head always goes layer by layer as computed: D's
+        # forward is waiting for each layer (in step/bypass mode it would wait
+        # for the whole head when the TransferKV came after P's step began)
+        mode = "substep" if msg.notify_layers else msg.transfer_kv_mode
+        mode = mode or self.config.transfer_kv_mode
         p.accept(window, reply, self.block_size, mode)
         self._event(p.xfer_id, "accepted")
         if mode != "step":

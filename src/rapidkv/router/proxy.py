@@ -66,6 +66,7 @@ from rapidkv.router.rewrite import (
     BadRequest,
     Body,
     Endpoint,
+    client_transfer_kv_mode,
     decode_body,
     encode,
     error_body,
@@ -363,7 +364,9 @@ class Router:
 
     def _may_split(self, ex: Exchange, body: Body, p_index: int) -> bool:
         """Split this request's prefill: enabled, possible for this request and
-        P, and nothing else in flight on P (but this) or on any D."""
+        P, not asked for in a `transfer_kv_mode` that sends P's KV after its step
+        (the client measures that mode), and nothing else in flight on P (but
+        this) or on any D."""
         p = ex.prefill
         return (
             self.config.split_prefill
@@ -371,6 +374,7 @@ class Router:
             and p.control is not None
             and p.block_size is not None
             and splittable(body, ex.endpoint)
+            and client_transfer_kv_mode(body) in (None, "substep")
             and self.outstanding("prefill")[p_index] == 1
             and not any(self.outstanding("decode"))
         )
