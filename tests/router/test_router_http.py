@@ -430,7 +430,11 @@ def test_a_failed_prefill_is_aborted_on_p_so_d_need_not_wait_for_its_transfer(
     xfer = the_one(d).request_id
     wait_until(lambda: recorder.aborts, 10, what="P's connector to get an Abort")
     assert recorder.aborts == [Abort(xfer_id=xfer, reason=AbortReason.PREFILL_FAILED)]
-    http.post(f"{router.url}/v1/completions", json=COMPLETION)  # a prefill that works
+    assert http.post(f"{router.url}/v1/completions", json=COMPLETION).status_code == 200
+    wait_until(lambda: len(p.seen) == 2 and p.seen[1].answered_seq, 10, what="P's 2nd answer")
+    wait_until(lambda: router.router.outstanding("prefill") == [0], 10, what="P's request to end")
+    # a prefill that worked is not aborted: the one Abort above is all P got
+    assert metric(router, "rapidkv_router_control_aborts_total", outcome="ok") == 1
     assert len(recorder.aborts) == 1
 
 

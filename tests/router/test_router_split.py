@@ -60,6 +60,7 @@ def test_the_head_is_whole_blocks_near_the_fraction_leaving_d_a_token(
         (dict(BODY, prompt=[[1, 2], [3]]), "completions", False),
         (dict(BODY, echo=True), "completions", False),
         (dict(BODY, prompt_logprobs=1), "completions", False),
+        (dict(BODY, truncate_prompt_tokens=5), "completions", False),
         ({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, "chat", False),
     ],
 )
@@ -100,10 +101,12 @@ def test_a_text_prompt_is_tokenized_by_p_first(
     p, d = pd
     router = router_for(make_router, p, d)
     body = dict(BODY, prompt="abcdefghij", add_special_tokens=False)
-    assert http.post(f"{router.url}/v1/completions", json=body).status_code == 200
+    auth = {"authorization": "Bearer k"}  # P may need the client's key for /tokenize too
+    assert http.post(f"{router.url}/v1/completions", json=body, headers=auth).status_code == 200
     (ask,) = p.wait_seen(2)[:1]
     assert ask.path == "/tokenize"
     assert ask.body == {"prompt": "abcdefghij", "model": "m", "add_special_tokens": False}
+    assert ask.headers["authorization"] == "Bearer k"
     (p_seen,), (d_seen,) = completions(p.wait_seen(2)), completions(d.wait_seen(1))
     assert p_seen.body["prompt"] == [ord(c) for c in "abcd"]
     assert d_seen.body["prompt"] == "abcdefghij"

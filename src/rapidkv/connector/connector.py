@@ -93,6 +93,12 @@ class RapidKVConnector(KVConnectorBase_V1):
                 self.config, self.instance_id, get_tensor_model_parallel_rank(), block_size
             )
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Our per-layer hooks (P's layer-by-layer sends, a split prefill's wait
+        for each layer on D) must run between layers: no full CUDA graphs."""
+        return True
+
     # -- worker side ------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:

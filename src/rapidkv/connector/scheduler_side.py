@@ -32,6 +32,7 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -628,16 +629,22 @@ class SchedulerSide:
         address = c.prefill_control
         assert address is not None
 
-        def failed(why: str) -> None:
+        def failed(why: str, answered: bool = True) -> None:
+            """`answered`: P said the transfer is over (or never reached P), so
+            no write of it can land; else (the RPC failed) a split prefill's
+            workers stop waiting only once P answered an Abort or cannot be
+            reached."""
             log.warning(
                 "rapidkv %s: transfer %s fails (%s); D recomputes", self.instance_id, c.xfer_id, why
             )
             with self._lock:
                 self.counters["recompute_fallbacks"] += 1
-                if c.split:
+                if not c.split:
+                    self._pending.recv_failed.append(c.req_id)
+                elif answered:
                     self._split_over(c.xfer_id, ok=False)
                 else:
-                    self._pending.recv_failed.append(c.req_id)
+                    self._abort_p(c, AbortReason.TIMEOUT, then=self._split_over)
 
         deadline = time.monotonic() + self.config.rpc_timeout_s
         backoff = [0.05]
@@ -649,7 +656,7 @@ class SchedulerSide:
             try:
                 reply = fut.result()
             except Exception as e:
-                failed(f"TransferKV: {type(e).__name__}: {e}")
+                failed(f"TransferKV: {type(e).__name__}: {e}", answered=False)
                 return
             # a split prefill's tail is computing now, waiting for the head: no retries
             retry = reply.code in (Code.NOT_FOUND, Code.BUSY) and not c.split
@@ -687,16 +694,28 @@ class SchedulerSide:
         if self._bypass is not None:
             self._bypass.send(BypassMsg(kind="recv_over", xfer_id=xfer_id, ok=ok))
 
-    def _abort_p(self, c: Consumed, reason: AbortReason, report: bool = False) -> None:
+    def _abort_p(
+        self,
+        c: Consumed,
+        reason: AbortReason,
+        report: bool = False,
+        then: Callable[[str, bool], None] | None = None,
+    ) -> None:
+        """Send P an Abort of `c`'s transfer; once it is answered (or failed):
+        report the request failed (`report`), call `then(xfer_id, False)`."""
         if not c.prefill_control:
             if report:
                 self._pending.recv_failed.append(c.req_id)
+            if then is not None:
+                then(c.xfer_id, False)
             return
 
         def done(fut: Any) -> None:
-            if report:
-                with self._lock:
+            with self._lock:
+                if report:
                     self._pending.recv_failed.append(c.req_id)
+                if then is not None:
+                    then(c.xfer_id, False)
 
         self.client.submit(
             c.prefill_control, Abort(xfer_id=c.xfer_id, reason=reason), self.config.rpc_timeout_s

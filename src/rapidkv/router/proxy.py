@@ -301,18 +301,14 @@ class Router:
                 d_content = raw
             else:
                 p_index, ex.prefill = self._acquire("prefill")
+                split, ids = 0, None
                 try:
                     ex.prefill = await self._with_control(ex.prefill, ex)
+                    if mode == "dual" and self._may_split(ex, body, p_index):
+                        split, ids = await self._split_point(ex, body)
                 except BaseException:
                     self._release("prefill", p_index)
                     raise
-                split, ids = 0, None
-                if mode == "dual" and self._may_split(ex, body, p_index):
-                    timeout = self.config.connect_timeout_s
-                    ids = await prompt_ids(self.http, ex.prefill.url, body, timeout)
-                    block = ex.prefill.block_size
-                    assert block is not None
-                    split = split_point(len(ids), block, self.config.split_fraction) if ids else 0
                 if split:
                     assert ids is not None
                     stitching = False  # P's token ends the head, not the prompt
@@ -361,6 +357,20 @@ class Router:
             gone.cancel()
             if relay is not None and not relay.done():
                 relay.cancel()
+
+    async def _split_point(self, ex: Exchange, body: Body) -> tuple[int, list[int] | None]:
+        """The head P computes (0: no split) and the prompt's token ids."""
+        assert ex.prefill is not None and ex.prefill.block_size is not None
+        ids = await prompt_ids(
+            self.http,
+            ex.prefill.url,
+            body,
+            self.config.connect_timeout_s,
+            {k: v for k, v in ex.upstream_headers.items() if k == "authorization"},
+        )
+        if not ids:
+            return 0, None
+        return split_point(len(ids), ex.prefill.block_size, self.config.split_fraction), ids
 
     def _may_split(self, ex: Exchange, body: Body, p_index: int) -> bool:
         """Split this request's prefill: enabled, possible for this request and

@@ -32,7 +32,8 @@ from rapidkv.router.rewrite import Body, Endpoint, prefill_body
 from rapidkv.router.upstream import UPSTREAM_ERRORS, post_json
 
 # completions parameters under which the prompt's own outputs are needed
-NOT_SPLITTABLE = ("echo", "prompt_logprobs", "suffix")
+# (and truncation, which would make P's head differ from D's prompt)
+NOT_SPLITTABLE = ("echo", "prompt_logprobs", "suffix", "truncate_prompt_tokens")
 
 
 def splittable(body: Body, endpoint: Endpoint) -> bool:
@@ -55,7 +56,11 @@ def split_point(num_tokens: int, block_size: int, fraction: float) -> int:
 
 
 async def prompt_ids(
-    http: aiohttp.ClientSession, base_url: str, body: Body, timeout: float
+    http: aiohttp.ClientSession,
+    base_url: str,
+    body: Body,
+    timeout: float,
+    headers: dict[str, str] | None = None,
 ) -> list[int] | None:
     """The prompt's token ids: given, or from the instance's ``/tokenize``
     (with the request's `add_special_tokens`, as its completion would); None if
@@ -68,7 +73,7 @@ async def prompt_ids(
         if key in body:
             ask[key] = body[key]
     try:
-        status, raw = await post_json(http, base_url + "/tokenize", ask, timeout)
+        status, raw = await post_json(http, base_url + "/tokenize", ask, timeout, headers)
     except UPSTREAM_ERRORS:
         return None
     if status != 200:

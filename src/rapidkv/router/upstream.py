@@ -52,8 +52,13 @@ async def get(
 
 
 async def post_json(
-    http: aiohttp.ClientSession, url: str, body: Any, timeout: float
+    http: aiohttp.ClientSession,
+    url: str,
+    body: Any,
+    timeout: float,
+    headers: dict[str, str] | None = None,
 ) -> tuple[int, bytes]:
     """POST `body` as JSON, read the whole answer: (status, body)."""
-    async with http.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+    limit = aiohttp.ClientTimeout(total=timeout)
+    async with http.post(url, json=body, headers=headers, timeout=limit) as r:
         return r.status, await r.read()
