@@ -195,6 +195,17 @@ def workloads(tiny_model: Path, single_server_starter) -> dict[str, tuple[list, 
         out[name] = (prompts, complete_many(single.base_url, prompts, max_tokens))
     split_fail = random_prompts(tiny_model, [600, 700], seed=2100)
     out["split_fail"] = (split_fail, complete_many(single.base_url, split_fail, MAX_TOKENS))
+    # text prompts (the router tokenizes them on P): random ids, detokenized
+    texts = [
+        httpx.post(f"{single.base_url}/detokenize", json={"tokens": ids}, timeout=30).json()[
+            "prompt"
+        ]
+        for ids in random_prompts(tiny_model, [300, 450, 700], seed=2102)
+    ]
+    out["split_text"] = (
+        texts,
+        [complete_full(single.base_url, [], MAX_TOKENS, prompt=t).token_ids for t in texts],
+    )
     split_step = random_prompts(tiny_model, [500], seed=2101)
     out["split_step"] = (split_step, complete_many(single.base_url, split_step, MAX_TOKENS))
     for seed, name in enumerate(["late_p", "gone", "abort_d", "nothing"]):
@@ -488,6 +499,39 @@ def test_router_split_prefills_equal_single_instance_outputs(
         ),
         2.0,
     )
+    assert_back_to_baseline(pd_pair, before)
+
+
+def test_router_splits_a_text_prompt_after_tokenizing_it_on_p(
+    pd_pair: Pair, workloads: dict
+) -> None:
+    """A text prompt: the router asks P's /tokenize for its ids, sends P the
+    head's ids and D the text; D's own tokenization must agree (P checks the
+    head's hash), and the outputs are the single instance's for the same text."""
+    from rapidkv.harness.client import completion_body
+    from rapidkv.router.config import Instance, RouterConfig
+    from rapidkv.router.server import start_router
+
+    texts, expected = workloads["split_text"]
+    before = {"p": pd_pair.stats("p"), "d": pd_pair.stats("d")}
+    config = RouterConfig(
+        prefill=(Instance(pd_pair.p.base_url),),
+        decode=(Instance(pd_pair.d.base_url, pd_pair.d_control),),
+        port=0,
+    )
+    with start_router(config) as router, httpx.Client(timeout=120) as client:
+        outs = []
+        for text in texts:
+            body = completion_body([], MAX_TOKENS, prompt=text)
+            resp = client.post(f"{router.url}/v1/completions", json=body)
+            assert resp.status_code == 200, resp.text
+            outs.append(resp.json()["choices"][0]["token_ids"])
+        split = metric_sum(get_metrics(router.url), "rapidkv_router_split_prefills_total")
+    assert outs == expected
+    assert split == len(texts)
+    d = pd_pair.stats("d")
+    assert d.get("split_loads_ok", 0) - before["d"].get("split_loads_ok", 0) == len(texts)
+    assert pd_pair.stats("p").get("prompt_mismatch", 0) == before["p"].get("prompt_mismatch", 0)
     assert_back_to_baseline(pd_pair, before)
 
 
