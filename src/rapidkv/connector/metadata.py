@@ -70,8 +70,8 @@ class StepMeta(KVConnectorMetadata):
     expect_recv: dict[str, str] = field(default_factory=dict)  # D: xfer_id -> req_id
     recv_failed: list[str] = field(default_factory=list)  # D: req ids to report failed
     # D: split prefills this step computes the tail of, waiting layer by layer for
-    # the head's KV: xfer_id -> (req_id, the blocks P writes)
-    split_recv: dict[str, tuple[str, list[int]]] = field(default_factory=dict)
+    # the head's KV: xfer_id -> the blocks P writes
+    split_recv: dict[str, list[int]] = field(default_factory=dict)
     computes_prompt: bool = False  # P: the step computes prompt tokens of a transfer
     # P: bypass messages sent before this step was built; a worker applies all of
     # them before this step's tasks, so the step path never overtakes the bypass

@@ -113,7 +113,7 @@ class _Pending:
     release: list[str] = field(default_factory=list)
     expect: dict[str, str] = field(default_factory=dict)
     recv_failed: list[str] = field(default_factory=list)
-    split_recv: dict[str, tuple[str, list[int]]] = field(default_factory=dict)
+    split_recv: dict[str, list[int]] = field(default_factory=dict)
     rank_full: dict[int, list[Task]] = field(default_factory=dict)
 
 
@@ -280,7 +280,7 @@ class SchedulerSide:
         with self._lock:
             if c.split:
                 self.counters["split_prefills"] += 1
-                self._pending.split_recv[c.xfer_id] = (c.req_id, block_ids[first_block:])
+                self._pending.split_recv[c.xfer_id] = block_ids[first_block:]
             else:
                 self._pending.expect[c.xfer_id] = c.req_id
         self.counters["transfer_kv_sent"] += 1
@@ -447,11 +447,7 @@ class SchedulerSide:
             msg.num_tokens,
             msg.notify_layers,
         )
-        # a split prefill's head always goes layer by layer as computed: D's
-        # forward is waiting for each layer (in step/bypass mode it would wait
-        # for the whole head when the TransferKV came after P's step began)
-        mode = "substep" if msg.notify_layers else msg.transfer_kv_mode
-        mode = mode or self.config.transfer_kv_mode
+        mode = self._mode(msg)
         p.accept(window, reply, self.block_size, mode)
         self._event(p.xfer_id, "accepted")
         if mode != "step":
@@ -855,10 +851,18 @@ class SchedulerSide:
         else:
             state = "between_steps"
         old = self._timelines[msg.xfer_id]
-        mode = msg.transfer_kv_mode or self.config.transfer_kv_mode
         self._timelines[msg.xfer_id] = XferTimeline(
-            events=old.events, state_at_arrival=state, mode=mode
+            events=old.events, state_at_arrival=state, mode=self._mode(msg)
         )
+
+    def _mode(self, msg: TransferKV) -> str:
+        """The `transfer_kv_mode` P serves `msg` in: the request's, else P's.
+        A split prefill's head always goes layer by layer as computed (D's
+        forward waits for each layer; in step/bypass mode it would wait for the
+        whole head when the TransferKV came after P's step began)."""
+        if msg.notify_layers:
+            return "substep"
+        return msg.transfer_kv_mode or self.config.transfer_kv_mode
 
     def timeline(self, xfer_ids: list[str]) -> Timeline:
         """Events of these transfers (P's, and on a D `d_admitted`,

@@ -54,7 +54,6 @@ SPLIT_MEMORY = 1024  # finished split loads whose late SendDones are dropped
 class SplitLoad:
     """A split prefill's head, loaded while this step computes the tail."""
 
-    req_id: str
     blocks: list[int]  # what P writes: invalid unless every layer landed
     deadline: float  # perf_counter(): stop waiting, whatever P says
     ok: bool | None = None  # None: layers still arriving
@@ -176,9 +175,11 @@ class WorkerSide:
         self._expect.update(meta.expect_recv)
         for req_id in meta.recv_failed:
             self._fail_recv(req_id)
-        deadline = time.perf_counter() + self.config.rpc_timeout_s + self.config.write_timeout_s
-        for xfer_id, (req_id, blocks) in meta.split_recv.items():
-            self._splits[xfer_id] = SplitLoad(req_id, blocks, deadline)
+        if meta.split_recv:
+            wait_s = self.config.rpc_timeout_s + self.config.write_timeout_s
+            deadline = time.perf_counter() + wait_s
+            for xfer_id, blocks in meta.split_recv.items():
+                self._splits[xfer_id] = SplitLoad(blocks, deadline)
         kvt.set_awaiting(bool(self._expect or self._splits))
         self.step_id = meta.step_id
         self._computes_prompt = meta.computes_prompt

@@ -113,12 +113,23 @@ def stitchable(body: Body, endpoint: Endpoint) -> bool:
         return False
     if any(body.get(key) not in (None, False, [], "") for key in NOT_STITCHABLE):
         return False
-    prompt = body.get("prompt")
-    single = isinstance(prompt, str) or (
-        isinstance(prompt, list) and bool(prompt) and all(_non_negative_int(t) for t in prompt)
-    )
     max_tokens = body.get("max_tokens")
-    return single and (max_tokens is None or (_non_negative_int(max_tokens) and max_tokens >= 1))
+    return single_prompt(body) and (
+        max_tokens is None or (_non_negative_int(max_tokens) and max_tokens >= 1)
+    )
+
+
+def single_prompt(body: Body) -> bool:
+    """The body's `prompt` is one prompt: text, or token ids."""
+    prompt = body.get("prompt")
+    return isinstance(prompt, str) or token_ids(prompt) is not None
+
+
+def token_ids(value: Any) -> list[int] | None:
+    """`value` if it is a non-empty list of token ids, else None."""
+    if isinstance(value, list) and value and all(_non_negative_int(t) for t in value):
+        return value
+    return None
 
 
 def _non_negative_int(value: Any) -> bool:

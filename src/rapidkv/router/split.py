@@ -28,7 +28,7 @@ from typing import Any
 
 import aiohttp
 
-from rapidkv.router.rewrite import Body, Endpoint, prefill_body
+from rapidkv.router.rewrite import Body, Endpoint, prefill_body, single_prompt, token_ids
 from rapidkv.router.upstream import UPSTREAM_ERRORS, post_json
 
 # completions parameters under which the prompt's own outputs are needed
@@ -43,8 +43,7 @@ def splittable(body: Body, endpoint: Endpoint) -> bool:
         return False
     if any(body.get(key) not in (None, False, [], "") for key in NOT_SPLITTABLE):
         return False
-    prompt = body.get("prompt")
-    return isinstance(prompt, str) or _token_ids(prompt) is not None
+    return single_prompt(body)
 
 
 def split_point(num_tokens: int, block_size: int, fraction: float) -> int:
@@ -65,7 +64,7 @@ async def prompt_ids(
     """The prompt's token ids: given, or from the instance's ``/tokenize``
     (with the request's `add_special_tokens`, as its completion would); None if
     it cannot tell."""
-    ids = _token_ids(body.get("prompt"))
+    ids = token_ids(body.get("prompt"))
     if ids is not None:
         return ids
     ask: dict[str, Any] = {"prompt": body["prompt"]}
@@ -79,7 +78,7 @@ async def prompt_ids(
     if status != 200:
         return None
     try:
-        return _token_ids(json.loads(raw).get("tokens"))
+        return token_ids(json.loads(raw).get("tokens"))
     except (ValueError, AttributeError):
         return None
 
@@ -89,13 +88,3 @@ def head_body(body: Body, xfer_id: str, ids: list[int], head: int) -> Body:
     out = prefill_body(body, "completions", xfer_id, first_token=False)
     out["prompt"] = ids[:head]
     return out
-
-
-def _token_ids(value: Any) -> list[int] | None:
-    if (
-        isinstance(value, list)
-        and value
-        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
-    ):
-        return value
-    return None
