@@ -538,29 +538,46 @@ def test_router_splits_a_text_prompt_after_tokenizing_it_on_p(
 def test_a_split_prefills_head_goes_layer_by_layer_whatever_the_mode(
     pd_pair: Pair, workloads: dict
 ) -> None:
-    """A split prefill asked for in `step` mode: P still sends the head layer by
-    layer (D's forward is waiting for each layer), as a substep if its step had
-    begun; the output is the single instance's."""
+    """A split prefill asked for in `step` mode whose TransferKV reaches P while
+    P computes the head's last chunk: in step mode that chunk would go after the
+    step, but a head goes layer by layer whatever the mode (D's forward waits for
+    each layer), so P attaches it to the step in flight as a substep. The output
+    is the single instance's."""
+    from rapidkv.control.messages import TimelineRequest
+
     (ids,), (want,) = workloads["split_step"]
     before = {"p": pd_pair.stats("p"), "d": pd_pair.stats("d")}
     pk, dk = pd_pair.params("split-step", mode="step")
-    dk["rapidkv"]["split_tokens"] = 3 * BLOCK
+    head = 3 * BLOCK  # two chunks on P (256 tokens per step)
+    dk["rapidkv"]["split_tokens"] = head
+
+    def timeline() -> XferTimeline:
+        xfers = pd_pair.rpc.call(pd_pair.p_control, TimelineRequest(["split-step"]), 10).xfers
+        return xfers.get("split-step", XferTimeline())
 
     async def main():
         async with httpx.AsyncClient() as client:
+            to_p = asyncio.create_task(
+                acomplete_full(client, pd_pair.p.base_url, ids[:head], 1, kv_transfer_params=pk)
+            )
+            deadline = time.monotonic() + 20
+            while "last_chunk_begin" not in timeline().events:
+                assert time.monotonic() < deadline, "P never started the head's last chunk"
+                await asyncio.sleep(0.005)
             to_d = acomplete_full(
                 client, pd_pair.d.base_url, ids, MAX_TOKENS, kv_transfer_params=dk
             )
-            to_p = acomplete_full(
-                client, pd_pair.p.base_url, ids[: 3 * BLOCK], 1, kv_transfer_params=pk
-            )
-            return (await asyncio.gather(to_d, to_p))[0]
+            out = await to_d
+            await to_p
+            return out
 
     assert asyncio.run(main()).token_ids == want
+    assert timeline().state_at_arrival == "last_chunk"
+    assert timeline().mode == "substep"
     d = pd_pair.stats("d")
     assert d.get("split_loads_ok", 0) == before["d"].get("split_loads_ok", 0) + 1
     p = pd_pair.stats("p")
-    assert p.get("steps_with_layer_sends", 0) > before["p"].get("steps_with_layer_sends", 0)
+    assert p.get("substeps_opened", 0) == before["p"].get("substeps_opened", 0) + 1
     assert_back_to_baseline(pd_pair, before)
 
 
