@@ -243,8 +243,8 @@ def test_a_load_stops_sending_after_a_request_times_out() -> None:
 def test_bench_serve_runs_single_and_rapidkv_and_matches(tmp_path: Path) -> None:
     """Two requests through `rapidkv` (`single` only computes the reference):
     every output equals the reference, the JSON has the documented keys and
-    positive figures, the rapidkv decode instance received the prompts' KV, and
-    only the router that configuration uses was started."""
+    positive figures, the rapidkv decode instance received the prompts' KV, only
+    the router that configuration uses was started, and it runs on P's core."""
     out = tmp_path / "serve.json"
     t0 = time.monotonic()
     proc = subprocess.run(
@@ -294,5 +294,8 @@ def test_bench_serve_runs_single_and_rapidkv_and_matches(tmp_path: Path) -> None
     assert (tmp_path / "serve.png").stat().st_size > 0
     fronts = sorted(p.name for p in (tmp_path / "logs").rglob("rapidkv.router*.log"))
     assert fronts == ["rapidkv.router-dual.log"]
+    # P and the router share core 0; D's core runs D alone
+    affinity = report["configs"]["rapidkv"]["affinity"]
+    assert affinity == {"prefill": ["0"], "decode": ["1"], "router-dual": ["0"]}
     assert "result: OK" in proc.stdout
     print(f"bench serve smoke: {elapsed:.0f}s")

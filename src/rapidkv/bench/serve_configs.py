@@ -1,9 +1,11 @@
 """`rapidkv bench serve`: the configurations compared, and the server groups behind them.
 
 A *group* is what is started together: vLLM servers (pinned: P or the first
-instance on core 0, D or the second on core 1, `single` on core 0) plus the
-HTTP front the client talks to (the rapidkv router, or the NIXL serial proxy
-`serve_proxy`), each front a process of its own. Several configurations can
+instance on core 0, D or the second on core 1, `single` on core 1, where every
+decode runs) plus the HTTP front the client talks to (the rapidkv router, or the
+NIXL serial proxy `serve_proxy`), each front a process of its own, pinned to
+core 0 (`FRONT_CPU`): a front that floats lands on the decoding core and takes
+its time from every token it relays. Several configurations can
 share a group: every rapidkv configuration runs on one P/D pair, behind a
 dual-dispatch and a serial-dispatch router started side by side, and a
 configuration differs from another only by its front and by the
@@ -53,7 +55,7 @@ def _rapidkv(name: str, front: str, what: str, mode: str | None = None) -> Confi
 CONFIGS: dict[str, Config] = {
     c.name: c
     for c in (
-        Config("single", "single", None, "one vLLM instance, no connector, core 0"),
+        Config("single", "single", None, "one vLLM instance, no connector, core 1"),
         Config(
             "dp2",
             "dp2",
@@ -194,10 +196,10 @@ class RunningGroup:
         return out
 
     def affinity(self) -> dict[str, list[str]]:
-        """Per server, the distinct CPU lists its threads may run on (after start-up)."""
+        """Per server and front, the distinct CPU lists its threads may run on."""
         from rapidkv.harness.procs import tree_affinity
 
-        return {key: tree_affinity(s.process.live_pids()) for key, s in self.servers.items()}
+        return {name: tree_affinity(proc.live_pids()) for name, proc in self.trees().items()}
 
     def stop(self) -> None:
         """Stop fronts, then servers; the first error is raised after all were tried."""
@@ -246,6 +248,8 @@ def start_group(
 
 
 COMMON_ARGS = ("--no-enable-prefix-caching",)
+SINGLE_CPU = 1  # D's core: `single`'s decode and D's run on the same core
+FRONT_CPU = 0  # P's core: routers and proxies stay off the decoding core
 PROMPT_TOKENS_METRIC = "vllm:prompt_tokens_by_source_total"
 
 FrontPlan = Callable[[RunningGroup], list[tuple[str, list[str]]]]
@@ -265,7 +269,7 @@ def _group_plan(
         return ServerSpec(model=model, name=name, role=role, cpus=(cpu,), extra_args=args, **kw)  # type: ignore[arg-type]
 
     if name == "single":
-        return [("single", spec("single", "single", 0))], lambda g: []
+        return [("single", spec("single", "single", SINGLE_CPU))], lambda g: []
     if name == "dp2":
         specs = [("a", spec("dp2-a", "single", 0)), ("b", spec("dp2-b", "single", 1))]
 
@@ -345,13 +349,13 @@ def _start_front(name: str, argv: list[str], log_dir: Path, timeout: float = 60.
     import httpx
 
     from rapidkv.harness import ManagedProcess, wait_until
-    from rapidkv.harness.server import SRC_DIR
+    from rapidkv.harness.server import SRC_DIR, pinned
 
     port = argv[argv.index("--port") + 1]
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC_DIR), env.get("PYTHONPATH")]))
-    proc = ManagedProcess(argv, env, log_dir / f"{name}.log", name=name)
+    proc = ManagedProcess(pinned(argv, (FRONT_CPU,)), env, log_dir / f"{name}.log", name=name)
 
     def healthy() -> bool:
         if proc.returncode() is not None:

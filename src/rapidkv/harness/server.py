@@ -125,12 +125,7 @@ class ServerSpec:
         if self.kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(dict(self.kv_transfer_config))]
         cmd += list(self.extra_args)
-        if self.cpus is not None:
-            taskset = shutil.which("taskset")
-            if taskset is None:
-                raise RuntimeError("pinning needs `taskset` (util-linux)")
-            cmd = [taskset, "-c", _cpu_list(self.cpus), *cmd]
-        return cmd
+        return cmd if self.cpus is None else pinned(cmd, self.cpus)
 
     def environment(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
         """The server's environment, built from `base` (default: this process's)."""
@@ -178,6 +173,14 @@ def model_dtype(model_dir: Path) -> str | None:
         return None
     value = config.get("dtype") or config.get("torch_dtype")
     return str(value) if value else None
+
+
+def pinned(cmd: Sequence[str], cpus: Sequence[int]) -> list[str]:
+    """`cmd` run under `taskset -c`: it and every child may use only `cpus`."""
+    taskset = shutil.which("taskset")
+    if taskset is None:
+        raise RuntimeError("pinning needs `taskset` (util-linux)")
+    return [taskset, "-c", _cpu_list(cpus), *cmd]
 
 
 def _cpu_list(cpus: Sequence[int]) -> str:
