@@ -124,10 +124,15 @@ def test_same_tokens_after_restart(
     before = complete_many(single_server.base_url, prompts, MAX_TOKENS)
     _assert_informative(before)
     old_pid = single_server.pid
+    old_tmp = single_server.tmp_dir
+    # vLLM's IPC sockets live in the server's own TMPDIR, not in the shared one
+    assert old_tmp is not None and any(old_tmp.iterdir())
 
     (restarted,) = server_pool.restart("single")
 
     assert restarted.running and restarted.pid != old_pid
     assert not single_server.running
+    assert not old_tmp.exists()  # removed with the stopped tree
+    assert restarted.tmp_dir is not None and any(restarted.tmp_dir.iterdir())
     after = complete_many(restarted.base_url, prompts, MAX_TOKENS)
     assert after == before

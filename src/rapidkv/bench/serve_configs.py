@@ -5,7 +5,8 @@ instance on core 0, D or the second on core 1, `single` on core 1, where every
 decode runs) plus the HTTP front the client talks to (the rapidkv router, or the
 NIXL serial proxy `serve_proxy`), each front a process of its own, pinned to
 core 0 (`FRONT_CPU`): a front that floats lands on the decoding core and takes
-its time from every token it relays. Several configurations can
+its time from every token it relays (not in the `-stock` NIXL groups, whose P
+runs on both cores). Several configurations can
 share a group: every rapidkv configuration runs on one P/D pair, behind a
 dual-dispatch and a serial-dispatch router started side by side, and a
 configuration differs from another only by its front and by the
@@ -229,6 +230,9 @@ def start_group(
 
     t0 = time.monotonic()
     keyed, plan = _group_plan(name, model, log_dir, tuple(extra_args))
+    # the stock NIXL setup spreads P over both cores and busy-polls UCX there: a
+    # front pinned to core 0 starved (requests timed out, SIGKILL took > 15 s)
+    cpus = None if name.endswith("-stock") else (FRONT_CPU,)
     servers = start_servers([spec for _, spec in keyed], log_dir)
     group = RunningGroup(name, {key: s for (key, _), s in zip(keyed, servers, strict=True)})
     group.controls = {
@@ -239,7 +243,7 @@ def start_group(
     try:
         for front, argv in plan(group):
             if fronts is None or front in fronts:
-                group.fronts[front] = _start_front(f"{name}.{front}", argv, log_dir)
+                group.fronts[front] = _start_front(f"{name}.{front}", argv, log_dir, cpus)
     except BaseException:
         group.stop()
         raise
@@ -344,8 +348,15 @@ def _router_argv(dispatch: str, prefill: list[str], decode: list[str]) -> list[s
     return [*argv, "--port", str(free_port()), "--log-level", "warning"]
 
 
-def _start_front(name: str, argv: list[str], log_dir: Path, timeout: float = 60.0) -> Front:
-    """Start a front process (its argv ends with `--port N ...`) and wait for its /health."""
+def _start_front(
+    name: str,
+    argv: list[str],
+    log_dir: Path,
+    cpus: tuple[int, ...] | None = (FRONT_CPU,),
+    timeout: float = 60.0,
+) -> Front:
+    """Start a front process (its argv ends with `--port N ...`), pinned to `cpus`
+    unless None, and wait for its /health."""
     import httpx
 
     from rapidkv.harness import ManagedProcess, wait_until
@@ -355,7 +366,8 @@ def _start_front(name: str, argv: list[str], log_dir: Path, timeout: float = 60.
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC_DIR), env.get("PYTHONPATH")]))
-    proc = ManagedProcess(pinned(argv, (FRONT_CPU,)), env, log_dir / f"{name}.log", name=name)
+    cmd = argv if cpus is None else pinned(argv, cpus)
+    proc = ManagedProcess(cmd, env, log_dir / f"{name}.log", name=name)
 
     def healthy() -> bool:
         if proc.returncode() is not None:

@@ -18,6 +18,10 @@ Invariants:
   watchdog kills it if the Python process that started it dies.
 * `start` returns only once `/health` answers 200; otherwise it stops the tree
   and raises `ServerStartError` carrying the log tail.
+* Each launch gets a temporary directory of its own as `TMPDIR` and
+  `VLLM_RPC_BASE_PATH` (vLLM's ZMQ IPC sockets and torch.distributed's init
+  files land there, and a killed engine does not unlink them); `stop` removes it
+  once the tree is gone. A `ServerSpec.env` that sets either variable wins.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -201,6 +206,7 @@ class VLLMServer:
         self.log_dir = Path(log_dir)
         self.log_path = self.log_dir / f"{spec.name}.log"
         self.process: ManagedProcess | None = None
+        self.tmp_dir: Path | None = None  # this launch's TMPDIR, removed by stop
         self.port = 0
         self.startup_s: float | None = None
         self._t_launch = 0.0
@@ -221,9 +227,15 @@ class VLLMServer:
         self.port = self.spec.port if self.spec.port is not None else free_port()
         self._t_launch = time.monotonic()
         self.startup_s = None
+        self._remove_tmp_dir()  # a relaunch after a port clash: the tree is stopped
+        self.tmp_dir = Path(tempfile.mkdtemp(prefix="rapidkv-vllm-"))
+        env = self.spec.environment()
+        for name in ("TMPDIR", "VLLM_RPC_BASE_PATH"):
+            if name not in self.spec.env:
+                env[name] = str(self.tmp_dir)
         self.process = ManagedProcess(
             self.spec.argv(self.port),
-            self.spec.environment(),
+            env,
             self.log_path,
             name=f"{self.spec.name}:{self.port}",
         )
@@ -261,7 +273,7 @@ class VLLMServer:
         proc = self._proc()
         tail = proc.log_tail()
         with contextlib.suppress(Exception):
-            proc.stop()
+            self.stop()
         raise ServerStartError(
             f"vLLM server {self.spec.name!r} (port {self.port}, pid {proc.pid}) {why}; "
             f"log {self.log_path}, last lines:\n{tail}"
@@ -272,7 +284,16 @@ class VLLMServer:
         with self._lock:
             if self.process is None:
                 return None
-            return self.process.stop()
+            try:
+                return self.process.stop()
+            finally:
+                if self.process.stopped:
+                    self._remove_tmp_dir()
+
+    def _remove_tmp_dir(self) -> None:
+        if self.tmp_dir is not None:
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+            self.tmp_dir = None
 
     def restart(self) -> None:
         """Stop, then start again from the same spec (a new port unless the spec fixes one)."""
