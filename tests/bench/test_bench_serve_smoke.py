@@ -17,7 +17,7 @@ import pytest
 from rapidkv.bench.serve_loads import Load
 from rapidkv.bench.serve_nixl_tuning import guarded_setaffinity, parse_cpus, patch_nixl_api
 from rapidkv.bench.serve_proxy import prefill_body
-from rapidkv.bench.serve_report import to_json
+from rapidkv.bench.serve_report import acceptance_report, to_json
 from rapidkv.bench.serve_stats import (
     Reference,
     RequestResult,
@@ -132,6 +132,29 @@ def test_a_load_summary_counts_verdicts_errors_throughput_and_cpu() -> None:
 
 
 @pytest.mark.unit
+def test_acceptance_ratios_and_the_connector_floor_which_is_no_target() -> None:
+    def config(ttft: float, tpot: float) -> dict:
+        load = {"ttft_ms": {"p50": ttft, "mean": ttft}, "tpot_ms": {"p50": tpot}}
+        return {"hard_mismatches": 0, "loads": {"c1": load, "c4": load}}
+
+    configs = {
+        "single": config(50.0, 5.0),
+        "single-noop-connector": config(50.0, 6.0),  # 1.2x: above 1.05, yet no target
+        "vllm-nixl": config(80.0, 5.5),
+        "rapidkv": config(40.0, 5.1),
+    }
+    a = acceptance_report(configs)
+    assert a["ttft_p50_rapidkv_over_vllm_nixl_c1"] == pytest.approx(0.5)
+    assert a["tpot_p50_rapidkv_over_single_c4"] == pytest.approx(1.02)
+    assert a["floor_tpot_p50_noop_connector_over_single_c1"] == pytest.approx(1.2)
+    assert a["floor_tpot_p50_rapidkv_over_noop_connector_c1"] == pytest.approx(0.85)
+    assert a["met"] is True
+    configs["rapidkv"] = config(40.0, 5.3)  # 1.06x single
+    assert acceptance_report(configs)["met"] is False
+    del configs["single-noop-connector"]
+    assert math.isnan(acceptance_report(configs)["floor_tpot_p50_noop_connector_over_single_c1"])
+
+
 def test_the_json_output_is_strict_json_with_null_for_missing_figures() -> None:
     text = to_json({"p50": math.nan, "n": 3, "ids": (1, 2), "inf": math.inf, "dir": Path("/x")})
     assert json.loads(text) == {"p50": None, "n": 3, "ids": [1, 2], "inf": None, "dir": "/x"}
@@ -241,7 +264,8 @@ def test_a_load_stops_sending_after_a_request_times_out() -> None:
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_bench_serve_runs_single_and_rapidkv_and_matches(tmp_path: Path) -> None:
-    """Two requests through `rapidkv` (`single` only computes the reference):
+    """Two requests through `rapidkv` and through one instance with the no-op KV
+    connector (`single` only computes the reference):
     every output equals the reference, the JSON has the documented keys and
     positive figures, the rapidkv decode instance received the prompts' KV, only
     the router that configuration uses was started, and it runs on P's core."""
@@ -255,7 +279,7 @@ def test_bench_serve_runs_single_and_rapidkv_and_matches(tmp_path: Path) -> None
             "bench",
             "serve",
             "--configs",
-            "rapidkv",
+            "rapidkv,single-noop-connector",
             "--requests",
             "2",
             "--loads",
@@ -277,7 +301,7 @@ def test_bench_serve_runs_single_and_rapidkv_and_matches(tmp_path: Path) -> None
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["ok"] is True and report["reference"]["tiny"]["error"] is None
-    assert set(report["configs"]) == {"rapidkv"}
+    assert set(report["configs"]) == {"rapidkv", "single-noop-connector"}
     for name, config in report["configs"].items():
         assert config["error"] is None and config["startup_s"] > 0, name
         c1 = config["loads"]["c1"]
@@ -297,5 +321,9 @@ def test_bench_serve_runs_single_and_rapidkv_and_matches(tmp_path: Path) -> None
     # P and the router share core 0; D's core runs D alone
     affinity = report["configs"]["rapidkv"]["affinity"]
     assert affinity == {"prefill": ["0"], "decode": ["1"], "router-dual": ["0"]}
+    # the no-op connector was loaded (vLLM logs the class it creates) and changed nothing
+    noop_log = next((tmp_path / "logs").rglob("single-noop-connector.log")).read_text()
+    assert "NoopConnector" in noop_log
+    assert report["configs"]["single-noop-connector"]["affinity"] == {"single": ["1"]}
     assert "result: OK" in proc.stdout
     print(f"bench serve smoke: {elapsed:.0f}s")

@@ -58,6 +58,14 @@ CONFIGS: dict[str, Config] = {
     for c in (
         Config("single", "single", None, "one vLLM instance, no connector, core 1"),
         Config(
+            "single-noop-connector",
+            "single-noop-connector",
+            None,
+            "one vLLM instance, core 1, with a KV connector whose every hook does nothing "
+            "(rapidkv.connector.noop): vLLM's connector path alone, the floor under "
+            "any connector's decode",
+        ),
+        Config(
             "dp2",
             "dp2",
             "router-local",
@@ -117,6 +125,7 @@ CONFIGS: dict[str, Config] = {
 
 GROUPS: tuple[str, ...] = (
     "single",
+    "single-noop-connector",
     "dp2",
     "vllm-nixl",
     "vllm-nixl-stock",
@@ -274,6 +283,14 @@ def _group_plan(
 
     if name == "single":
         return [("single", spec("single", "single", SINGLE_CPU))], lambda g: []
+    if name == "single-noop-connector":
+        kv = {
+            "kv_connector": "NoopConnector",
+            "kv_connector_module_path": "rapidkv.connector.noop",
+            "kv_role": "kv_both",
+        }
+        noop = spec(name, "single", SINGLE_CPU, kv_transfer_config=kv)
+        return [("single", noop)], lambda g: []
     if name == "dp2":
         specs = [("a", spec("dp2-a", "single", 0)), ("b", spec("dp2-b", "single", 1))]
 
