@@ -258,6 +258,28 @@ def test_a_load_stops_sending_after_a_request_times_out() -> None:
     assert 0.5 <= wall < 5
 
 
+def test_a_load_runs_its_client_on_the_cpus_given_and_gives_them_back() -> None:
+    import os
+
+    from rapidkv.bench.serve_loads import run_load
+    from rapidkv.router.server import ThreadedServer
+
+    before = os.sched_getaffinity(0)
+    seen: list[set[int]] = []
+    with ThreadedServer(_fake_vllm(stall_on=9)) as server:
+        results, _ = run_load(
+            server.url,
+            [[1], [2]],
+            2,
+            Load.parse("c1"),
+            on_done=lambda: seen.append(os.sched_getaffinity(0)),
+            cpus={0},
+        )
+    assert [r.error for r in results] == [None, None]
+    assert seen == [{0}, {0}]  # on_done runs in the client's event loop
+    assert os.sched_getaffinity(0) == before
+
+
 # ---------------------------------------------------------------- smoke
 
 

@@ -6,7 +6,8 @@ decode runs) plus the HTTP front the client talks to (the rapidkv router, or the
 NIXL serial proxy `serve_proxy`), each front a process of its own, pinned to
 core 0 (`FRONT_CPU`): a front that floats lands on the decoding core and takes
 its time from every token it relays (not in the `-stock` NIXL groups, whose P
-runs on both cores). Several configurations can
+runs on both cores). The client's event loop runs on core 0 too (`CLIENT_CPU`,
+during loads): core 1 runs the decoding instance alone. Several configurations can
 share a group: every rapidkv configuration runs on one P/D pair, behind a
 dual-dispatch and a serial-dispatch router started side by side, and a
 configuration differs from another only by its front and by the
@@ -263,6 +264,7 @@ def start_group(
 COMMON_ARGS = ("--no-enable-prefix-caching",)
 SINGLE_CPU = 1  # D's core: `single`'s decode and D's run on the same core
 FRONT_CPU = 0  # P's core: routers and proxies stay off the decoding core
+CLIENT_CPU = 0  # the benchmark's client too (left to float, it was woken on D's core)
 PROMPT_TOKENS_METRIC = "vllm:prompt_tokens_by_source_total"
 
 FrontPlan = Callable[[RunningGroup], list[tuple[str, list[str]]]]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import random
 import re
 import time
@@ -63,10 +64,19 @@ def run_load(
     seed: int = 0,
     timeout_s: float = 120.0,
     on_done: Callable[[], None] = lambda: None,
+    cpus: set[int] | None = None,
 ) -> tuple[list[RequestResult], float]:
     """Send every prompt under `load`; results in prompt order and the wall time
-    from the first request sent to the last response complete."""
-    return asyncio.run(_run(url, prompts, max_tokens, load, params, seed, timeout_s, on_done))
+    from the first request sent to the last response complete. With `cpus`, the
+    calling thread (the client's event loop) runs only there meanwhile."""
+    previous = os.sched_getaffinity(0)
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)  # pid 0: this thread only
+    try:
+        return asyncio.run(_run(url, prompts, max_tokens, load, params, seed, timeout_s, on_done))
+    finally:
+        if cpus is not None:
+            os.sched_setaffinity(0, previous)
 
 
 async def _run(
