@@ -7,8 +7,8 @@ NIXL serial proxy `serve_proxy`), each front a process of its own, pinned to
 core 0 (`FRONT_CPU`): a front that floats lands on the decoding core and takes
 its time from every token it relays (not in the `-stock` NIXL groups, whose P
 runs on both cores). The client's event loop runs on core 0 too (`CLIENT_CPU`,
-during loads): core 1 runs the decoding instance alone. Several configurations can
-share a group: every rapidkv configuration runs on one P/D pair, behind a
+during loads, again not for `-stock`): core 1 runs the decoding instance alone.
+Several configurations can share a group: every rapidkv configuration runs on one P/D pair, behind a
 dual-dispatch and a serial-dispatch router started side by side, and a
 configuration differs from another only by its front and by the
 `kv_transfer_params` the client adds to each request.
@@ -240,9 +240,7 @@ def start_group(
 
     t0 = time.monotonic()
     keyed, plan = _group_plan(name, model, log_dir, tuple(extra_args))
-    # the stock NIXL setup spreads P over both cores and busy-polls UCX there: a
-    # front pinned to core 0 starved (requests timed out, SIGKILL took > 15 s)
-    cpus = None if name.endswith("-stock") else (FRONT_CPU,)
+    cpus = (FRONT_CPU,) if pins_helpers(name) else None
     servers = start_servers([spec for _, spec in keyed], log_dir)
     group = RunningGroup(name, {key: s for (key, _), s in zip(keyed, servers, strict=True)})
     group.controls = {
@@ -265,6 +263,20 @@ COMMON_ARGS = ("--no-enable-prefix-caching",)
 SINGLE_CPU = 1  # D's core: `single`'s decode and D's run on the same core
 FRONT_CPU = 0  # P's core: routers and proxies stay off the decoding core
 CLIENT_CPU = 0  # the benchmark's client too (left to float, it was woken on D's core)
+
+
+def pins_helpers(group: str) -> bool:
+    """Whether the group's fronts and the client are pinned to core 0. Not in the
+    stock NIXL groups: their P spreads over both cores and busy-polls UCX there; a
+    front pinned to core 0 starved (requests timed out, SIGKILL took > 15 s)."""
+    return not group.endswith("-stock")
+
+
+def client_cpus(group: str) -> set[int] | None:
+    """Where the client's event loop runs while it measures `group` (None: anywhere)."""
+    return {CLIENT_CPU} if pins_helpers(group) else None
+
+
 PROMPT_TOKENS_METRIC = "vllm:prompt_tokens_by_source_total"
 
 FrontPlan = Callable[[RunningGroup], list[tuple[str, list[str]]]]
