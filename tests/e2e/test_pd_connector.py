@@ -15,7 +15,7 @@ import pytest
 
 from rapidkv.connector.config import kv_transfer_config
 from rapidkv.control.client import RpcClient
-from rapidkv.control.messages import StatsRequest, XferTimeline
+from rapidkv.control.messages import StatsRequest, TimelineRequest, XferTimeline
 from rapidkv.harness import ServerPool, VLLMServer, free_port, random_prompts
 from rapidkv.harness.client import (
     acomplete_full,
@@ -118,6 +118,34 @@ class Pair:
     def stats(self, which: str) -> dict[str, float]:
         address = self.p_control if which == "p" else self.d_control
         return self.rpc.call(address, StatsRequest(), 10).counters
+
+    def timeline(self, xfer_id: str) -> XferTimeline:
+        """P's connector timeline of one transfer (empty until P knows it)."""
+        xfers = self.rpc.call(self.p_control, TimelineRequest([xfer_id]), 10).xfers
+        return xfers.get(xfer_id, XferTimeline())
+
+    def d_during_last_chunk(
+        self, xfer_id: str, p_ids: list[int], d_ids: list[int], pk: dict, dk: dict
+    ):
+        """Send P its request; once P's timeline shows it computing the prompt's
+        last chunk, send D's (its TransferKV reaches P mid-step). D's completion."""
+
+        async def main():
+            async with httpx.AsyncClient() as client:
+                to_p = asyncio.create_task(
+                    acomplete_full(client, self.p.base_url, p_ids, 1, kv_transfer_params=pk)
+                )
+                deadline = time.monotonic() + 20
+                while "last_chunk_begin" not in self.timeline(xfer_id).events:
+                    assert time.monotonic() < deadline, "P never started the last chunk"
+                    await asyncio.sleep(0.005)
+                out = await acomplete_full(
+                    client, self.d.base_url, d_ids, MAX_TOKENS, kv_transfer_params=dk
+                )
+                await to_p
+                return out
+
+        return asyncio.run(main())
 
     async def _one(
         self,
@@ -545,37 +573,15 @@ def test_a_split_prefills_head_goes_layer_by_layer_whatever_the_mode(
     step, but a head goes layer by layer whatever the mode (D's forward waits for
     each layer), so P attaches it to the step in flight as a substep. The output
     is the single instance's."""
-    from rapidkv.control.messages import TimelineRequest
-
     (ids,), (want,) = workloads["split_step"]
     before = {"p": pd_pair.stats("p"), "d": pd_pair.stats("d")}
     pk, dk = pd_pair.params("split-step", mode="step")
     head = 3 * BLOCK  # two chunks on P (256 tokens per step)
     dk["rapidkv"]["split_tokens"] = head
 
-    def timeline() -> XferTimeline:
-        xfers = pd_pair.rpc.call(pd_pair.p_control, TimelineRequest(["split-step"]), 10).xfers
-        return xfers.get("split-step", XferTimeline())
-
-    async def main():
-        async with httpx.AsyncClient() as client:
-            to_p = asyncio.create_task(
-                acomplete_full(client, pd_pair.p.base_url, ids[:head], 1, kv_transfer_params=pk)
-            )
-            deadline = time.monotonic() + 20
-            while "last_chunk_begin" not in timeline().events:
-                assert time.monotonic() < deadline, "P never started the head's last chunk"
-                await asyncio.sleep(0.005)
-            to_d = acomplete_full(
-                client, pd_pair.d.base_url, ids, MAX_TOKENS, kv_transfer_params=dk
-            )
-            out = await to_d
-            await to_p
-            return out
-
-    assert asyncio.run(main()).token_ids == want
-    assert timeline().state_at_arrival == "last_chunk"
-    assert timeline().mode == "substep"
+    assert pd_pair.d_during_last_chunk("split-step", ids[:head], ids, pk, dk).token_ids == want
+    assert pd_pair.timeline("split-step").state_at_arrival == "last_chunk"
+    assert pd_pair.timeline("split-step").mode == "substep"
     d = pd_pair.stats("d")
     assert d.get("split_loads_ok", 0) == before["d"].get("split_loads_ok", 0) + 1
     p = pd_pair.stats("p")
@@ -697,33 +703,12 @@ def test_transfer_kv_during_the_last_chunk_is_attached_as_a_substep(
     chunk: P attaches the chunk's blocks to the step in flight as a substep, the
     worker accepts it (the step has not frozen: 5 ms per layer), and every block
     goes exactly once. The output is the single instance's."""
-    from rapidkv.control.messages import TimelineRequest
-
     (ids,), (want,) = workloads["substep_late"]
     before = {"p": pd_pair.stats("p"), "d": pd_pair.stats("d")}
     pk, dk = pd_pair.params("substep-late", mode="substep")
 
-    def timeline() -> XferTimeline:
-        xfers = pd_pair.rpc.call(pd_pair.p_control, TimelineRequest(["substep-late"]), 10).xfers
-        return xfers.get("substep-late", XferTimeline())
-
-    async def main():
-        async with httpx.AsyncClient() as client:
-            to_p = asyncio.create_task(
-                acomplete_full(client, pd_pair.p.base_url, ids, 1, kv_transfer_params=pk)
-            )
-            deadline = time.monotonic() + 20
-            while "last_chunk_begin" not in timeline().events:
-                assert time.monotonic() < deadline, "P never started the last chunk"
-                await asyncio.sleep(0.005)
-            out = await acomplete_full(
-                client, pd_pair.d.base_url, ids, MAX_TOKENS, kv_transfer_params=dk
-            )
-            await to_p
-            return out
-
-    assert asyncio.run(main()).token_ids == want
-    assert timeline().state_at_arrival == "last_chunk"
+    assert pd_pair.d_during_last_chunk("substep-late", ids, ids, pk, dk).token_ids == want
+    assert pd_pair.timeline("substep-late").state_at_arrival == "last_chunk"
 
     def delta(which: str, name: str) -> float:
         return pd_pair.stats(which).get(name, 0) - before[which].get(name, 0)
@@ -910,32 +895,13 @@ def test_substeps_that_arrive_after_their_step_are_rolled_back_and_sent_once(
     attaches a substep to that step, but the bypass channel holds it 300 ms, so
     the step freezes first and the worker rejects it. P rolls it back and the
     next step sends it: every block exactly once, exact output, nothing leaks."""
-    from rapidkv.control.messages import TimelineRequest
-
     pair = small_p_pair
     (ids,), (expected,) = workloads["small_late"]
     before = {"p": pair.stats("p"), "d": pair.stats("d")}
     pk, dk = pair.params("late-sub", mode="substep")
 
-    def timeline():
-        return pair.rpc.call(pair.p_control, TimelineRequest(["late-sub"]), 10).xfers
-
-    async def main():
-        async with httpx.AsyncClient() as client:
-            to_p = asyncio.create_task(
-                acomplete_full(client, pair.p.base_url, ids, 1, kv_transfer_params=pk)
-            )
-            deadline = time.monotonic() + 20
-            while "last_chunk_begin" not in timeline().get("late-sub", XferTimeline()).events:
-                assert time.monotonic() < deadline, "P never started the last chunk"
-                await asyncio.sleep(0.005)
-            to_d = acomplete_full(client, pair.d.base_url, ids, MAX_TOKENS, kv_transfer_params=dk)
-            out = await to_d
-            await to_p
-            return out
-
-    assert asyncio.run(main()).token_ids == expected
-    assert timeline()["late-sub"].state_at_arrival == "last_chunk"
+    assert pair.d_during_last_chunk("late-sub", ids, ids, pk, dk).token_ids == expected
+    assert pair.timeline("late-sub").state_at_arrival == "last_chunk"
 
     def delta(which: str, name: str) -> float:
         return pair.stats(which).get(name, 0) - before[which].get(name, 0)
