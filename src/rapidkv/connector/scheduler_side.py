@@ -32,7 +32,6 @@ import logging
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -640,7 +639,7 @@ class SchedulerSide:
                 elif answered:
                     self._split_over(c.xfer_id, ok=False)
                 else:
-                    self._abort_p(c, AbortReason.TIMEOUT, then=self._split_over)
+                    self._abort_p(c, AbortReason.TIMEOUT, split_failed=True)
 
         deadline = time.monotonic() + self.config.rpc_timeout_s
         backoff = [0.05]
@@ -695,23 +694,22 @@ class SchedulerSide:
         c: Consumed,
         reason: AbortReason,
         report: bool = False,
-        then: Callable[[str, bool], None] | None = None,
+        split_failed: bool = False,
     ) -> None:
         """Send P an Abort of `c`'s transfer; once it is answered (or failed):
-        report the request failed (`report`), call `then(xfer_id, False)`."""
-        if not c.prefill_control:
-            if report:
-                self._pending.recv_failed.append(c.req_id)
-            if then is not None:
-                then(c.xfer_id, False)
-            return
+        report the request failed (`report`), end its split load as failed
+        (`split_failed`: no write can land any more)."""
 
-        def done(fut: Any) -> None:
+        def done(fut: Any = None) -> None:
             with self._lock:
                 if report:
                     self._pending.recv_failed.append(c.req_id)
-                if then is not None:
-                    then(c.xfer_id, False)
+                if split_failed:
+                    self._split_over(c.xfer_id, ok=False)
+
+        if not c.prefill_control:
+            done()
+            return
 
         self.client.submit(
             c.prefill_control, Abort(xfer_id=c.xfer_id, reason=reason), self.config.rpc_timeout_s
