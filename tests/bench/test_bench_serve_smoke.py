@@ -281,12 +281,12 @@ def test_a_load_runs_its_client_on_the_cpus_given_and_gives_them_back() -> None:
 
 
 def test_the_client_and_fronts_share_core_0_except_with_the_stock_nixl_setup() -> None:
-    from rapidkv.bench.serve_configs import CONFIGS, client_cpus
+    from rapidkv.bench.serve_configs import CONFIGS, helper_cpus
 
     for name in ("single", "dp2", "vllm-nixl", "rapidkv", "single-noop-connector"):
-        assert client_cpus(CONFIGS[name].group) == {0}, name
+        assert helper_cpus(CONFIGS[name].group) == {0}, name
     for name in ("vllm-nixl-stock", "vllm-nixl-push-stock"):
-        assert client_cpus(CONFIGS[name].group) is None, name
+        assert helper_cpus(CONFIGS[name].group) is None, name
 
 
 # ---------------------------------------------------------------- smoke

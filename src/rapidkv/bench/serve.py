@@ -331,7 +331,7 @@ class ModelRun:
         self.progress.advance(len(self.prompts))
 
     def warm_up(self, name: str, url: str) -> None:
-        from rapidkv.bench.serve_configs import CONFIGS, client_cpus
+        from rapidkv.bench.serve_configs import CONFIGS, helper_cpus
         from rapidkv.bench.serve_loads import Load, run_load
 
         n = self.opts.warmup
@@ -346,7 +346,7 @@ class ModelRun:
             params=CONFIGS[name].params,
             timeout_s=self.opts.timeout,
             on_done=self.progress.advance,
-            cpus=client_cpus(CONFIGS[name].group),
+            cpus=helper_cpus(CONFIGS[name].group),
         )
         self.configs[name].first_request_ms.append(results[0].e2e_ms)
         for r in results:
@@ -367,7 +367,7 @@ class ModelRun:
             self.configs[name].error = why
 
     def measure(self, name: str, group: Any, load: Any, rnd: int) -> None:
-        from rapidkv.bench.serve_configs import CONFIGS, client_cpus
+        from rapidkv.bench.serve_configs import CONFIGS, helper_cpus
         from rapidkv.bench.serve_loads import run_load
         from rapidkv.harness.procs import machine_busy_cpu_seconds, tree_cpu_seconds
 
@@ -385,7 +385,7 @@ class ModelRun:
             seed=self.opts.seed + rnd,
             timeout_s=self.opts.timeout,
             on_done=self.progress.advance,
-            cpus=client_cpus(config.group),
+            cpus=helper_cpus(config.group),
         )
         after = group.cpu_seconds()
         client = tree_cpu_seconds([os.getpid()]) - client_before

@@ -3,12 +3,12 @@
 A *group* is what is started together: vLLM servers (pinned: P or the first
 instance on core 0, D or the second on core 1, `single` on core 1, where every
 decode runs) plus the HTTP front the client talks to (the rapidkv router, or the
-NIXL serial proxy `serve_proxy`), each front a process of its own, pinned to
-core 0 (`FRONT_CPU`): a front that floats lands on the decoding core and takes
-its time from every token it relays (not in the `-stock` NIXL groups, whose P
-runs on both cores). The client's event loop runs on core 0 too (`CLIENT_CPU`,
-during loads, again not for `-stock`): core 1 runs the decoding instance alone.
-Several configurations can share a group: every rapidkv configuration runs on one P/D pair, behind a
+NIXL serial proxy `serve_proxy`), each front a process of its own. The fronts
+and, during loads, the client's event loop run on core 0 (`helper_cpus`), so
+that core 1 runs the decoding instance alone: left to float they were woken on
+the decoding core and took their time from every token relayed (not in the
+`-stock` NIXL groups, whose P runs on both cores). Several configurations can
+share a group: every rapidkv configuration runs on one P/D pair, behind a
 dual-dispatch and a serial-dispatch router started side by side, and a
 configuration differs from another only by its front and by the
 `kv_transfer_params` the client adds to each request.
@@ -240,7 +240,7 @@ def start_group(
 
     t0 = time.monotonic()
     keyed, plan = _group_plan(name, model, log_dir, tuple(extra_args))
-    cpus = (FRONT_CPU,) if pins_helpers(name) else None
+    cpus = helper_cpus(name)
     servers = start_servers([spec for _, spec in keyed], log_dir)
     group = RunningGroup(name, {key: s for (key, _), s in zip(keyed, servers, strict=True)})
     group.controls = {
@@ -261,20 +261,15 @@ def start_group(
 
 COMMON_ARGS = ("--no-enable-prefix-caching",)
 SINGLE_CPU = 1  # D's core: `single`'s decode and D's run on the same core
-FRONT_CPU = 0  # P's core: routers and proxies stay off the decoding core
-CLIENT_CPU = 0  # the benchmark's client too (left to float, it was woken on D's core)
+HELPER_CPU = 0  # P's core: fronts and the client stay off the decoding core
 
 
-def pins_helpers(group: str) -> bool:
-    """Whether the group's fronts and the client are pinned to core 0. Not in the
-    stock NIXL groups: their P spreads over both cores and busy-polls UCX there; a
-    front pinned to core 0 starved (requests timed out, SIGKILL took > 15 s)."""
-    return not group.endswith("-stock")
-
-
-def client_cpus(group: str) -> set[int] | None:
-    """Where the client's event loop runs while it measures `group` (None: anywhere)."""
-    return {CLIENT_CPU} if pins_helpers(group) else None
+def helper_cpus(group: str) -> set[int] | None:
+    """Where `group`'s fronts and the client's event loop run (None: anywhere).
+    Not pinned in the stock NIXL groups: their P spreads over both cores and
+    busy-polls UCX there; a front pinned to core 0 starved (requests timed out,
+    SIGKILL took > 15 s)."""
+    return None if group.endswith("-stock") else {HELPER_CPU}
 
 
 PROMPT_TOKENS_METRIC = "vllm:prompt_tokens_by_source_total"
@@ -383,7 +378,7 @@ def _start_front(
     name: str,
     argv: list[str],
     log_dir: Path,
-    cpus: tuple[int, ...] | None = (FRONT_CPU,),
+    cpus: set[int] | None,
     timeout: float = 60.0,
 ) -> Front:
     """Start a front process (its argv ends with `--port N ...`), pinned to `cpus`
@@ -397,7 +392,7 @@ def _start_front(
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC_DIR), env.get("PYTHONPATH")]))
-    cmd = argv if cpus is None else pinned(argv, cpus)
+    cmd = argv if cpus is None else pinned(argv, sorted(cpus))
     proc = ManagedProcess(cmd, env, log_dir / f"{name}.log", name=name)
 
     def healthy() -> bool:

@@ -69,14 +69,15 @@ def run_load(
     """Send every prompt under `load`; results in prompt order and the wall time
     from the first request sent to the last response complete. With `cpus`, the
     calling thread (the client's event loop) runs only there meanwhile."""
+    run = _run(url, prompts, max_tokens, load, params, seed, timeout_s, on_done)
+    if cpus is None:
+        return asyncio.run(run)
     previous = os.sched_getaffinity(0)
-    if cpus is not None:
-        os.sched_setaffinity(0, cpus)  # pid 0: this thread only
+    os.sched_setaffinity(0, cpus)  # pid 0: this thread only
     try:
-        return asyncio.run(_run(url, prompts, max_tokens, load, params, seed, timeout_s, on_done))
+        return asyncio.run(run)
     finally:
-        if cpus is not None:
-            os.sched_setaffinity(0, previous)
+        os.sched_setaffinity(0, previous)
 
 
 async def _run(
