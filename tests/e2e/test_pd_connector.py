@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
 from pathlib import Path
@@ -118,6 +119,10 @@ class Pair:
     def stats(self, which: str) -> dict[str, float]:
         address = self.p_control if which == "p" else self.d_control
         return self.rpc.call(address, StatsRequest(), 10).counters
+
+    def since(self, before: dict[str, dict[str, float]], which: str, name: str) -> float:
+        """How much counter `name` of `which` ("p" | "d") grew since `before`."""
+        return self.stats(which).get(name, 0) - before[which].get(name, 0)
 
     def timeline(self, xfer_id: str) -> XferTimeline:
         """P's connector timeline of one transfer (empty until P knows it)."""
@@ -236,7 +241,7 @@ def workloads(tiny_model: Path, single_server_starter) -> dict[str, tuple[list, 
     )
     split_step = random_prompts(tiny_model, [500], seed=2101)
     out["split_step"] = (split_step, complete_many(single.base_url, split_step, MAX_TOKENS))
-    substep = random_prompts(tiny_model, [600], seed=2102)
+    substep = random_prompts(tiny_model, [600], seed=2103)
     out["substep_late"] = (substep, complete_many(single.base_url, substep, MAX_TOKENS))
     for seed, name in enumerate(["late_p", "gone", "abort_d", "nothing"]):
         one = random_prompts(
@@ -677,8 +682,7 @@ def test_transfer_kv_late_from_a_busy_d_takes_the_fast_paths(
             await asyncio.gather(*busy)
         return [o.token_ids for o in outs]
 
-    def seen(name: str) -> float:
-        return pair.stats("p").get(name, 0) - before["p"].get(name, 0)
+    seen = functools.partial(pair.since, before, "p")
 
     rounds = 0
     while rounds < LATE_ROUNDS and not seen("bypass_full_sends"):
@@ -710,8 +714,7 @@ def test_transfer_kv_during_the_last_chunk_is_attached_as_a_substep(
     assert pd_pair.d_during_last_chunk("substep-late", ids, ids, pk, dk).token_ids == want
     assert pd_pair.timeline("substep-late").state_at_arrival == "last_chunk"
 
-    def delta(which: str, name: str) -> float:
-        return pd_pair.stats(which).get(name, 0) - before[which].get(name, 0)
+    delta = functools.partial(pd_pair.since, before)
 
     assert wait_for(lambda: delta("p", "transfers_ok") == 1, 2.0)
     assert delta("p", "substeps_opened") == 1
@@ -903,8 +906,7 @@ def test_substeps_that_arrive_after_their_step_are_rolled_back_and_sent_once(
     assert pair.d_during_last_chunk("late-sub", ids, ids, pk, dk).token_ids == expected
     assert pair.timeline("late-sub").state_at_arrival == "last_chunk"
 
-    def delta(which: str, name: str) -> float:
-        return pair.stats(which).get(name, 0) - before[which].get(name, 0)
+    delta = functools.partial(pair.since, before)
 
     assert wait_for(lambda: delta("p", "transfers_ok") == 1, 2.0)
     assert delta("p", "substeps_opened") == 1
