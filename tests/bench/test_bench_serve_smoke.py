@@ -3,6 +3,7 @@ the NIXL tuning and proxy rewrite), and a smoke run of the command itself."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import math
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from rapidkv.bench.serve import Options
 from rapidkv.bench.serve_loads import Load
 from rapidkv.bench.serve_nixl_tuning import guarded_setaffinity, parse_cpus, patch_nixl_api
 from rapidkv.bench.serve_proxy import prefill_body
@@ -153,6 +155,55 @@ def test_acceptance_ratios_and_the_connector_floor_which_is_no_target() -> None:
     assert acceptance_report(configs)["met"] is False
     del configs["single-noop-connector"]
     assert math.isnan(acceptance_report(configs)["floor_tpot_p50_noop_connector_over_single_c1"])
+
+
+@pytest.mark.unit
+def test_paired_tpot_ratios_replace_the_unpaired_ones_as_targets() -> None:
+    """Where a configuration was measured in blocks beside `single`, the TPOT
+    target is its ratio to those blocks; the unpaired ratio stays as context."""
+
+    def config(tpot: float, paired_ratio: float | None = None) -> dict:
+        load: dict = {"ttft_ms": {"p50": 40.0, "mean": 40.0}, "tpot_ms": {"p50": tpot}}
+        if paired_ratio is not None:
+            load["paired_single"] = {"tpot_p50_over_paired_single": paired_ratio}
+        return {"hard_mismatches": 0, "paired_single_hard_mismatches": 0, "loads": {"c1": load}}
+
+    configs = {
+        "single": config(5.0),
+        "single-noop-connector": config(5.5, paired_ratio=1.01),
+        "rapidkv": config(6.0, paired_ratio=1.02),  # 1.2x the unpaired `single`
+    }
+    a = acceptance_report(configs)
+    assert a["tpot_p50_rapidkv_over_single_c1"] == pytest.approx(1.02)
+    assert a["unpaired_tpot_p50_rapidkv_over_single_c1"] == pytest.approx(1.2)
+    assert a["paired_c1"] is True and a["met"] is True
+    assert a["floor_tpot_p50_noop_connector_over_single_c1"] == pytest.approx(1.01)
+    configs["rapidkv"] = config(5.1, paired_ratio=1.06)  # unpaired 1.02: the pair decides
+    assert acceptance_report(configs)["met"] is False
+    configs["rapidkv"]["paired_single_hard_mismatches"] = 1
+    assert acceptance_report(configs)["hard_mismatches_all_configs"] == 1
+
+
+@pytest.mark.unit
+def test_progress_counts_the_paired_single_blocks_and_its_warm_up() -> None:
+    from rapidkv.bench.serve import register, total_units
+
+    parser = argparse.ArgumentParser()
+    register(parser)
+
+    def units(*argv: str) -> int:
+        return total_units(Options.from_args(parser.parse_args(list(argv))))
+
+    base = ["--requests", "10", "--loads", "c1,c4", "--warmup", "2", "--rounds", "3"]
+    # the reference (10), then per round: warm-up + 2 loads x 10 per configuration,
+    # the same again for each paired configuration's `single` blocks, and the
+    # warm-up of `single` when it is no configuration of its own
+    assert units(*base, "--configs", "single,dp2") == 10 + 3 * 2 * 22
+    assert units(*base, "--configs", "single,rapidkv") == 10 + 3 * (2 * 22 + 20)
+    assert units(*base, "--configs", "rapidkv") == 10 + 3 * (22 + 20 + 2)
+    assert units(*base, "--configs", "rapidkv", "--pair-block", "0") == 10 + 3 * 22
+    with pytest.raises(ValueError, match="pair-block"):
+        Options.from_args(parser.parse_args([*base, "--pair-block", "-1"]))
 
 
 def test_the_json_output_is_strict_json_with_null_for_missing_figures() -> None:
@@ -346,6 +397,19 @@ def test_bench_serve_runs_single_and_rapidkv_and_matches(tmp_path: Path) -> None
     # one request at a time: the router splits each prompt, and the head (about
     # 55 % of it, in whole blocks) reaches D through the connector
     assert report["configs"]["rapidkv"]["loads"]["c1"]["kv_transferred_fraction"] > 0.3
+    # both are paired: `single` served the same two prompts beside each of them
+    for name in ("rapidkv", "single-noop-connector"):
+        pair = report["configs"][name]["loads"]["c1"]["paired_single"]
+        assert pair["requests"] == 2 and pair["errors"] == 0 and pair["hard_mismatches"] == 0
+        assert pair["tpot_ms"]["p50"] > 0 and pair["tpot_p50_over_paired_single"] > 0
+    ratio = report["acceptance"]["tiny"]["tpot_p50_rapidkv_over_single_c1"]
+    assert report["acceptance"]["tiny"]["paired_c1"] is True
+    assert (
+        ratio
+        == report["configs"]["rapidkv"]["loads"]["c1"]["paired_single"][
+            "tpot_p50_over_paired_single"
+        ]
+    )
     assert (tmp_path / "serve.png").stat().st_size > 0
     fronts = sorted(p.name for p in (tmp_path / "logs").rglob("rapidkv.router*.log"))
     assert fronts == ["rapidkv.router-dual.log"]

@@ -17,6 +17,19 @@ of this shared machine spreads over all configurations rather than landing on
 one. Configurations that share a group (every rapidkv one) are interleaved load
 by load. Samples of all rounds are pooled; per-round p50s are kept in the JSON.
 
+Pairing (`--pair-block N`, default 8): the TPOT target compares rapidkv's
+decode with `single`'s, a few per cent apart, on a shared machine whose speed
+drifts by more than that within a minute (the same command gave `single` TPOT
+p50s 20 % apart, half a minute apart). The configurations marked `paired`
+(`rapidkv` and the no-op connector) are therefore measured in blocks of N
+prompts, each followed by the same block, under the same load and seed, on
+`single`, which stays up beside every group of the round (idle, it costs ~1.5 %
+of a core: vLLM's engine and worker busy-wait on their queues only for 1 s
+after their last step, so every block waits `PAIR_PAUSE_S` for the other side
+to go quiet; block order alternates). Those `single` samples are the
+configuration's `paired_single`, and the acceptance's TPOT ratios use them;
+the unpaired ratios stay in the JSON as context.
+
 Output (`serve_report`): a summary table (stdout), a progress line (stderr),
 `--json PATH|-`, `--plot PATH` (`serve_plot`) and `--trace PATH` (one JSON
 line per request, with the rapidkv router's `xfer_id` to join server-side
@@ -73,6 +86,13 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         default=1,
         help="run every group N times, in reverse order every other round (servers restarted)",
     )
+    parser.add_argument(
+        "--pair-block",
+        type=int,
+        default=8,
+        help="prompts per block of a paired configuration, each followed by the same block "
+        "on `single` (0: no pairing; default %(default)s)",
+    )
     parser.add_argument("--warmup", type=int, default=None, help="unmeasured requests (2; 1 quick)")
     parser.add_argument("--quick", action="store_true", help="8 prompts, loads c1,c4, 1 warm-up")
     parser.add_argument("--seed", type=int, default=0, help="prompts and Poisson arrivals")
@@ -109,6 +129,7 @@ class Options:
     max_tokens: int
     rounds: int
     warmup: int
+    pair_block: int  # 0: no pairing
     seed: int
     timeout: float
     server_args: tuple[str, ...]
@@ -131,8 +152,10 @@ class Options:
         loads = args.loads or (QUICK_LOADS if args.quick else DEFAULT_LOADS)
         requests = args.requests if args.requests is not None else (8 if args.quick else 64)
         warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
-        if requests < 1 or args.rounds < 1 or warmup < 0 or args.max_tokens < 1:
-            raise ValueError("--requests, --rounds and --max-tokens must be >= 1, --warmup >= 0")
+        if requests < 1 or args.rounds < 1 or args.max_tokens < 1:
+            raise ValueError("--requests, --rounds and --max-tokens must be >= 1")
+        if warmup < 0 or args.pair_block < 0:
+            raise ValueError("--warmup and --pair-block must be >= 0")
         if not 1 <= args.min_len <= args.max_len:
             raise ValueError("need 1 <= --min-len <= --max-len")
         return cls(
@@ -146,6 +169,7 @@ class Options:
             max_tokens=args.max_tokens,
             rounds=args.rounds,
             warmup=warmup,
+            pair_block=args.pair_block,
             seed=args.seed,
             timeout=args.timeout,
             server_args=tuple(shlex.split(args.server_args)),
@@ -189,15 +213,25 @@ def run(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------ running
 
 
+PAIR_PAUSE_S = 1.2
+"""Before every block of a paired measurement: vLLM's engine and worker busy-wait
+(sched_yield) on their shared-memory queues for 1 s after their last step, and
+`single` shares the decoding core with the group."""
+PAIR_SEED_STRIDE = 7919  # block b of a load draws its Poisson arrivals from seed + b * this
+
+
 @dataclass
 class LoadRun:
     round: int
-    results: list[Any]  # serve_stats.RequestResult
-    wall_s: float
-    cpu_s: dict[str, float]
-    prompt_tokens: dict[str, dict[str, float]]  # server -> {"external", "local"} counted
-    client_cpu_s: float  # this process: the load generator
-    other_cpu_s: float  # everything else on the machine (noise: should be ~0)
+    results: list[Any] = field(default_factory=list)  # serve_stats.RequestResult
+    wall_s: float = 0.0  # the configuration's blocks only
+    cpu_s: dict[str, float] = field(default_factory=dict)
+    prompt_tokens: dict[str, dict[str, float]] = field(default_factory=dict)  # server ->
+    # {"external", "local"} counted
+    client_cpu_s: float = 0.0  # this process: the load generator
+    other_cpu_s: float = 0.0  # everything else on the machine (noise: should be ~0)
+    paired_single: list[Any] | None = None  # `single` on the same blocks (paired only)
+    paired_single_wall_s: float = 0.0
 
 
 @dataclass
@@ -232,6 +266,13 @@ class ModelRun:
         self.references: list[Any] | None = None  # serve_stats.Reference per prompt
         self.reference_error: str | None = None
         self.configs = {name: ConfigRun(name) for name in opts.configs}
+        self.single: Any = None  # RunningGroup: `single`, up for the round when pairing
+
+    @property
+    def pairing(self) -> bool:
+        from rapidkv.bench.serve_configs import CONFIGS
+
+        return self.opts.pair_block > 0 and any(CONFIGS[c].paired for c in self.opts.configs)
 
     def run(self) -> ModelRun:
         from rapidkv.bench.serve_configs import CONFIGS, GROUPS
@@ -239,16 +280,48 @@ class ModelRun:
         wanted = {CONFIGS[c].group for c in self.opts.configs} | {"single"}
         order = [g for g in GROUPS if g in wanted]
         for r in range(1, self.opts.rounds + 1):
-            for group in order if r % 2 else order[::-1]:
-                members = [c for c in self.opts.configs if CONFIGS[c].group == group]
-                failed = [c for c in members if self.configs[c].error]  # not measured again
-                self.progress.advance(len(failed) * self.units_per_config)
-                members = [c for c in members if c not in failed]
-                if members or (self.references is None and self.reference_error is None):
-                    self.run_group(group, members, r)
+            try:
+                if self.pairing:
+                    single_members = self.skip_failed("single")
+                    self.single = self.open_group("single", single_members, r)
+                for group in order if r % 2 else order[::-1]:
+                    if group == "single" and self.pairing:
+                        if self.single is not None:  # else: open_group counted its units
+                            self.measure_group(self.single, single_members, r)
+                        continue
+                    members = self.skip_failed(group)
+                    if members or (self.references is None and self.reference_error is None):
+                        self.run_group(group, members, r)
+            finally:
+                if self.single is not None:
+                    self.progress.stage(f"{self.model} r{r}: stopping single")
+                    self.single.stop()
+                    self.single = None
         return self
 
+    def skip_failed(self, group: str) -> list[str]:
+        """The group's configurations but those that failed earlier (not measured
+        again: their progress units are counted here)."""
+        from rapidkv.bench.serve_configs import CONFIGS
+
+        members = [c for c in self.opts.configs if CONFIGS[c].group == group]
+        live = [c for c in members if not self.configs[c].error]
+        self.progress.advance(sum(self.units(c) for c in members if c not in live))
+        return live
+
     def run_group(self, group_name: str, members: list[str], rnd: int) -> None:
+        group = self.open_group(group_name, members, rnd)
+        if group is None:
+            return
+        try:
+            self.measure_group(group, members, rnd)
+        finally:
+            self.progress.stage(f"{self.model} r{rnd}: stopping {group_name}")
+            group.stop()
+
+    def open_group(self, group_name: str, members: list[str], rnd: int) -> Any:
+        """Start a group, take the reference on `single` if still missing, warm it
+        up; the RunningGroup, or None (the members then carry the error)."""
         from rapidkv.bench.serve_configs import CONFIGS, start_group
 
         p = self.progress
@@ -264,14 +337,15 @@ class ModelRun:
         except Exception as e:
             why = f"{group_name} did not start: {type(e).__name__}: {e}"
             p.say(why[:3000])
-            for name in members:
-                self.configs[name].error = why[:4000]
-            units = len(members) * self.units_per_config
+            self.fail(members, why)
+            units = sum(self.units(name) for name in members)
+            if group_name == "single" and self.pairing and "single" not in members:
+                units += self.opts.warmup
             if group_name == "single" and self.references is None:
                 self.reference_error = why[:4000]
                 units += len(self.prompts)
             p.advance(units)
-            return
+            return None
         try:
             for name in members:
                 c = self.configs[name]
@@ -279,29 +353,50 @@ class ModelRun:
                 c.server_startup_s.append({k: s.startup_s for k, s in group.servers.items()})
             if group_name == "single" and self.references is None:
                 self.take_reference(group.url(CONFIGS["single"]))
-            for name in members:
+            warm = members
+            if group_name == "single" and self.pairing and not members:
+                warm = ["single"]  # its blocks are paired with others' from the start
+            for name in warm:
                 self.warm_up(name, group.url(CONFIGS[name]))
             for name in members:
                 self.configs[name].affinity = group.affinity()
+        except Exception as e:
+            why = f"{group_name} failed while warmed up: {type(e).__name__}: {e}"
+            p.say(why[:3000])
+            self.fail(members, why)
+            group.stop()
+            return None
+        return group
+
+    def measure_group(self, group: Any, members: list[str], rnd: int) -> None:
+        p = self.progress
+        try:
             for load in self.opts.loads:
                 for name in members:
                     if self.configs[name].error:  # timed out earlier: the rest is skipped
-                        p.advance(self.opts.requests)
+                        p.advance(self.opts.requests * (2 if self.paired(name) else 1))
                     else:
                         self.measure(name, group, load, rnd)
         except Exception as e:  # a server died, /metrics failed...: the next group still runs
-            why = f"{group_name} failed while measured: {type(e).__name__}: {e}"
+            why = f"{group.name} failed while measured: {type(e).__name__}: {e}"
             p.say(why[:3000])
-            for name in members:
-                self.configs[name].error = why[:4000]
-        finally:
-            p.stage(f"{self.model} r{rnd}: stopping {group_name}")
-            group.stop()
+            self.fail(members, why)
 
-    @property
-    def units_per_config(self) -> int:
-        """Progress units (requests) of one configuration in one round."""
-        return self.opts.warmup + len(self.opts.loads) * self.opts.requests
+    def fail(self, members: list[str], why: str) -> None:
+        for name in members:
+            self.configs[name].error = why[:4000]
+
+    def paired(self, name: str) -> bool:
+        """Whether `name` is measured in blocks paired with `single` (when it is up)."""
+        from rapidkv.bench.serve_configs import CONFIGS
+
+        return self.pairing and CONFIGS[name].paired
+
+    def units(self, name: str) -> int:
+        """Progress units (requests) of one configuration in one round, its paired
+        `single` blocks included."""
+        per_load = self.opts.requests * (2 if self.paired(name) else 1)
+        return self.opts.warmup + len(self.opts.loads) * per_load
 
     def take_reference(self, url: str) -> None:
         from rapidkv.bench.serve_stats import Reference, margins_from_logprobs
@@ -348,11 +443,12 @@ class ModelRun:
             on_done=self.progress.advance,
             cpus=helper_cpus(CONFIGS[name].group),
         )
-        self.configs[name].first_request_ms.append(results[0].e2e_ms)
         for r in results:
             if r.error:
                 self.progress.say(f"{name}: warm-up request failed: {r.error}")
-        self.check_timeouts(name, "warm-up", results)
+        if name in self.configs:  # else `single` warmed up for its paired blocks only
+            self.configs[name].first_request_ms.append(results[0].e2e_ms)
+            self.check_timeouts(name, "warm-up", results)
 
     def check_timeouts(self, name: str, load: str, results: list[Any]) -> None:
         """After a timed-out request, the configuration is not measured further."""
@@ -367,41 +463,86 @@ class ModelRun:
             self.configs[name].error = why
 
     def measure(self, name: str, group: Any, load: Any, rnd: int) -> None:
-        from rapidkv.bench.serve_configs import CONFIGS, helper_cpus
-        from rapidkv.bench.serve_loads import run_load
+        """One load on one configuration: all prompts at once, or, paired, in
+        blocks each followed (in alternate order) by the same block on `single`."""
+        from rapidkv.bench.serve_configs import CONFIGS
+        from rapidkv.bench.serve_loads import TIMEOUT
+
+        self.progress.stage(f"{self.model} r{rnd}: {name} {load.name}")
+        pair = self.single if self.paired(name) else None
+        n = len(self.prompts)
+        size = self.opts.pair_block if pair is not None else n
+        tokens_before = group.prompt_tokens()
+        run = LoadRun(rnd, paired_single=None if pair is None else [])
+        for b, lo in enumerate(range(0, n, size)):
+            seed = self.opts.seed + rnd + b * PAIR_SEED_STRIDE
+            sides = [group] if pair is None else [group, pair][:: -1 if b % 2 else 1]
+            for side in sides:
+                if pair is not None:
+                    time.sleep(PAIR_PAUSE_S)
+                if side is group:
+                    self.measure_block(run, group, CONFIGS[name], load, lo, lo + size, seed)
+                else:
+                    results, wall = self.block(pair, CONFIGS["single"], load, lo, lo + size, seed)
+                    assert run.paired_single is not None
+                    run.paired_single += results
+                    run.paired_single_wall_s += wall
+            if any(r.error and r.error.startswith(TIMEOUT) for r in run.results):
+                self.progress.advance(max(0, n - lo - size) * (1 if pair is None else 2))
+                break
+        run.prompt_tokens = {
+            server: {src: v - tokens_before[server][src] for src, v in counts.items()}
+            for server, counts in group.prompt_tokens().items()
+        }
+        self.configs[name].loads.setdefault(load.name, []).append(run)
+        self.check_timeouts(name, load.name, run.results)
+        if self.trace is not None:
+            xfers = [r.xfer_id for r in run.results if r.xfer_id]
+            self.write_trace(name, load.name, rnd, run.results, group.timelines(xfers))
+            if run.paired_single:
+                self.write_trace("single", load.name, rnd, run.paired_single, {}, name)
+
+    def measure_block(
+        self, run: LoadRun, group: Any, config: Any, load: Any, lo: int, hi: int, seed: int
+    ) -> None:
+        """Prompts [lo, hi) on the configuration; results, wall and CPU added to `run`."""
         from rapidkv.harness.procs import machine_busy_cpu_seconds, tree_cpu_seconds
 
-        config = CONFIGS[name]
-        self.progress.stage(f"{self.model} r{rnd}: {name} {load.name}")
-        tokens_before = group.prompt_tokens()
         busy_before, client_before = machine_busy_cpu_seconds(), tree_cpu_seconds([os.getpid()])
         before = group.cpu_seconds()
-        results, wall = run_load(
-            group.url(config),
-            self.prompts,
-            self.opts.max_tokens,
-            load,
-            params=config.params,
-            seed=self.opts.seed + rnd,
-            timeout_s=self.opts.timeout,
-            on_done=self.progress.advance,
-            cpus=helper_cpus(config.group),
-        )
+        results, wall = self.block(group, config, load, lo, hi, seed)
         after = group.cpu_seconds()
         client = tree_cpu_seconds([os.getpid()]) - client_before
         busy = machine_busy_cpu_seconds() - busy_before
         cpu = {k: after[k] - before.get(k, 0.0) for k in after}
-        other = busy - sum(cpu.values()) - client
-        tokens = {
-            server: {src: n - tokens_before[server][src] for src, n in counts.items()}
-            for server, counts in group.prompt_tokens().items()
-        }
-        run = LoadRun(rnd, results, wall, cpu, tokens, client, other)
-        self.configs[name].loads.setdefault(load.name, []).append(run)
-        self.check_timeouts(name, load.name, results)
-        if self.trace is not None:
-            xfers = [r.xfer_id for r in results if r.xfer_id]
-            self.write_trace(name, load.name, rnd, results, group.timelines(xfers))
+        run.results += results
+        run.wall_s += wall
+        for k, v in cpu.items():
+            run.cpu_s[k] = run.cpu_s.get(k, 0.0) + v
+        run.client_cpu_s += client
+        run.other_cpu_s += busy - sum(cpu.values()) - client
+
+    def block(
+        self, group: Any, config: Any, load: Any, lo: int, hi: int, seed: int
+    ) -> tuple[list[Any], float]:
+        """Prompts [lo, hi) under `load` on `group`'s front for `config`."""
+        import dataclasses
+
+        from rapidkv.bench.serve_configs import helper_cpus
+        from rapidkv.bench.serve_loads import run_load
+
+        results, wall = run_load(
+            group.url(config),
+            self.prompts[lo:hi],
+            self.opts.max_tokens,
+            load,
+            params=config.params,
+            seed=seed,
+            timeout_s=self.opts.timeout,
+            on_done=self.progress.advance,
+            cpus=helper_cpus(config.group),
+        )
+        return [dataclasses.replace(r, prompt_index=r.prompt_index + lo) for r in results], wall
 
     def write_trace(
         self,
@@ -410,6 +551,7 @@ class ModelRun:
         rnd: int,
         results: list[Any],
         timelines: dict[str, dict[str, dict[str, float]]],
+        paired_with: str | None = None,
     ) -> None:
         from rapidkv.bench.serve_report import to_json
         from rapidkv.bench.serve_stats import classify
@@ -433,6 +575,8 @@ class ModelRun:
                 "verdict": verdict,
                 "error": r.error,
             }
+            if paired_with is not None:
+                row["paired_with"] = paired_with  # `single`'s block beside this configuration's
             for role, events in timelines.items():  # ms after the client sent it
                 ev = events.get(r.xfer_id or "", {})
                 row[f"{role}_ms"] = {k: round((t - r.sent_mono) * 1000, 3) for k, t in ev.items()}
@@ -461,11 +605,16 @@ def prompt_lengths(opts: Options) -> list[int]:
 
 
 def total_units(opts: Options) -> int:
-    """Progress units: one per request (reference, warm-up and measured)."""
-    per_model = opts.requests + opts.rounds * len(opts.configs) * (
-        opts.warmup + len(opts.loads) * opts.requests
-    )
-    return per_model * len(opts.models)
+    """Progress units: one per request (reference, warm-up and measured, paired
+    `single` blocks included)."""
+    from rapidkv.bench.serve_configs import CONFIGS
+
+    paired = [c for c in opts.configs if CONFIGS[c].paired] if opts.pair_block else []
+    per_round = len(opts.configs) * (opts.warmup + len(opts.loads) * opts.requests)
+    per_round += len(paired) * len(opts.loads) * opts.requests
+    if paired and "single" not in opts.configs:
+        per_round += opts.warmup  # `single` warmed up for its paired blocks
+    return (opts.requests + opts.rounds * per_round) * len(opts.models)
 
 
 # ------------------------------------------------------------------ progress

@@ -47,11 +47,17 @@ class Config:
     description: str
     params: dict[str, Any] | None = None  # the client's kv_transfer_params
     default: bool = True  # run when --configs is not given
+    # measured in blocks that alternate with the same blocks on `single` (kept
+    # running beside the group), for a TPOT ratio to `single` that this shared
+    # machine's drift does not decide (serve.py, "Pairing")
+    paired: bool = False
 
 
-def _rapidkv(name: str, front: str, what: str, mode: str | None = None) -> Config:
+def _rapidkv(
+    name: str, front: str, what: str, mode: str | None = None, paired: bool = False
+) -> Config:
     params = {"rapidkv": {"transfer_kv_mode": mode}} if mode else None
-    return Config(name, "rapidkv", front, what, params)
+    return Config(name, "rapidkv", front, what, params, paired=paired)
 
 
 CONFIGS: dict[str, Config] = {
@@ -65,6 +71,7 @@ CONFIGS: dict[str, Config] = {
             "one vLLM instance, core 1, with a KV connector whose every hook does nothing "
             "(rapidkv.connector.noop): vLLM's connector path alone, the floor under "
             "any connector's decode",
+            paired=True,
         ),
         Config(
             "dp2",
@@ -99,7 +106,12 @@ CONFIGS: dict[str, Config] = {
             "vLLM NixlPushConnector, serial proxy, STOCK (untuned; not run by default)",
             default=False,
         ),
-        _rapidkv("rapidkv", "router-dual", "rapidkv P+D, router dual, connector default mode"),
+        _rapidkv(
+            "rapidkv",
+            "router-dual",
+            "rapidkv P+D, router dual, connector default mode",
+            paired=True,
+        ),
         _rapidkv("rapidkv-step", "router-dual", "rapidkv, dual, transfer_kv_mode=step", "step"),
         _rapidkv(
             "rapidkv-bypass", "router-dual", "rapidkv, dual, transfer_kv_mode=bypass", "bypass"

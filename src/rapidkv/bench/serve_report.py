@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from rapidkv.bench.serve import ConfigRun, ModelRun, Options
+    from rapidkv.bench.serve import ConfigRun, LoadRun, ModelRun, Options
 
 NOISY_CORES = 0.2  # CPU used by processes not ours during a load, in cores, worth a warning
 OWN_GROUPS = ("single", "rapidkv")
@@ -43,6 +43,8 @@ def build_report(runs: list[ModelRun], opts: Options, log_dir: Path) -> dict[str
                 failed_baselines.append(key)  # reported, not a failure of this command
             elif failed or entry["hard_mismatches"] or mr.reference_error is not None:
                 ok = False
+            elif entry["paired_single_hard_mismatches"]:
+                ok = False  # `single` disagreed with its own reference
         acceptance[mr.model] = acceptance_report(entries)
     return {
         "meta": meta(runs, opts, log_dir),
@@ -76,18 +78,23 @@ def config_report(mr: ModelRun, c: ConfigRun) -> dict[str, Any]:
         pooled["other_cpu_s"] = sum(run.other_cpu_s for run in runs)
         wall = pooled["duration_s"]
         pooled["other_cpu_cores"] = pooled["other_cpu_s"] / wall if wall > 0 else math.nan
+        paired_runs = [run for run in runs if run.paired_single is not None]
+        if paired_runs:
+            pooled["paired_single"] = paired_summary(mr, paired_runs)
         if len(runs) > 1:
             per_round = []
             for run in runs:
                 s = load_summary(run.results, mr.references, run.wall_s, run.cpu_s)
-                per_round.append(
-                    {
-                        "round": run.round,
-                        "ttft_ms_p50": s["ttft_ms"]["p50"],
-                        "tpot_ms_p50": s["tpot_ms"]["p50"],
-                        "throughput_req_s": s["throughput_req_s"],
-                    }
-                )
+                row = {
+                    "round": run.round,
+                    "ttft_ms_p50": s["ttft_ms"]["p50"],
+                    "tpot_ms_p50": s["tpot_ms"]["p50"],
+                    "throughput_req_s": s["throughput_req_s"],
+                }
+                if run.paired_single is not None:
+                    ps = summarize([r.tpot_ms for r in run.paired_single if r.error is None])
+                    row["paired_single_tpot_ms_p50"] = ps["p50"]
+                per_round.append(row)
             pooled["rounds"] = per_round
         loads[load] = pooled
     counted = list(loads.values())
@@ -102,8 +109,28 @@ def config_report(mr: ModelRun, c: ConfigRun) -> dict[str, Any]:
         "errors": sum(v["errors"] for v in counted),
         "hard_mismatches": sum(v["hard_mismatches"] or 0 for v in counted),
         "near_tie_mismatches": sum(v["near_tie_mismatches"] or 0 for v in counted),
+        "paired_single_hard_mismatches": sum(
+            v["paired_single"]["hard_mismatches"] or 0 for v in counted if "paired_single" in v
+        ),
         "loads": loads,
     }
+
+
+PAIRED_KEYS = ("requests", "errors", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
+PAIRED_KEYS += ("hard_mismatches", "near_tie_mismatches")
+
+
+def paired_summary(mr: ModelRun, runs: list[LoadRun]) -> dict[str, Any]:
+    """`single` on the same blocks as the configuration, in the same rounds, and
+    the configuration's TPOT p50 over it (from those rounds only)."""
+    from rapidkv.bench.serve_stats import load_summary, summarize
+
+    single = [r for run in runs for r in run.paired_single or []]
+    s = load_summary(single, mr.references, sum(run.paired_single_wall_s for run in runs), {})
+    out = {k: s[k] for k in PAIRED_KEYS}
+    own = summarize([r.tpot_ms for run in runs for r in run.results if r.error is None])
+    out["tpot_p50_over_paired_single"] = own["p50"] / s["tpot_ms"]["p50"]
+    return out
 
 
 TPOT_COMPARED = ("single", "single-noop-connector", "rapidkv")
@@ -123,18 +150,39 @@ def acceptance_report(configs: dict[str, Any]) -> dict[str, Any]:
         for key in ("p50", "mean"):
             r = stat("rapidkv", load, "ttft_ms", key) / stat("vllm-nixl", load, "ttft_ms", key)
             out[f"ttft_{key}_rapidkv_over_vllm_nixl_{load}"] = r
+
+    def paired(name: str, load: str) -> float:
+        """`name`'s TPOT p50 over `single`'s on the same blocks (nan: not paired)."""
+        try:
+            pair = configs[name]["loads"][load]["paired_single"]
+            return float(pair["tpot_p50_over_paired_single"])
+        except KeyError:
+            return math.nan
+
+    def prefer(pair: float, unpaired: float) -> float:
+        return unpaired if math.isnan(pair) else pair
+
     loads = sorted({load for c in configs.values() for load in c["loads"]})
     for load in loads:
         tpot = {name: stat(name, load, "tpot_ms", "p50") for name in TPOT_COMPARED}
-        out[f"tpot_p50_rapidkv_over_single_{load}"] = tpot["rapidkv"] / tpot["single"]
+        unpaired = tpot["rapidkv"] / tpot["single"]
+        out[f"tpot_p50_rapidkv_over_single_{load}"] = prefer(paired("rapidkv", load), unpaired)
+        out[f"paired_{load}"] = not math.isnan(paired("rapidkv", load))
+        out[f"unpaired_tpot_p50_rapidkv_over_single_{load}"] = unpaired
         # context, not targets: what any KV connector costs vLLM's decode
         noop = tpot["single-noop-connector"]
-        out[f"floor_tpot_p50_noop_connector_over_single_{load}"] = noop / tpot["single"]
+        floor = prefer(paired("single-noop-connector", load), noop / tpot["single"])
+        out[f"floor_tpot_p50_noop_connector_over_single_{load}"] = floor
         out[f"floor_tpot_p50_rapidkv_over_noop_connector_{load}"] = tpot["rapidkv"] / noop
-    out["hard_mismatches_all_configs"] = sum(c["hard_mismatches"] for c in configs.values())
+    out["hard_mismatches_all_configs"] = sum(
+        c["hard_mismatches"] + c.get("paired_single_hard_mismatches", 0) for c in configs.values()
+    )
     checks = [v <= 0.7 for k, v in out.items() if k.startswith("ttft_") and not math.isnan(v)]
     checks += [v <= 1.05 for k, v in out.items() if k.startswith("tpot_") and not math.isnan(v)]
-    out["targets"] = "TTFT p50 and mean <= 0.7x vllm-nixl at c1, c4; TPOT p50 <= 1.05x single"
+    out["targets"] = (
+        "TTFT p50 and mean <= 0.7x vllm-nixl at c1, c4; TPOT p50 <= 1.05x single "
+        "(on the same blocks when paired)"
+    )
     out["met"] = bool(checks) and all(checks) and out["hard_mismatches_all_configs"] == 0
     return out
 
@@ -143,6 +191,7 @@ def meta(runs: list[ModelRun], opts: Options, log_dir: Path) -> dict[str, Any]:
     import os
     from importlib import metadata
 
+    from rapidkv.bench.serve import PAIR_PAUSE_S
     from rapidkv.bench.serve_stats import NEAR_TIE_MARGIN
     from rapidkv.connector.config import ConnectorConfig
 
@@ -173,6 +222,8 @@ def meta(runs: list[ModelRun], opts: Options, log_dir: Path) -> dict[str, Any]:
         "loads": [load.name for load in opts.loads],
         "rounds": opts.rounds,
         "warmup_requests": opts.warmup,
+        "pair_block": opts.pair_block,
+        "pair_pause_s": PAIR_PAUSE_S,
         "seed": opts.seed,
         "server_args": ["--no-enable-prefix-caching", *opts.server_args],
         "rapidkv_default_transfer_kv_mode": ConnectorConfig().transfer_kv_mode,
@@ -246,6 +297,13 @@ def print_report(report: dict[str, Any], out: IO[str]) -> None:
             line += f"{_fmt(s['hard_mismatches'], 0):>5}{_fmt(s['near_tie_mismatches'], 0):>4}"
             line += f"{s['errors']:>4}"
             print(line, file=out)
+            if "paired_single" in s:  # `single` on the same blocks, and the TPOT ratio
+                ps = s["paired_single"]
+                line = f"{'  ~ single, paired':<22}{load:<11}"
+                line += "".join(f"{_fmt(ps[m][k]):>9}" for _, m, k in cols)
+                line += f"  TPOT p50 ratio {_fmt(ps['tpot_p50_over_paired_single'], 3)}"
+                line += f"  hard {_fmt(ps['hard_mismatches'], 0)} err {ps['errors']}"
+                print(line, file=out)
     noisy = [
         f"{key} {load} ({s['other_cpu_cores']:.2f} cores)"
         for key, c in report["configs"].items()
