@@ -47,3 +47,15 @@ def test_summary_takes_medians_and_skips_failed_requests() -> None:
     summary = summarize(rows)["rapidkv/c1"]
     assert summary["n"] == 3 and summary["ttft"] == pytest.approx(40.0)
     assert "rapidkv/c1" in table(summarize(rows))
+
+
+def test_single_blocks_paired_with_a_configuration_are_kept_apart() -> None:
+    rows = [
+        row("single", prefill_ms=None, decode_ms=None),
+        row(
+            "single", prefill_ms=None, decode_ms=None, token_ms=[60.0, 65.0], paired_with="rapidkv"
+        ),
+    ]
+    s = summarize(rows)
+    assert s["single/c1"] == {"n": 1.0, "ttft": 40.0}
+    assert s["single~rapidkv/c1"] == {"n": 1.0, "ttft": 60.0}

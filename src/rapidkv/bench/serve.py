@@ -1,8 +1,9 @@
 """`rapidkv bench serve`: rapidkv next to a single vLLM, vLLM's NIXL connectors and dp2.
 
 For each model, the configurations (`serve_configs.CONFIGS`) are served one
-server group after another (never two groups at once: 2 cores), each group
-started, warmed up, measured under every load (`serve_loads`) and stopped.
+server group after another (never two groups serving at once: 2 cores), each
+group started, warmed up, measured under every load (`serve_loads`) and stopped;
+only `single` may stay up beside the others, idle between its blocks (Pairing).
 All of them get the same seeded prompt set (token ids, lengths uniform in
 [--min-len, --max-len]); prefix caching is off everywhere.
 

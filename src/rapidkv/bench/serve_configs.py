@@ -13,6 +13,10 @@ dual-dispatch and a serial-dispatch router started side by side, and a
 configuration differs from another only by its front and by the
 `kv_transfer_params` the client adds to each request.
 
+Groups run one at a time, except `single`: when a configuration is `paired`
+with it, `single` stays up through the round beside the others (serve.py,
+"Pairing"), idle but for the blocks it serves.
+
 Every group starts with prefix caching off (the same prompts are sent once per
 load, and a cache hit would measure nothing) and `extra_args` appended to every
 server's command line. `RunningGroup.stop` stops the fronts and the servers,

@@ -54,12 +54,16 @@ def stages(row: dict[str, Any]) -> dict[str, float]:
 
 
 def summarize(rows: Iterable[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
-    """Per `config/load`, the median of each stage (and `n`, the rows)."""
+    """Per `config/load`, the median of each stage (and `n`, the rows). `single`'s
+    blocks paired with a configuration X are their own key, `single~X/load`."""
     samples: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for row in rows:
         if row.get("error"):
             continue
-        key = f"{row['config']}/{row['load']}"
+        config = row["config"]
+        if row.get("paired_with"):
+            config = f"{config}~{row['paired_with']}"
+        key = f"{config}/{row['load']}"
         samples[key]["n"].append(1.0)
         for stage, ms in stages(row).items():
             samples[key][stage].append(ms)
@@ -73,12 +77,13 @@ def summarize(rows: Iterable[dict[str, Any]]) -> dict[str, dict[str, dict[str, f
 
 
 def table(summary: dict[str, dict[str, float]]) -> str:
-    head = f"{'config/load':<28}{'n':>5}" + "".join(f"{s:>11}" for s in STAGES)
+    w = max([28, *(len(key) + 1 for key in summary)])
+    head = f"{'config/load':<{w}}{'n':>5}" + "".join(f"{s:>11}" for s in STAGES)
     lines = [head, "-" * len(head)]
     for key in sorted(summary):
         row = summary[key]
         cells = "".join(f"{row[s]:>11.1f}" if s in row else f"{'-':>11}" for s in STAGES)
-        lines.append(f"{key:<28}{int(row.get('n', 0)):>5}{cells}")
+        lines.append(f"{key:<{w}}{int(row.get('n', 0)):>5}{cells}")
     return "\n".join(lines)
 
 
