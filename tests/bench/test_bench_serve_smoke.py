@@ -402,6 +402,10 @@ def test_bench_serve_runs_single_and_rapidkv_and_matches(tmp_path: Path) -> None
         pair = report["configs"][name]["loads"]["c1"]["paired_single"]
         assert pair["requests"] == 2 and pair["errors"] == 0 and pair["hard_mismatches"] == 0
         assert pair["tpot_ms"]["p50"] > 0 and pair["tpot_p50_over_paired_single"] > 0
+        lo, hi = pair["tpot_p50_over_paired_single_ci95"]  # one block: the ratio itself
+        assert pair["blocks"] == 1 and lo == hi == pytest.approx(
+            pair["tpot_p50_over_paired_single"]
+        )
     ratio = report["acceptance"]["tiny"]["tpot_p50_rapidkv_over_single_c1"]
     assert report["acceptance"]["tiny"]["paired_c1"] is True
     assert (
@@ -422,3 +426,17 @@ def test_bench_serve_runs_single_and_rapidkv_and_matches(tmp_path: Path) -> None
     assert report["configs"]["single-noop-connector"]["affinity"] == {"single": ["1"]}
     assert "result: OK" in proc.stdout
     print(f"bench serve smoke: {elapsed:.0f}s")
+
+
+@pytest.mark.unit
+def test_the_paired_ratio_interval_is_seeded_and_brackets_what_the_blocks_show() -> None:
+    from rapidkv.bench.serve_stats import paired_ratio_interval
+
+    same = [([5.0 + i % 3, 5.5, 6.0], [5.0 + (i + 1) % 3, 5.5, 6.0]) for i in range(12)]
+    lo, hi = paired_ratio_interval(same)
+    assert lo <= 1.0 <= hi and (lo, hi) == paired_ratio_interval(same)
+    slower = [([x * 1.2 for x in b], b) for _, b in same]
+    lo, hi = paired_ratio_interval(slower)
+    assert lo == pytest.approx(1.2) and hi == pytest.approx(1.2)
+    assert all(math.isnan(v) for v in paired_ratio_interval([]))
+    assert all(math.isnan(v) for v in paired_ratio_interval([([], [5.0])]))

@@ -122,14 +122,24 @@ PAIRED_KEYS += ("hard_mismatches", "near_tie_mismatches")
 
 def paired_summary(mr: ModelRun, runs: list[LoadRun]) -> dict[str, Any]:
     """`single` on the same blocks as the configuration, in the same rounds, and
-    the configuration's TPOT p50 over it (from those rounds only)."""
-    from rapidkv.bench.serve_stats import load_summary, summarize
+    the configuration's TPOT p50 over it (from those rounds only), with a 95 %
+    bootstrap interval over the blocks: how far this run's ratio can be trusted."""
+    from rapidkv.bench.serve_stats import load_summary, paired_ratio_interval, summarize
 
     single = [r for run in runs for r in run.paired_single or []]
     s = load_summary(single, mr.references, sum(run.paired_single_wall_s for run in runs), {})
     out = {k: s[k] for k in PAIRED_KEYS}
     own = summarize([r.tpot_ms for run in runs for r in run.results if r.error is None])
     out["tpot_p50_over_paired_single"] = own["p50"] / s["tpot_ms"]["p50"]
+    blocks: dict[tuple[int, int], tuple[list[float], list[float]]] = {}
+    for run in runs:  # a block: (round, prompt index // block size)
+        for side, results in enumerate((run.results, run.paired_single or [])):
+            for r in results:
+                if r.error is None and not math.isnan(r.tpot_ms):
+                    key = (run.round, r.prompt_index // mr.opts.pair_block)
+                    blocks.setdefault(key, ([], []))[side].append(r.tpot_ms)
+    out["tpot_p50_over_paired_single_ci95"] = list(paired_ratio_interval(list(blocks.values())))
+    out["blocks"] = len(blocks)
     return out
 
 
@@ -168,6 +178,13 @@ def acceptance_report(configs: dict[str, Any]) -> dict[str, Any]:
         unpaired = tpot["rapidkv"] / tpot["single"]
         out[f"tpot_p50_rapidkv_over_single_{load}"] = prefer(paired("rapidkv", load), unpaired)
         out[f"paired_{load}"] = not math.isnan(paired("rapidkv", load))
+        try:
+            pair = configs["rapidkv"]["loads"][load]["paired_single"]
+            out[f"ci95_tpot_p50_rapidkv_over_single_{load}"] = pair[
+                "tpot_p50_over_paired_single_ci95"
+            ]
+        except KeyError:
+            pass
         out[f"unpaired_tpot_p50_rapidkv_over_single_{load}"] = unpaired
         # context, not targets: what any KV connector costs vLLM's decode
         noop = tpot["single-noop-connector"]
@@ -301,7 +318,9 @@ def print_report(report: dict[str, Any], out: IO[str]) -> None:
                 ps = s["paired_single"]
                 line = f"{'  ~ single, paired':<22}{load:<11}"
                 line += "".join(f"{_fmt(ps[m][k]):>9}" for _, m, k in cols)
+                lo, hi = ps["tpot_p50_over_paired_single_ci95"]
                 line += f"  TPOT p50 ratio {_fmt(ps['tpot_p50_over_paired_single'], 3)}"
+                line += f" [{_fmt(lo, 3)}, {_fmt(hi, 3)}]"
                 line += f"  hard {_fmt(ps['hard_mismatches'], 0)} err {ps['errors']}"
                 print(line, file=out)
     noisy = [
@@ -322,7 +341,8 @@ def print_report(report: dict[str, Any], out: IO[str]) -> None:
         print(f"\nacceptance ({model}): {a['targets']}", file=out)
         for k, v in a.items():
             if k not in ("targets", "met"):
-                print(f"  {k:<46}{_fmt(v, 3)}", file=out)
+                shown = ", ".join(_fmt(x, 3) for x in v) if isinstance(v, list) else _fmt(v, 3)
+                print(f"  {k:<52} {shown}", file=out)
         print(f"  met: {a['met']}", file=out)
     for model, ref in report["reference"].items():
         if ref["error"]:

@@ -72,6 +72,33 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
+def paired_ratio_interval(
+    blocks: Sequence[tuple[Sequence[float], Sequence[float]]],
+    level: float = 0.95,
+    resamples: int = 2000,
+    seed: int = 0,
+) -> tuple[float, float]:
+    """A bootstrap interval of p50(a) / p50(b) over paired blocks `(a, b)`: the
+    blocks are drawn with replacement, each keeping its pair, `resamples` times
+    (seeded: the same blocks give the same interval); nan, nan without blocks."""
+    import random
+    import statistics
+
+    blocks = [(a, b) for a, b in blocks if a and b]
+    if not blocks:
+        return math.nan, math.nan
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(resamples):
+        drawn = [blocks[rng.randrange(len(blocks))] for _ in blocks]
+        a = [v for pair in drawn for v in pair[0]]
+        b = [v for pair in drawn for v in pair[1]]
+        ratios.append(statistics.median(a) / statistics.median(b))
+    ratios.sort()
+    tail = (1 - level) / 2 * 100
+    return percentile(ratios, tail), percentile(ratios, 100 - tail)
+
+
 def summarize(values: Sequence[float]) -> dict[str, float]:
     """mean, p50, p90, p99, min, max and n of the finite values (nan when none)."""
     finite = sorted(v for v in values if math.isfinite(v))
