@@ -165,7 +165,10 @@ def test_paired_tpot_ratios_replace_the_unpaired_ones_as_targets() -> None:
     def config(tpot: float, paired_ratio: float | None = None) -> dict:
         load: dict = {"ttft_ms": {"p50": 40.0, "mean": 40.0}, "tpot_ms": {"p50": tpot}}
         if paired_ratio is not None:
-            load["paired_single"] = {"tpot_p50_over_paired_single": paired_ratio}
+            load["paired_single"] = {
+                "tpot_p50_over_paired_single": paired_ratio,
+                "tpot_p50_over_paired_single_ci95": [paired_ratio - 0.1, paired_ratio + 0.1],
+            }
         return {"hard_mismatches": 0, "paired_single_hard_mismatches": 0, "loads": {"c1": load}}
 
     configs = {
@@ -177,6 +180,7 @@ def test_paired_tpot_ratios_replace_the_unpaired_ones_as_targets() -> None:
     assert a["tpot_p50_rapidkv_over_single_c1"] == pytest.approx(1.02)
     assert a["unpaired_tpot_p50_rapidkv_over_single_c1"] == pytest.approx(1.2)
     assert a["paired_c1"] is True and a["met"] is True
+    assert a["ci95_tpot_p50_rapidkv_over_single_c1"] == pytest.approx([0.92, 1.12])
     assert a["floor_tpot_p50_noop_connector_over_single_c1"] == pytest.approx(1.01)
     configs["rapidkv"] = config(5.1, paired_ratio=1.06)  # unpaired 1.02: the pair decides
     assert acceptance_report(configs)["met"] is False

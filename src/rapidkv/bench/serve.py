@@ -135,6 +135,25 @@ class Options:
     timeout: float
     server_args: tuple[str, ...]
 
+    def paired(self, name: str) -> bool:
+        """Whether configuration `name` is measured in blocks paired with `single`."""
+        from rapidkv.bench.serve_configs import CONFIGS
+
+        return self.pair_block > 0 and CONFIGS[name].paired
+
+    @property
+    def pairing(self) -> bool:
+        """Whether `single` stays up through each round for paired blocks."""
+        return any(self.paired(c) for c in self.configs)
+
+    def load_units(self, name: str) -> int:
+        """Progress units (requests) of one load of `name`, its `single` blocks included."""
+        return self.requests * (2 if self.paired(name) else 1)
+
+    def units(self, name: str) -> int:
+        """Progress units of one configuration in one round."""
+        return self.warmup + len(self.loads) * self.load_units(name)
+
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Options:
         from rapidkv.bench.serve_configs import CONFIGS
@@ -269,12 +288,6 @@ class ModelRun:
         self.configs = {name: ConfigRun(name) for name in opts.configs}
         self.single: Any = None  # RunningGroup: `single`, up for the round when pairing
 
-    @property
-    def pairing(self) -> bool:
-        from rapidkv.bench.serve_configs import CONFIGS
-
-        return self.opts.pair_block > 0 and any(CONFIGS[c].paired for c in self.opts.configs)
-
     def run(self) -> ModelRun:
         from rapidkv.bench.serve_configs import CONFIGS, GROUPS
 
@@ -282,11 +295,11 @@ class ModelRun:
         order = [g for g in GROUPS if g in wanted]
         for r in range(1, self.opts.rounds + 1):
             try:
-                if self.pairing:
+                if self.opts.pairing:
                     single_members = self.skip_failed("single")
                     self.single = self.open_group("single", single_members, r)
                 for group in order if r % 2 else order[::-1]:
-                    if group == "single" and self.pairing:
+                    if group == "single" and self.opts.pairing:
                         if self.single is not None:  # else: open_group counted its units
                             self.measure_group(self.single, single_members, r)
                         continue
@@ -307,7 +320,7 @@ class ModelRun:
 
         members = [c for c in self.opts.configs if CONFIGS[c].group == group]
         live = [c for c in members if not self.configs[c].error]
-        self.progress.advance(sum(self.units(c) for c in members if c not in live))
+        self.progress.advance(sum(self.opts.units(c) for c in members if c not in live))
         return live
 
     def run_group(self, group_name: str, members: list[str], rnd: int) -> None:
@@ -339,8 +352,8 @@ class ModelRun:
             why = f"{group_name} did not start: {type(e).__name__}: {e}"
             p.say(why[:3000])
             self.fail(members, why)
-            units = sum(self.units(name) for name in members)
-            if group_name == "single" and self.pairing and "single" not in members:
+            units = sum(self.opts.units(name) for name in members)
+            if group_name == "single" and self.opts.pairing and "single" not in members:
                 units += self.opts.warmup
             if group_name == "single" and self.references is None:
                 self.reference_error = why[:4000]
@@ -355,7 +368,7 @@ class ModelRun:
             if group_name == "single" and self.references is None:
                 self.take_reference(group.url(CONFIGS["single"]))
             warm = members
-            if group_name == "single" and self.pairing and not members:
+            if group_name == "single" and self.opts.pairing and not members:
                 warm = ["single"]  # its blocks are paired with others' from the start
             for name in warm:
                 self.warm_up(name, group.url(CONFIGS[name]))
@@ -375,7 +388,7 @@ class ModelRun:
             for load in self.opts.loads:
                 for name in members:
                     if self.configs[name].error:  # timed out earlier: the rest is skipped
-                        p.advance(self.opts.requests * (2 if self.paired(name) else 1))
+                        p.advance(self.opts.load_units(name))
                     else:
                         self.measure(name, group, load, rnd)
         except Exception as e:  # a server died, /metrics failed...: the next group still runs
@@ -386,18 +399,6 @@ class ModelRun:
     def fail(self, members: list[str], why: str) -> None:
         for name in members:
             self.configs[name].error = why[:4000]
-
-    def paired(self, name: str) -> bool:
-        """Whether `name` is measured in blocks paired with `single` (when it is up)."""
-        from rapidkv.bench.serve_configs import CONFIGS
-
-        return self.pairing and CONFIGS[name].paired
-
-    def units(self, name: str) -> int:
-        """Progress units (requests) of one configuration in one round, its paired
-        `single` blocks included."""
-        per_load = self.opts.requests * (2 if self.paired(name) else 1)
-        return self.opts.warmup + len(self.opts.loads) * per_load
 
     def take_reference(self, url: str) -> None:
         from rapidkv.bench.serve_stats import Reference, margins_from_logprobs
@@ -470,7 +471,7 @@ class ModelRun:
         from rapidkv.bench.serve_loads import TIMEOUT
 
         self.progress.stage(f"{self.model} r{rnd}: {name} {load.name}")
-        pair = self.single if self.paired(name) else None
+        pair = self.single if self.opts.paired(name) else None
         n = len(self.prompts)
         size = self.opts.pair_block if pair is not None else n
         tokens_before = group.prompt_tokens()
@@ -489,7 +490,8 @@ class ModelRun:
                     run.paired_single += results
                     run.paired_single_wall_s += wall
             if any(r.error and r.error.startswith(TIMEOUT) for r in run.results):
-                self.progress.advance(max(0, n - lo - size) * (1 if pair is None else 2))
+                left = max(0, n - lo - size)  # prompts not sent, counted as in `load_units`
+                self.progress.advance(left * (2 if self.opts.paired(name) else 1))
                 break
         run.prompt_tokens = {
             server: {src: v - tokens_before[server][src] for src, v in counts.items()}
@@ -608,12 +610,8 @@ def prompt_lengths(opts: Options) -> list[int]:
 def total_units(opts: Options) -> int:
     """Progress units: one per request (reference, warm-up and measured, paired
     `single` blocks included)."""
-    from rapidkv.bench.serve_configs import CONFIGS
-
-    paired = [c for c in opts.configs if CONFIGS[c].paired] if opts.pair_block else []
-    per_round = len(opts.configs) * (opts.warmup + len(opts.loads) * opts.requests)
-    per_round += len(paired) * len(opts.loads) * opts.requests
-    if paired and "single" not in opts.configs:
+    per_round = sum(opts.units(c) for c in opts.configs)
+    if opts.pairing and "single" not in opts.configs:
         per_round += opts.warmup  # `single` warmed up for its paired blocks
     return (opts.requests + opts.rounds * per_round) * len(opts.models)
 

@@ -161,34 +161,29 @@ def acceptance_report(configs: dict[str, Any]) -> dict[str, Any]:
             r = stat("rapidkv", load, "ttft_ms", key) / stat("vllm-nixl", load, "ttft_ms", key)
             out[f"ttft_{key}_rapidkv_over_vllm_nixl_{load}"] = r
 
-    def paired(name: str, load: str) -> float:
-        """`name`'s TPOT p50 over `single`'s on the same blocks (nan: not paired)."""
-        try:
-            pair = configs[name]["loads"][load]["paired_single"]
-            return float(pair["tpot_p50_over_paired_single"])
-        except KeyError:
-            return math.nan
-
-    def prefer(pair: float, unpaired: float) -> float:
-        return unpaired if math.isnan(pair) else pair
+    def paired(name: str, load: str) -> dict[str, Any] | None:
+        """`name`'s comparison with `single` on the same blocks (None: not paired)."""
+        return configs.get(name, {}).get("loads", {}).get(load, {}).get("paired_single")
 
     loads = sorted({load for c in configs.values() for load in c["loads"]})
     for load in loads:
         tpot = {name: stat(name, load, "tpot_ms", "p50") for name in TPOT_COMPARED}
         unpaired = tpot["rapidkv"] / tpot["single"]
-        out[f"tpot_p50_rapidkv_over_single_{load}"] = prefer(paired("rapidkv", load), unpaired)
-        out[f"paired_{load}"] = not math.isnan(paired("rapidkv", load))
-        try:
-            pair = configs["rapidkv"]["loads"][load]["paired_single"]
-            out[f"ci95_tpot_p50_rapidkv_over_single_{load}"] = pair[
-                "tpot_p50_over_paired_single_ci95"
-            ]
-        except KeyError:
-            pass
+        pair = paired("rapidkv", load)
+        out[f"paired_{load}"] = pair is not None
+        if pair is None:
+            out[f"tpot_p50_rapidkv_over_single_{load}"] = unpaired
+        else:
+            out[f"tpot_p50_rapidkv_over_single_{load}"] = pair["tpot_p50_over_paired_single"]
+            ci95 = pair["tpot_p50_over_paired_single_ci95"]
+            out[f"ci95_tpot_p50_rapidkv_over_single_{load}"] = ci95
         out[f"unpaired_tpot_p50_rapidkv_over_single_{load}"] = unpaired
         # context, not targets: what any KV connector costs vLLM's decode
         noop = tpot["single-noop-connector"]
-        floor = prefer(paired("single-noop-connector", load), noop / tpot["single"])
+        noop_pair = paired("single-noop-connector", load)
+        floor = (
+            noop / tpot["single"] if noop_pair is None else noop_pair["tpot_p50_over_paired_single"]
+        )
         out[f"floor_tpot_p50_noop_connector_over_single_{load}"] = floor
         out[f"floor_tpot_p50_rapidkv_over_noop_connector_{load}"] = tpot["rapidkv"] / noop
     out["hard_mismatches_all_configs"] = sum(
