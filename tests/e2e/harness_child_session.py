@@ -33,6 +33,7 @@ def test_hold_server_until_signalled(single_server: VLLMServer) -> None:
         "port": single_server.port,
         "watchdog": get_watchdog().pid,
         "runner": os.getpid(),
+        "tmp_dir": str(single_server.tmp_dir),
     }
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(info))

@@ -4,7 +4,8 @@ A child pytest session starts the shared `single_server` fixture, reports the
 server's pids and waits; we then SIGKILL it (no cleanup code can run: the
 harness's watchdog must act) or SIGINT it (pytest's own teardown stops the
 server), and check through /proc that the server's whole process tree is gone
-within a bounded time. Also: a server that cannot start fails with its log.
+within a bounded time, and its temporary directory with it. Also: a server that
+cannot start fails with its log.
 """
 
 from __future__ import annotations
@@ -70,11 +71,14 @@ def test_runner_death_leaves_no_vllm_process(
         # api server, engine core, worker at least, plus the watchdog
         assert len(members) >= 3, f"expected a process tree, got {members}"
         assert info["pid"] in members
+        tmp_dir = Path(info["tmp_dir"])
+        assert tmp_dir.is_dir(), f"the server's TMPDIR {tmp_dir} should exist while it runs"
 
         runner.send_signal(sig)
 
         wait_until(lambda: not _alive(tree), GONE_WITHIN_S, what="the server tree to be gone")
         assert procs.live_in_group(info["pgid"]) == []
+        assert not tmp_dir.exists(), "the server's TMPDIR outlived the runner"
         rc = runner.wait(GONE_WITHIN_S)
         if sig == signal.SIGINT:
             assert rc == 2, f"pytest should report an interrupted session, got {rc}"

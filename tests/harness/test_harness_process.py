@@ -15,7 +15,7 @@ from rapidkv.harness import ManagedProcess, ServerSpec, free_port, procs, random
 from rapidkv.harness.ports import port_is_free
 from rapidkv.harness.prompts import prompt_vocab
 from rapidkv.harness.server import SRC_DIR
-from rapidkv.harness.watchdog import GRACE_ENV, OWNER_ENV_PREFIX
+from rapidkv.harness.watchdog import GRACE_ENV, OWNER_ENV_PREFIX, _Reaper
 
 pytestmark = pytest.mark.unit
 
@@ -165,7 +165,8 @@ def test_returncode_does_not_reap_and_log_is_kept(tmp_path: Path) -> None:
 
 
 # Parent for the watchdog test: starts a tree through the harness and a
-# stranger process outside it, reports pids, then idles until killed.
+# stranger process outside it, gives the watchdog one directory to remove and
+# one it takes back, reports pids, then idles until killed.
 PARENT = r"""
 import json, os, signal, subprocess, sys
 from pathlib import Path
@@ -174,11 +175,18 @@ out, tree = Path(sys.argv[1]), sys.argv[2]
 pidfile = out.parent / "tree-pids.json"
 mp = ManagedProcess([sys.executable, "-c", tree, str(pidfile), "0"], dict(os.environ),
                     out.parent / "tree.log", name="tree")
+owned, disowned = out.parent / "owned dir", out.parent / "disowned"
+for d in (owned, disowned):
+    (d / "sub").mkdir(parents=True)
+    (d / "sub" / "file").write_text("x")
+    get_watchdog().own(d)
+get_watchdog().disown(disowned)
 wait_until(pidfile.exists, 30)
 stranger = subprocess.Popen([sys.executable, "-c", "import signal\nwhile True: signal.pause()"],
                             start_new_session=True)
 info = json.loads(pidfile.read_text())
-info.update(stranger=stranger.pid, watchdog=get_watchdog().pid, pgid=mp.pgid)
+info.update(stranger=stranger.pid, watchdog=get_watchdog().pid, pgid=mp.pgid,
+            owned=str(owned), disowned=str(disowned))
 out.with_suffix(".tmp").write_text(json.dumps(info))
 os.rename(out.with_suffix(".tmp"), out)
 while True:
@@ -212,6 +220,8 @@ def test_watchdog_kills_tree_when_parent_dies(tmp_path: Path, sig: signal.Signal
         wait_until(lambda: _none_alive(watchdog), 30, what="watchdog to exit")
         assert procs.live_in_group(info["pgid"]) == []
         assert not _none_alive(stranger_id), "the watchdog killed a process it did not own"
+        assert not Path(info["owned"]).exists(), "the watchdog left a directory it owned"
+        assert (Path(info["disowned"]) / "sub" / "file").exists(), "it removed a disowned one"
     finally:
         if parent.poll() is None:
             parent.kill()
@@ -219,6 +229,26 @@ def test_watchdog_kills_tree_when_parent_dies(tmp_path: Path, sig: signal.Signal
         if stranger is not None and procs.is_alive(stranger):
             os.kill(stranger, signal.SIGKILL)
         _kill_leftovers(tree)  # only if the test failed: never leak its processes
+
+
+def test_watchdog_commands_are_validated_and_links_not_followed(tmp_path: Path) -> None:
+    """Malformed lines change nothing; an owned symbolic link is not followed."""
+    reaper = _Reaper("token", grace=1.0)
+    for line in ["add 1\n", "add x 2\n", "del\n", "del -3\n", "own relative/dir\n", "own\n",
+                 "disown\n", "kill 1\n", "\n"]:  # fmt: skip
+        reaper.handle(line)
+    assert reaper.groups == {} and reaper.dirs == set()
+    spaced, target, link = tmp_path / "a b", tmp_path / "target", tmp_path / "link"
+    for d in (spaced, target):
+        d.mkdir()
+        (d / "file").write_text("x")
+    link.symlink_to(target)
+    for line in ["add 5 7\n", "add 6 8\n", "del 6\n", f"own {spaced}\n", f"own {link}\n"]:
+        reaper.handle(line)
+    assert reaper.groups == {5: 7} and reaper.dirs == {str(spaced), str(link)}
+    assert reaper.remove_dirs() == 1
+    assert not spaced.exists() and (target / "file").exists() and link.is_symlink()
+    assert reaper.dirs == set()
 
 
 def test_random_prompts_are_deterministic_and_valid(tiny_model: Path) -> None:

@@ -473,6 +473,8 @@ class ModelRun:
         self.progress.stage(f"{self.model} r{rnd}: {name} {load.name}")
         pair = self.single if self.opts.paired(name) else None
         n = len(self.prompts)
+        if self.opts.paired(name) and pair is None:  # `single` did not start this round
+            self.progress.advance(n)  # its blocks, counted in `load_units`, are not run
         size = self.opts.pair_block if pair is not None else n
         tokens_before = group.prompt_tokens()
         run = LoadRun(rnd, paired_single=None if pair is None else [])
@@ -490,8 +492,8 @@ class ModelRun:
                     run.paired_single += results
                     run.paired_single_wall_s += wall
             if any(r.error and r.error.startswith(TIMEOUT) for r in run.results):
-                left = max(0, n - lo - size)  # prompts not sent, counted as in `load_units`
-                self.progress.advance(left * (2 if self.opts.paired(name) else 1))
+                left = max(0, n - lo - size)  # prompts not sent, on both sides if paired
+                self.progress.advance(left * (1 if pair is None else 2))
                 break
         run.prompt_tokens = {
             server: {src: v - tokens_before[server][src] for src, v in counts.items()}

@@ -21,7 +21,8 @@ Invariants:
 * Each launch gets a temporary directory of its own as `TMPDIR` and
   `VLLM_RPC_BASE_PATH` (vLLM's ZMQ IPC sockets and torch.distributed's init
   files land there, and a killed engine does not unlink them); `stop` removes it
-  once the tree is gone. A `ServerSpec.env` that sets either variable wins.
+  once the tree is gone, and the watchdog does if our process dies first. A
+  `ServerSpec.env` that sets either variable wins.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import httpx
 
 from rapidkv.harness.ports import LOOPBACK, free_port
 from rapidkv.harness.process import ManagedProcess
+from rapidkv.harness.watchdog import get_watchdog
 
 Role = Literal["single", "prefill", "decode"]
 
@@ -228,7 +230,9 @@ class VLLMServer:
         self._t_launch = time.monotonic()
         self.startup_s = None
         self._remove_tmp_dir()  # a relaunch after a port clash: the tree is stopped
-        self.tmp_dir = Path(tempfile.mkdtemp(prefix="rapidkv-vllm-"))
+        watchdog = get_watchdog(self.log_dir)  # raises if it is gone: nothing created yet
+        self.tmp_dir = Path(tempfile.mkdtemp(prefix="rapidkv-vllm-")).resolve()
+        watchdog.own(self.tmp_dir)  # removed by the watchdog if we are killed
         env = self.spec.environment()
         for name in ("TMPDIR", "VLLM_RPC_BASE_PATH"):
             if name not in self.spec.env:
@@ -293,6 +297,8 @@ class VLLMServer:
     def _remove_tmp_dir(self) -> None:
         if self.tmp_dir is not None:
             shutil.rmtree(self.tmp_dir, ignore_errors=True)
+            with contextlib.suppress(RuntimeError):  # a dead watchdog owns nothing any more
+                get_watchdog(self.log_dir).disown(self.tmp_dir)
             self.tmp_dir = None
 
     def restart(self) -> None:

@@ -9,23 +9,28 @@ SIGKILL. So every harness (one per Python process) starts one watchdog process:
   close-on-exec; processes the parent *forks* without exec inherit it and delay
   the EOF until they exit);
 * told, over that pipe, each process group the parent starts (`add PGID
-  STARTTIME`) and stops (`del PGID`).
+  STARTTIME`) and stops (`del PGID`), and each temporary directory the parent
+  creates for them (`own PATH`) and removes itself (`disown PATH`).
 
 When the pipe reports EOF (the parent exited, crashed or was SIGKILLed) or the
 watchdog gets SIGTERM, it SIGTERMs, waits up to a grace period, then SIGKILLs
-every process it may kill, until none is left, and exits.
+every process it may kill, until none is left, removes the directories it was
+given, and exits.
 
 Invariant: it kills only (a) processes whose environment carries this harness's
 owner entry `RAPIDKV_HARNESS_OWNER=<token>` (every server the harness starts
 gets it, and its descendants inherit it), and (b) members of a registered group
 whose leader is still the very process registered (same pid and start time, so
-the group id cannot have been reused by a stranger).
+the group id cannot have been reused by a stranger). It removes only directories
+the parent named (absolute paths, never followed through a symbolic link), and
+only after the processes that used them are gone.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -65,15 +70,32 @@ class _Reaper:
         self.entry = f"{key}={value}".encode()
         self.grace = grace
         self.groups: dict[int, int] = {}  # pgid -> leader start time
+        self.dirs: set[str] = set()  # directories to remove once the processes are gone
 
     def handle(self, line: str) -> None:
-        parts = line.split()
-        if len(parts) == 3 and parts[0] == "add":
-            self.groups[int(parts[1])] = int(parts[2])
-        elif len(parts) == 2 and parts[0] == "del":
-            self.groups.pop(int(parts[1]), None)
-        elif parts:
+        verb, _, rest = line.rstrip("\n").partition(" ")
+        parts = rest.split()
+        numbers = all(p.isdigit() for p in parts)
+        if verb == "add" and len(parts) == 2 and numbers:
+            self.groups[int(parts[0])] = int(parts[1])
+        elif verb == "del" and len(parts) == 1 and numbers:
+            self.groups.pop(int(parts[0]), None)
+        elif verb == "own" and os.path.isabs(rest):
+            self.dirs.add(rest)
+        elif verb == "disown" and rest:
+            self.dirs.discard(rest)
+        elif line.strip():
             log(f"ignoring malformed command {line!r}")
+
+    def remove_dirs(self) -> int:
+        """Remove the directories still owned; return how many were there."""
+        removed = 0
+        for path in sorted(self.dirs):
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+                removed += 1
+        self.dirs.clear()
+        return removed
 
     def targets(self) -> set[int]:
         found = set(procs.live_with_env(self.entry))
@@ -146,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         log("SIGTERM received")
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     n = reaper.reap()
-    log(f"done ({n} process(es) had to be killed)")
+    d = reaper.remove_dirs()
+    log(f"done ({n} process(es) had to be killed, {d} directory(ies) removed)")
     return 0
 
 
@@ -223,6 +246,16 @@ class Watchdog:
     def unregister(self, pgid: int) -> None:
         """Forget group `pgid` (call once the group is gone, before its leader is reaped)."""
         self._send(f"del {pgid}")
+
+    def own(self, path: Path) -> None:
+        """Have the watchdog remove directory `path` (absolute) after killing our processes."""
+        if not path.is_absolute() or "\n" in str(path):
+            raise ValueError(f"not an absolute one-line path: {path!r}")
+        self._send(f"own {path}")
+
+    def disown(self, path: Path) -> None:
+        """Forget directory `path` (we removed it ourselves)."""
+        self._send(f"disown {path}")
 
     def close(self, timeout: float = 60.0) -> None:
         """Close the pipe (the watchdog kills whatever is left) and wait for it to exit."""
