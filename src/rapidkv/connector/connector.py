@@ -42,6 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from rapidkv.connector.amx import request_tile_permission
 from rapidkv.connector.config import ConnectorConfig
 from rapidkv.connector.metadata import RankInfo, StepMeta
 from rapidkv.connector.scheduler_side import SchedulerSide, model_fingerprint
@@ -61,6 +62,19 @@ def _log_like_vllm() -> None:
 
 
 _log_like_vllm()
+
+
+def start_worker_side(
+    config: ConnectorConfig, instance_id: str, rank: int, block_size: int
+) -> WorkerSide:
+    """The worker role, in a vLLM worker process, before its first forward.
+
+    AMX tile permission is asked for first, before any thread or transport of
+    ours exists (`rapidkv.connector.amx`): vLLM's bf16 attention uses AMX
+    without asking, and would kill this worker at a forward of a few tokens.
+    """
+    request_tile_permission()
+    return WorkerSide(config, instance_id, rank, block_size)
 
 
 class RapidKVConnector(KVConnectorBase_V1):
@@ -89,7 +103,7 @@ class RapidKVConnector(KVConnectorBase_V1):
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-            self.worker = WorkerSide(
+            self.worker = start_worker_side(
                 self.config, self.instance_id, get_tensor_model_parallel_rank(), block_size
             )
 
