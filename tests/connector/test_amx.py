@@ -89,3 +89,25 @@ def test_amx_is_read_from_the_cpu_flags(tmp_path: Path) -> None:
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx512f amx_bf16 amx_tilex\n")
     assert cpu_has_amx(cpuinfo) is False
     assert cpu_has_amx(tmp_path / "missing") is False
+
+
+@needs_amx
+def test_the_tuned_nixl_start_up_hook_asks_too(tmp_path: Path) -> None:
+    """The tuned vllm-nixl servers' sitecustomize asks at interpreter start."""
+    from rapidkv.bench.serve_nixl_tuning import write_sitecustomize
+    from rapidkv.harness.server import SRC_DIR
+
+    site = write_sitecustomize(tmp_path / "site")
+    probe = "from rapidkv.connector.amx import tile_data_permitted; print(tile_data_permitted())"
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{site}:{SRC_DIR}"}
+    out = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True"
+    assert "AMX tile data: granted" in out.stderr
+    plain = subprocess.run(
+        [sys.executable, "-c", probe], env={**env, "PYTHONPATH": str(SRC_DIR)},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert plain.stdout.strip() == "False", "without the hook nothing should ask"

@@ -308,6 +308,7 @@ class ModelRun:
                         self.run_group(group, members, r)
             finally:
                 if self.single is not None:
+                    self.note_crashes(self.single, single_members)
                     self.progress.stage(f"{self.model} r{r}: stopping single")
                     self.single.stop()
                     self.single = None
@@ -330,6 +331,7 @@ class ModelRun:
         try:
             self.measure_group(group, members, rnd)
         finally:
+            self.note_crashes(group, members)
             self.progress.stage(f"{self.model} r{rnd}: stopping {group_name}")
             group.stop()
 
@@ -378,9 +380,22 @@ class ModelRun:
             why = f"{group_name} failed while warmed up: {type(e).__name__}: {e}"
             p.say(why[:3000])
             self.fail(members, why)
+            self.note_crashes(group, members)
             group.stop()
             return None
         return group
+
+    def note_crashes(self, group: Any, members: list[str]) -> None:
+        """A group whose server died says why first in its members' error."""
+        crashes = group.crashes()
+        if not crashes:
+            return
+        why = "; ".join(crashes)
+        self.progress.say(f"{group.name}: {why}")
+        for name in members:
+            c = self.configs[name]
+            if not (c.error or "").startswith(why):
+                c.error = (why + (f"; then: {c.error}" if c.error else ""))[:4000]
 
     def measure_group(self, group: Any, members: list[str], rnd: int) -> None:
         p = self.progress

@@ -35,9 +35,18 @@ from pathlib import Path
 from typing import Any
 
 TUNING = (
-    "NIXL agents default to enable_prog_thread=False (UCX progress thread off) and "
-    "os.sched_setaffinity cannot move a thread off the instance's core "
+    "NIXL agents default to enable_prog_thread=False (UCX progress thread off), "
+    "os.sched_setaffinity cannot move a thread off the instance's core, and on an AMX "
+    "CPU every process asks for AMX tile data at start as rapidkv's connector does "
+    "(else vLLM's bf16 attention kills the worker with SIGILL) "
     "(rapidkv.bench.serve_nixl_tuning, loaded by sitecustomize)"
+)
+
+SIGILL_CRASH = "a vLLM worker of {server} died of SIGILL (exit code -4)"
+AMX_CAUSE = (
+    ": on this AMX CPU vLLM's bf16 attention runs AMX tile instructions that no "
+    "process asked the kernel to permit (docs/environment.md, 'bf16 on AMX CPUs'); "
+    "rapidkv's connector and the tuned NIXL baselines ask at start, stock vLLM does not"
 )
 
 
@@ -192,6 +201,17 @@ class RunningGroup:
             (server,) = self.servers.values()
             return server.base_url
         return self.fronts[config.front].url
+
+    def crashes(self) -> list[str]:
+        """Why servers of this group died, where their logs tell (SIGILL)."""
+        from rapidkv.connector.amx import cpu_has_amx
+
+        cause = AMX_CAUSE if cpu_has_amx() else ""
+        return [
+            SIGILL_CRASH.format(server=key) + cause
+            for key, server in self.servers.items()
+            if server.died_of_sigill()
+        ]
 
     def trees(self) -> dict[str, Any]:
         """Every process tree of the group by name (servers, then fronts)."""

@@ -1,4 +1,4 @@
-"""The tuned vLLM NixlConnector baseline: two changes made at interpreter start-up.
+"""The tuned vLLM NixlConnector baseline: three changes made at interpreter start-up.
 
 `rapidkv bench serve` starts the tuned `vllm-nixl` servers with a directory on
 `PYTHONPATH` whose `sitecustomize.py` calls `install()` (`write_sitecustomize`
@@ -17,6 +17,11 @@ creates it), so every Python process of those servers gets, without editing vLLM
    core 1 that puts P's compute on D's core. A call within the instance's CPUs
    goes through; one partly outside is narrowed to the instance's CPUs; one
    entirely outside is ignored. Each refusal is logged once on stderr.
+3. On a CPU with AMX, the process asks the kernel for AMX tile data first
+   (`rapidkv.connector.amx`, what rapidkv's connector does in its worker):
+   vLLM's bf16 attention runs AMX instructions without asking, and D's first
+   forward after loading a prompt's KV, one token, would die of SIGILL. The
+   outcome is logged on stderr.
 
 Nothing else changes: the `vllm-nixl-stock` configuration runs without it.
 """
@@ -48,9 +53,14 @@ def write_sitecustomize(directory: Path) -> Path:
 
 
 def install() -> None:
-    """Apply both changes in this process (idempotent)."""
+    """Apply the three changes in this process (idempotent)."""
     if getattr(os.sched_setaffinity, "_rapidkv_guard", False):
         return
+    from rapidkv.connector.amx import request_tile_permission
+
+    amx = request_tile_permission()
+    if amx != "no_amx":
+        _note(f"AMX tile data: {amx}")
     env = os.environ.get(CPUS_ENV)
     allowed = parse_cpus(env) if env else frozenset(os.sched_getaffinity(0))
     os.sched_setaffinity = guarded_setaffinity(os.sched_setaffinity, allowed, _note)

@@ -56,6 +56,7 @@ SRC_DIR = Path(__file__).resolve().parents[2]
 DROPPED_ENV = ("VLLM_CPU_KVCACHE_SPACE",)
 
 _PORT_CLASH = ("address already in use", "errno 98")
+SIGILL_MARKS = ("died unexpectedly (exit code: -4)", "Fatal Python error: Illegal instruction")
 PORT_ATTEMPTS = 3
 
 
@@ -341,6 +342,15 @@ class VLLMServer:
 
     def log_tail(self, lines: int = 80) -> str:
         return self._proc().log_tail(lines)
+
+    def died_of_sigill(self) -> bool:
+        """Whether a process of this server died of SIGILL, by its log: vLLM's
+        engine logs a worker's exit code -4, Python's faulthandler the signal."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return False
+        return any(mark in text for mark in SIGILL_MARKS)
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"

@@ -1,0 +1,149 @@
+"""bf16, what users run: a P/D pair and the router on the tiny bf16 model.
+
+Outputs are compared with a single bf16 instance's, greedy, and each mismatch is
+classified as `rapidkv bench serve` does (`serve_stats.classify`): a near-tie
+(the reference's top-2 logprob margin at the first divergence is at most
+`NEAR_TIE_MARGIN`) is reported, a hard mismatch fails the test.
+
+On a CPU with AMX this is also the crash's regression test: vLLM's bf16
+attention runs AMX tile instructions without asking the kernel, and P's first
+forward (the router's one-token discovery request) or D's (the last token of a
+prompt whose KV it loaded) is too small for anything else to have asked
+(`rapidkv.connector.amx`). Without the connector's request, P's worker dies of
+SIGILL at the first request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from rapidkv.bench.serve_stats import Reference, classify, margins_from_logprobs
+from rapidkv.connector.config import kv_transfer_config
+from rapidkv.control.client import RpcClient
+from rapidkv.control.messages import StatsRequest
+from rapidkv.harness import ServerPool, ServerSpec, free_port, random_prompts
+from rapidkv.harness.client import acomplete_stream, complete_many_full, get_metrics, metric_sum
+from rapidkv.harness.server import pd_specs
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+MAX_TOKENS = 16
+# the longest first: the reference is stock vLLM, whose own first forward must
+# be large enough for oneDNN to ask for AMX on its behalf (see module doc)
+LENGTHS = [700, 5, 60, 127, 128, 129, 255, 256, 257, 300, 450, 600, 900]
+
+
+def rpc_stats(address: str) -> dict[str, float]:
+    """The connector's counters at its control `address`."""
+    with RpcClient() as rpc:
+        return rpc.call(address, StatsRequest(), 10).counters
+
+
+def loaded_tokens(base_url: str) -> float:
+    """Prompt tokens the engine took from the KV connector, by its /metrics."""
+    return metric_sum(
+        get_metrics(base_url), "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
+    )
+
+
+@pytest.fixture(scope="session")
+def bf16_model() -> Path:
+    from rapidkv.models import ensure_model
+
+    return ensure_model("tiny", dtype="bfloat16")
+
+
+CONCURRENCY = (1, 4)
+
+
+@pytest.fixture(scope="session")
+def bf16_case(server_pool: ServerPool, bf16_model: Path):
+    """Per concurrency its own prompts (D's prefix cache must not serve them)
+    and the single bf16 instance's references, taken before the pair starts (at
+    most two servers run); then the bf16 P/D pair."""
+    single = server_pool.get_one(
+        "single_bf16", ServerSpec(model=bf16_model, name="single-bf16", cpus=(1,))
+    )
+    cases = {}
+    for c in CONCURRENCY:
+        prompts = random_prompts(bf16_model, LENGTHS, seed=1700 + c)
+        done = complete_many_full(
+            single.base_url, prompts, MAX_TOKENS, logprobs=2, return_tokens_as_token_ids=True
+        )
+        top = [(x.raw["choices"][0].get("logprobs") or {})["top_logprobs"] for x in done]
+        refs = [
+            Reference(tuple(x.token_ids), margins_from_logprobs(t))
+            for x, t in zip(done, top, strict=True)
+        ]
+        cases[c] = (prompts, refs)
+    server_pool.stop("single_bf16")
+    pc, dc = free_port(), free_port()
+    chunked = ("--max-num-batched-tokens", "256")
+    p, d = server_pool.get(
+        "pd_bf16", pd_specs(bf16_model, kv_transfer_config(pc), kv_transfer_config(dc), chunked)
+    )
+    return cases, p, d, f"127.0.0.1:{pc}", f"127.0.0.1:{dc}"
+
+
+@pytest.mark.parametrize("concurrency", CONCURRENCY)
+def test_bf16_pd_through_the_router_equals_a_single_bf16_instance(
+    bf16_case, concurrency: int
+) -> None:
+    """Streamed through the router (dual dispatch, defaults: at concurrency 1
+    prompts are split between P and D, at 4 P computes them); no hard mismatch,
+    every prompt's KV moved (no recompute on D), no worker lost."""
+    from rapidkv.router.config import Instance, RouterConfig
+    from rapidkv.router.server import start_router
+
+    cases, p, d, p_control, d_control = bf16_case
+    prompts, refs = cases[concurrency]
+    config = RouterConfig(
+        prefill=(Instance(p.base_url),), decode=(Instance(d.base_url, d_control),), port=0
+    )
+    before = {a: rpc_stats(a) for a in (p_control, d_control)}
+    d_loaded = loaded_tokens(d.base_url)
+
+    async def main(url: str):
+        async with httpx.AsyncClient() as client:
+            sem = asyncio.Semaphore(concurrency)
+
+            async def one(ids):
+                async with sem:
+                    return await acomplete_stream(client, url, ids, MAX_TOKENS)
+
+            return await asyncio.gather(*(one(ids) for ids in prompts))
+
+    with start_router(config) as router:
+        outs = asyncio.run(main(router.url))
+    after = {a: rpc_stats(a) for a in (p_control, d_control)}
+
+    assert p.running and d.running, "a vLLM server of the bf16 pair died"
+    assert not p.died_of_sigill() and not d.died_of_sigill()
+    verdicts = [classify(ref, o.token_ids) for ref, o in zip(refs, outs, strict=True)]
+    hard = [i for i, v in enumerate(verdicts) if v == "hard"]
+    near = [i for i, v in enumerate(verdicts) if v == "near_tie"]
+    assert hard == [], f"hard mismatches at prompts {hard} (near-ties: {near}): " + "; ".join(
+        f"{i}: {outs[i].token_ids} != {list(refs[i].token_ids)}" for i in hard
+    )
+    assert sum(v == "match" for v in verdicts) >= len(prompts) - 2, f"near-ties: {near}"
+
+    def grew(address: str, key: str) -> float:
+        return after[address].get(key, 0) - before[address].get(key, 0)
+
+    assert grew(d_control, "recompute_fallbacks") == 0
+    assert grew(d_control, "split_loads_failed") == 0
+    if concurrency == 1:  # P and D idle at each arrival: the router splits
+        assert grew(d_control, "split_loads_ok") >= len(prompts) // 2
+    deadline = time.monotonic() + 2  # P counts a transfer a step after D has it
+    while grew(p_control, "transfers_ok") < len(prompts) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        after[p_control] = rpc_stats(p_control)
+    assert grew(p_control, "transfers_ok") == len(prompts)
+    assert loaded_tokens(d.base_url) - d_loaded > 0, (
+        "D's engine counted no prompt tokens loaded over the connector"
+    )
