@@ -19,7 +19,7 @@ from rapidkv.bench.serve import Options
 from rapidkv.bench.serve_loads import Load
 from rapidkv.bench.serve_nixl_tuning import guarded_setaffinity, parse_cpus, patch_nixl_api
 from rapidkv.bench.serve_proxy import prefill_body
-from rapidkv.bench.serve_report import acceptance_report, to_json
+from rapidkv.bench.serve_report import acceptance_report, stall_report, to_json
 from rapidkv.bench.serve_stats import (
     Reference,
     RequestResult,
@@ -129,8 +129,35 @@ def test_a_load_summary_counts_verdicts_errors_throughput_and_cpu() -> None:
     assert s["ttft_ms"]["p50"] == 20.0 and s["ttft_ms"]["n"] == 3
     assert s["throughput_req_s"] == 1.5 and s["output_tok_s"] == 5.0
     assert s["server_cpu_s_per_req"] == pytest.approx(0.4)
+    assert s["ttft_over_1s"] == 0 and s["ttft_ms"]["max"] == 30.0
     unchecked = load_summary(results, None, 2.0, {})
     assert unchecked["hard_mismatches"] is None
+    slow = [RequestResult(0, (5,), (t,), t + 1, 0.0) for t in (999.0, 1000.0, 1000.5, 3100.0)]
+    s = load_summary(slow, None, 1.0, {})
+    assert s["ttft_over_1s"] == 2 and s["ttft_ms"]["max"] == 3100.0
+
+
+@pytest.mark.unit
+def test_a_stall_shows_in_the_stall_report_whatever_the_p50() -> None:
+    def config(p50: float, p99: float, over: int, rate: float) -> dict:
+        ttft = {"p50": p50, "p99": p99, "max": p99}
+        load = {"ttft_ms": ttft, "ttft_over_1s": over, "throughput_req_s": rate}
+        return {"loads": {"c1": load, "c4": load}}
+
+    configs = {
+        "vllm-nixl": config(200.0, 2900.0, 3, 10.0),  # a baseline's stalls are not ours
+        "rapidkv": config(160.0, 600.0, 0, 12.0),
+        "rapidkv-whole": config(170.0, 650.0, 0, 11.0),
+    }
+    st = stall_report(configs)
+    assert st["met"] is True
+    assert st["rapidkv c4"]["throughput_over_vllm_nixl"] == pytest.approx(1.2)
+    assert "throughput_over_vllm_nixl" not in st["rapidkv c1"]
+    configs["rapidkv-whole"] = config(161.0, 2885.0, 4, 11.0)  # the p50 looks fine
+    st = stall_report(configs)
+    assert st["met"] is False and st["rapidkv-whole c1"]["ttft_over_1s"] == 4
+    configs["rapidkv-whole"] = config(161.0, 600.0, 0, 9.0)  # slower than vllm-nixl at c4
+    assert stall_report(configs)["met"] is False
 
 
 @pytest.mark.unit

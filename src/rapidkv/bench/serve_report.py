@@ -29,6 +29,7 @@ def build_report(runs: list[ModelRun], opts: Options, log_dir: Path) -> dict[str
     several = len(runs) > 1
     configs: dict[str, Any] = {}
     acceptance: dict[str, Any] = {}
+    stalls: dict[str, Any] = {}
     ok = True
     failed_baselines = []
     for mr in runs:
@@ -46,11 +47,13 @@ def build_report(runs: list[ModelRun], opts: Options, log_dir: Path) -> dict[str
             elif entry["paired_single_hard_mismatches"]:
                 ok = False  # `single` disagreed with its own reference
         acceptance[mr.model] = acceptance_report(entries)
+        stalls[mr.model] = stall_report(entries)
     return {
         "meta": meta(runs, opts, log_dir),
         "reference": {mr.model: {"config": "single", "error": mr.reference_error} for mr in runs},
         "configs": configs,
         "acceptance": acceptance,
+        "stalls": stalls,
         "failed_baselines": failed_baselines,
         "ok": ok,
     }
@@ -88,6 +91,8 @@ def config_report(mr: ModelRun, c: ConfigRun) -> dict[str, Any]:
                 row = {
                     "round": run.round,
                     "ttft_ms_p50": s["ttft_ms"]["p50"],
+                    "ttft_ms_max": s["ttft_ms"]["max"],
+                    "ttft_over_1s": s["ttft_over_1s"],
                     "tpot_ms_p50": s["tpot_ms"]["p50"],
                     "throughput_req_s": s["throughput_req_s"],
                 }
@@ -117,7 +122,7 @@ def config_report(mr: ModelRun, c: ConfigRun) -> dict[str, Any]:
 
 
 PAIRED_KEYS = ("requests", "errors", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
-PAIRED_KEYS += ("hard_mismatches", "near_tie_mismatches")
+PAIRED_KEYS += ("ttft_over_1s", "hard_mismatches", "near_tie_mismatches")
 
 
 def paired_summary(mr: ModelRun, runs: list[LoadRun]) -> dict[str, Any]:
@@ -196,6 +201,39 @@ def acceptance_report(configs: dict[str, Any]) -> dict[str, Any]:
         "(on the same blocks when paired)"
     )
     out["met"] = bool(checks) and all(checks) and out["hard_mismatches_all_configs"] == 0
+    return out
+
+
+STALL_P99_OVER_P50 = 4.0
+
+
+def stall_report(configs: dict[str, Any]) -> dict[str, Any]:
+    """Whether any rapidkv configuration stalled: per load, its TTFT p99 / p50
+    (target <= 4), requests whose TTFT was over 1 s (target 0), longest TTFT,
+    and at c4 its throughput over tuned vllm-nixl's (target >= 1)."""
+    out: dict[str, Any] = {}
+    checks: list[bool] = []
+    nixl = configs.get("vllm-nixl", {}).get("loads", {})
+    for name, c in configs.items():
+        if not name.startswith("rapidkv"):
+            continue
+        for load, s in c["loads"].items():
+            row = {
+                "ttft_p99_over_p50": s["ttft_ms"]["p99"] / s["ttft_ms"]["p50"],
+                "ttft_over_1s": s["ttft_over_1s"],
+                "ttft_ms_max": s["ttft_ms"]["max"],
+            }
+            checks += [row["ttft_p99_over_p50"] <= STALL_P99_OVER_P50, row["ttft_over_1s"] == 0]
+            if load == "c4" and "c4" in nixl:
+                ratio = s["throughput_req_s"] / nixl["c4"]["throughput_req_s"]
+                row["throughput_over_vllm_nixl"] = ratio
+                checks.append(ratio >= 1.0)
+            out[f"{name} {load}"] = row
+    out["targets"] = (
+        f"every rapidkv configuration, every load: TTFT p99 <= {STALL_P99_OVER_P50:g}x p50, "
+        "no TTFT over 1 s; at c4 throughput >= tuned vllm-nixl's"
+    )
+    out["met"] = bool(checks) and all(checks)
     return out
 
 
@@ -290,20 +328,23 @@ def print_report(report: dict[str, Any], out: IO[str]) -> None:
         ("TTFT p50", "ttft_ms", "p50"),
         ("mean", "ttft_ms", "mean"),
         ("p99", "ttft_ms", "p99"),
+        ("max", "ttft_ms", "max"),
         ("TPOT p50", "tpot_ms", "p50"),
         ("mean", "tpot_ms", "mean"),
         ("ITL p99", "itl_ms", "p99"),
         ("E2E p50", "e2e_ms", "p50"),
     )
     head = f"{'config':<22}{'load':<11}" + "".join(f"{h:>9}" for h, _, _ in cols)
-    head += f"{'req/s':>7}{'tok/s':>7}{'cpu s/rq':>9}{'xfer':>6}{'hard':>5}{'tie':>4}{'err':>4}"
+    head += f"{'>1s':>4}{'req/s':>7}{'tok/s':>7}{'cpu s/rq':>9}{'xfer':>6}{'hard':>5}{'tie':>4}"
+    head += f"{'err':>4}"
     print(f"\n{head}\n{'-' * len(head)}", file=out)
     for key, c in report["configs"].items():
         if c["error"]:
             print(f"{key:<22}{'ERROR':<11}{c['error'].splitlines()[0][:110]}", file=out)
         for load, s in c["loads"].items():
             line = f"{key:<22}{load:<11}" + "".join(f"{_fmt(s[m][k]):>9}" for _, m, k in cols)
-            line += f"{_fmt(s['throughput_req_s']):>7}{_fmt(s['output_tok_s'], 0):>7}"
+            line += f"{s['ttft_over_1s']:>4}{_fmt(s['throughput_req_s']):>7}"
+            line += f"{_fmt(s['output_tok_s'], 0):>7}"
             line += f"{_fmt(s['server_cpu_s_per_req'], 3):>9}"
             line += f"{_fmt(s['kv_transferred_fraction'] * 100, 0):>5}%"
             line += f"{_fmt(s['hard_mismatches'], 0):>5}{_fmt(s['near_tie_mismatches'], 0):>4}"
@@ -339,6 +380,13 @@ def print_report(report: dict[str, Any], out: IO[str]) -> None:
                 shown = ", ".join(_fmt(x, 3) for x in v) if isinstance(v, list) else _fmt(v, 3)
                 print(f"  {k:<52} {shown}", file=out)
         print(f"  met: {a['met']}", file=out)
+    for model, st in report.get("stalls", {}).items():
+        print(f"\nstalls ({model}): {st['targets']}", file=out)
+        for k, row in st.items():
+            if k not in ("targets", "met"):
+                shown = "  ".join(f"{m} {_fmt(v, 2)}" for m, v in row.items())
+                print(f"  {k:<30} {shown}", file=out)
+        print(f"  met: {st['met']}", file=out)
     for model, ref in report["reference"].items():
         if ref["error"]:
             why = ref["error"].splitlines()[0][:200]

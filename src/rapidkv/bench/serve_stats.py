@@ -22,6 +22,10 @@ from typing import Any, Literal
 NEAR_TIE_MARGIN = 0.05
 """Largest top-2 logprob margin at the first divergence that makes a mismatch a near-tie."""
 
+SLOW_TTFT_MS = 1000.0
+"""A request whose first token took longer than this is counted (`ttft_over_1s`):
+a stall of the whole pipeline shows there even when the p50 hides it."""
+
 Verdict = Literal["match", "near_tie", "hard"]
 
 
@@ -171,6 +175,7 @@ def load_summary(
         "errors": n - len(ok),
         "error_examples": sorted({r.error for r in results if r.error})[:3],
         "ttft_ms": summarize([r.ttft_ms for r in ok]),
+        "ttft_over_1s": sum(r.ttft_ms > SLOW_TTFT_MS for r in ok),
         "tpot_ms": summarize([r.tpot_ms for r in ok]),
         "itl_ms": summarize([g for r in ok for g in r.itl_ms]),
         "e2e_ms": summarize([r.e2e_ms for r in ok]),
