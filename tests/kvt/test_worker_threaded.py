@@ -5,6 +5,7 @@ every transfer settles once on both sides."""
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -246,5 +247,29 @@ def test_the_owner_polls_notifications_often_only_while_a_transfer_is_awaited() 
         assert idle <= 0.5 / worker.IDLE_POLL_S + 2, idle
         assert idle_again <= 0.5 / worker.IDLE_POLL_S + 2, idle_again
         assert awaiting >= 4 * (0.5 / worker.IDLE_POLL_S), awaiting
+    finally:
+        worker.close()
+
+
+def test_only_the_owner_thread_runs_real_time() -> None:
+    """The owner thread runs SCHED_FIFO; a thread started from it (as UCX, NIXL or
+    OpenMP may start one) runs at normal priority, and so does the caller."""
+    _mem, layout = kv_memory(fill=False)
+    worker = KvtWorker(create_transport("tcp", "rt"), layout, rank=0, block_size=BLOCK)
+    try:
+
+        def from_the_owner() -> tuple[int, int]:
+            seen: list[int] = []
+            child = threading.Thread(target=lambda: seen.append(os.sched_getscheduler(0)))
+            child.start()
+            child.join()
+            return os.sched_getscheduler(0), seen[0]
+
+        owner, child = worker._call(from_the_owner)
+        if owner == os.SCHED_OTHER:
+            pytest.skip("no privilege for real-time priority here (CAP_SYS_NICE)")
+        assert owner & ~os.SCHED_RESET_ON_FORK == os.SCHED_FIFO
+        assert child == os.SCHED_OTHER, "a thread started by the owner inherited real-time"
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER
     finally:
         worker.close()

@@ -38,6 +38,11 @@ SCHED_FIFO priority 1, so it preempts the forward the moment a job arrives
 (measured: p50 ~0.2 ms, p99 ~0.4 ms). It never spins: it sleeps on its queue
 or between polls, and the kernel's RT throttling bounds it anyway. Without the
 privilege (CAP_SYS_NICE) it logs a warning once and runs at normal priority.
+Invariant: no other thread runs real-time. The policy carries
+SCHED_RESET_ON_FORK, so a thread that a library starts from the owner thread
+(UCX, NIXL, OpenMP, the TCP transport) runs at normal priority. A real-time
+thread that busy-waits would hold its core: on this kernel, normal threads then
+run only in the fair server's 50 ms of every 1 s period.
 
 With `hugepages=True` (default) the registered KV memory is backed by huge
 pages first (`kvt.memory`): transfers on CPU run ~1.7x faster.
@@ -378,7 +383,8 @@ class KvtWorker:
 
     def _raise_priority(self) -> None:
         try:
-            os.sched_setscheduler(threading.get_native_id(), os.SCHED_FIFO, os.sched_param(1))
+            policy = os.SCHED_FIFO | os.SCHED_RESET_ON_FORK  # what it starts runs normally
+            os.sched_setscheduler(threading.get_native_id(), policy, os.sched_param(1))
         except (OSError, AttributeError) as e:
             log.warning(
                 "kvt rank %d: owner thread stays at normal priority (%s); layer sends may "
