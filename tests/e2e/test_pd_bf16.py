@@ -15,11 +15,9 @@ SIGILL at the first request.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from rapidkv.bench.serve_stats import Reference, classify, margins_from_logprobs
@@ -27,7 +25,7 @@ from rapidkv.connector.config import kv_transfer_config
 from rapidkv.control.client import RpcClient
 from rapidkv.control.messages import StatsRequest
 from rapidkv.harness import ServerPool, ServerSpec, free_port, random_prompts
-from rapidkv.harness.client import acomplete_stream, complete_many_full, get_metrics, metric_sum
+from rapidkv.harness.client import complete_many_full, get_metrics, metric_sum, stream_many
 from rapidkv.harness.server import pd_specs
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -108,18 +106,8 @@ def test_bf16_pd_through_the_router_equals_a_single_bf16_instance(
     before = {a: rpc_stats(a) for a in (p_control, d_control)}
     d_loaded = loaded_tokens(d.base_url)
 
-    async def main(url: str):
-        async with httpx.AsyncClient() as client:
-            sem = asyncio.Semaphore(concurrency)
-
-            async def one(ids):
-                async with sem:
-                    return await acomplete_stream(client, url, ids, MAX_TOKENS)
-
-            return await asyncio.gather(*(one(ids) for ids in prompts))
-
     with start_router(config) as router:
-        outs = asyncio.run(main(router.url))
+        outs = stream_many(router.url, prompts, MAX_TOKENS, concurrency=concurrency)
     after = {a: rpc_stats(a) for a in (p_control, d_control)}
 
     assert p.running and d.running, "a vLLM server of the bf16 pair died"

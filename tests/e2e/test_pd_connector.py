@@ -434,7 +434,7 @@ def test_router_streams_pd_outputs_equal_to_single_instance(
     token opens the client's stream and D's follows without it; with the
     router's mismatch hook every such stream continues instead from the prompt
     plus P's token (the path taken when D's first token differs)."""
-    from rapidkv.harness.client import acomplete_stream
+    from rapidkv.harness.client import stream_many
     from rapidkv.router.config import Instance, RouterConfig
     from rapidkv.router.server import start_router
 
@@ -452,18 +452,8 @@ def test_router_streams_pd_outputs_equal_to_single_instance(
         split_prefill=False,  # P's first token opens the streams (splits: below)
     )
 
-    async def main(url: str):
-        async with httpx.AsyncClient() as client:
-            sem = asyncio.Semaphore(4)
-
-            async def one(ids):
-                async with sem:
-                    return await acomplete_stream(client, url, ids, MAX_TOKENS)
-
-            return await asyncio.gather(*(one(ids) for ids in prompts))
-
     with start_router(config) as router:
-        outs = asyncio.run(main(router.url))
+        outs = stream_many(router.url, prompts, MAX_TOKENS, concurrency=4)
         metrics = get_metrics(router.url)
     assert [o.token_ids for o in outs] == expected
     first = {

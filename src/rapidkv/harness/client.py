@@ -229,3 +229,23 @@ async def acomplete_stream(
     ttft = (times[0] - t0) * 1000 if times else float("nan")
     tpot = (times[-1] - times[0]) * 1000 / (len(times) - 1) if len(times) > 1 else float("nan")
     return Streamed(tokens, ttft, tpot, tuple((t - t0) * 1000 for t in times), headers)
+
+
+def stream_many(
+    base_url: str, prompts: Sequence[Sequence[int]], max_tokens: int, *, concurrency: int = 1
+) -> list[Streamed]:
+    """Stream every prompt, at most `concurrency` in flight; results in prompt order."""
+    if concurrency < 1:
+        raise ValueError("concurrency must be >= 1")
+
+    async def run() -> list[Streamed]:
+        sem = asyncio.Semaphore(concurrency)
+        async with httpx.AsyncClient() as client:
+
+            async def one(p: Sequence[int]) -> Streamed:
+                async with sem:
+                    return await acomplete_stream(client, base_url, p, max_tokens)
+
+            return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+    return asyncio.run(run())
