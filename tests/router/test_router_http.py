@@ -220,6 +220,37 @@ def test_malformed_json_unknown_routes_and_wrong_methods_get_json_errors(
     assert p.requests() == [] and d.requests() == []
 
 
+def test_a_body_over_the_limit_is_refused_413_before_it_is_read(
+    pd: tuple[FakeVLLM, FakeVLLM], make_router: MakeRouter, http: httpx.Client
+) -> None:
+    """A declared size over `max_body_bytes` is answered at once, with the body
+    never sent; an undeclared (chunked) one is cut off once it passes the limit."""
+    p, d = pd
+    router = make_router([p], [d], max_body_bytes=1000)
+    host, port = urlsplit(router.url).hostname, urlsplit(router.url).port
+    with socket.create_connection((host, port), timeout=5) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 30000000\r\n\r\n"
+        )
+        answer = sock.recv(65536)  # within the 5 s timeout: nothing of the body was sent
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413"), answer[:200]
+    assert b"larger than 1000 bytes" in body
+
+    def chunks() -> Iterator[bytes]:
+        yield b'{"prompt": "'
+        yield b"x" * 2000
+        yield b'"}'
+
+    chunked = http.post(f"{router.url}/v1/completions", content=chunks())
+    assert chunked.status_code == 413
+    small = http.post(f"{router.url}/v1/completions", json=COMPLETION)
+    assert small.status_code == 200
+    assert metric(router, "rapidkv_router_requests_total", outcome="bad_request") == 2
+    assert len(d.requests()) == 1 and len(p.requests()) <= 1
+
+
 # ------------------------------------------------------------------ failures upstream
 
 

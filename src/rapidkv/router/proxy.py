@@ -245,10 +245,13 @@ class Router:
         """ASGI handler of one completions / chat completions request."""
         t_start = time.monotonic()
         dispatch = self.config.dispatch
+        limit = self.config.max_body_bytes
         try:
-            raw = await _read_body(receive, self.config.max_body_bytes)
+            declared = _content_length(scope)
+            if declared is not None and declared > limit:  # refused before it is read
+                raise BodyTooLarge
+            raw = await _read_body(receive, limit)
         except BodyTooLarge:
-            limit = self.config.max_body_bytes
             await _send_error(send, 413, f"request body larger than {limit} bytes")
             self.metrics.requests.labels(endpoint, dispatch, "bad_request").inc()
             return
@@ -643,6 +646,17 @@ class Router:
 
 
 # ---------------------------------------------------------------------- ASGI helpers
+
+
+def _content_length(scope: Scope) -> int | None:
+    """The request's declared body size (the HTTP server has validated it), if any."""
+    for name, value in scope.get("headers", ()):
+        if name.lower() == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes | None:
