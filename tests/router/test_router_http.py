@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit
@@ -233,7 +234,9 @@ def test_a_body_over_the_limit_is_refused_413_before_it_is_read(
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             b"Content-Length: 30000000\r\n\r\n"
         )
-        answer = sock.recv(65536)  # within the 5 s timeout: nothing of the body was sent
+        answer = b""  # within the 5 s timeout: nothing of the body was sent
+        while b"}}" not in answer and (more := sock.recv(65536)):
+            answer += more
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 413"), answer[:200]
     assert b"larger than 1000 bytes" in body
@@ -302,17 +305,25 @@ def test_an_unreachable_decode_gives_502(
     assert metric(router, "rapidkv_router_requests_total", outcome="unreachable") == 1
 
 
-def test_a_decode_answer_that_breaks_off_reaches_the_client_truncated(
-    pd: tuple[FakeVLLM, FakeVLLM], make_router: MakeRouter, http: httpx.Client
+@pytest.mark.parametrize("dispatch", ["dual", "local"])
+def test_a_decode_stream_that_breaks_off_ends_with_an_error_event(
+    pd: tuple[FakeVLLM, FakeVLLM], make_router: MakeRouter, http: httpx.Client, dispatch: str
 ) -> None:
+    """The client reads what D sent, then an error event and [DONE], at once:
+    no silent cut, no hang."""
     p, d = pd
-    router = make_router([p], [d])
+    router = make_router([p], [d], dispatch=dispatch)
     body = dict(COMPLETION, stream=True, fake={"decode": "cut"})
-    with (
-        pytest.raises(httpx.RemoteProtocolError),
-        http.stream("POST", f"{router.url}/v1/completions", json=body) as resp,
-    ):
-        resp.read()
+    t0 = time.monotonic()
+    with http.stream("POST", f"{router.url}/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
+    assert time.monotonic() - t0 < 2.0
+    assert lines[-1] == "data: [DONE]"
+    error = json.loads(lines[-2][len("data: ") :])["error"]
+    assert error["code"] == 502 and "broke off" in error["message"]
+    relayed = [json.loads(line[6:]) for line in lines[:-2]]
+    assert relayed and all("choices" in event for event in relayed)
     wait_until(
         lambda: metric(router, "rapidkv_router_requests_total", outcome="stream_error") == 1,
         10,

@@ -33,8 +33,11 @@ Rules
   is logged (warning) and counted, and P's connector is sent an Abort
   (``prefill_failed``), so that D's TransferKV is answered at once.
 - A D error status is relayed as is (status and body); a D that does not
-  answer gives the client 502; a D answer that breaks off closes the client's
-  connection before the end of the answer, so the client sees it truncated.
+  answer gives the client 502. A D stream that breaks off ends at once with an
+  error event the client can read, as vLLM's own errors mid-stream do
+  (``data: {"error": ...}`` then ``data: [DONE]``). A non-streamed D answer that
+  breaks off closes the client's connection before the announced end, so the
+  client sees it truncated.
 - In ``dual`` mode P's request outlives the client's answer when it is slower:
   it runs to its end in the background (cancelled only by a client disconnect
   or shutdown), so the connector on P sees a normal request.
@@ -491,7 +494,11 @@ class Router:
                         await self._relay_raw(resp, streaming, ex, send)
                 except (*UPSTREAM_ERRORS, StreamError) as e:
                     self._upstream_error("decode", inst, "stream", ex, repr(e))
-                    return "stream_error"  # the response stays incomplete: the client sees it cut
+                    if not streaming:
+                        return "stream_error"  # its length was announced: the client sees it cut
+                    why = f"decode instance {inst.url} broke off the answer: {e!r}"
+                    await send({"type": "http.response.body", "body": sse_error(why)})
+                    return "stream_error"
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
             finally:
                 resp.release()  # back to the pool if read to its end, else closed (D aborts)
@@ -680,6 +687,12 @@ async def _wait_disconnect(receive: Receive) -> None:
     """Return when the client disconnects (call once the body has been read)."""
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+def sse_error(message: str) -> bytes:
+    """The end of a stream that failed: an error event (a 502, shaped as vLLM's),
+    then ``[DONE]``. The leading blank line ends an event D left half-sent."""
+    return b"\n\ndata: " + error_body(502, message) + b"\n\ndata: [DONE]\n\n"
 
 
 async def _send_error(send: Send, status: int, message: str, param: str | None = None) -> None:
