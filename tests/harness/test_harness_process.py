@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from rapidkv.harness import ManagedProcess, ServerSpec, free_port, procs, random_prompts, wait_until
-from rapidkv.harness.ports import port_is_free
+from rapidkv.harness.ports import ephemeral_range, port_is_free
 from rapidkv.harness.prompts import prompt_vocab
 from rapidkv.harness.server import SRC_DIR
 from rapidkv.harness.watchdog import GRACE_ENV, OWNER_ENV_PREFIX, _Reaper
@@ -80,10 +80,20 @@ def _none_alive(idents: list[tuple[int, int]]) -> bool:
     return not any(procs.is_alive(pid, start) for pid, start in idents)
 
 
-def test_free_port_is_bindable_and_fresh() -> None:
+def test_free_port_is_bindable_fresh_and_outside_the_ephemeral_range() -> None:
     ports = [free_port() for _ in range(20)]
     assert len(set(ports)) == len(ports)
     assert all(port_is_free(p) for p in ports)
+    lo, hi = ephemeral_range()
+    assert not any(lo <= p <= hi for p in ports), (lo, hi, ports)
+    assert all(p >= 10000 for p in ports)
+
+
+def test_the_ephemeral_range_is_read_from_the_kernel(tmp_path: Path) -> None:
+    f = tmp_path / "range"
+    f.write_text("40000\t50000\n")
+    assert ephemeral_range(f) == (40000, 50000)
+    assert ephemeral_range(tmp_path / "missing") == (32768, 60999)
 
 
 def test_spec_command_line_and_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
