@@ -5,10 +5,10 @@ was returned, lies outside the kernel's ephemeral range
 (`net.ipv4.ip_local_port_range`), and is handed out at most once by one Python
 process (so two servers started back to back never race for the same number).
 Outside the ephemeral range no outgoing connection can take the port between
-the moment it is chosen and the moment a server binds it. Under a benchmark's
-load, thousands of connections draw source ports from that range, and a
-control port (fixed in a server's `--kv-transfer-config`, the same on every
-relaunch) chosen inside it failed to bind three times in a row. Another process
+the moment it is chosen and the moment a server binds it. That matters under
+a benchmark's load, when thousands of connections draw source ports from that
+range, and most for a control port: it is fixed in a server's
+`--kv-transfer-config`, so every relaunch uses the same one. Another process
 can still take the port: callers that start a server retry with a new port when
 the server reports the address in use.
 """
