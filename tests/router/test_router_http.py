@@ -480,6 +480,32 @@ def test_a_failed_prefill_is_aborted_on_p_so_d_need_not_wait_for_its_transfer(
     assert len(recorder.aborts) == 1
 
 
+@pytest.mark.parametrize("failure", ["error", "unreachable", "cut"])
+def test_a_failed_decode_stops_the_prefill_and_aborts_it_on_p(
+    make_fake: MakeFake, make_router: MakeRouter, recorder: AbortRecorder, failure: str
+) -> None:
+    """D refuses (an error status), cannot be reached, or breaks off its stream:
+    P's request is stopped if it still runs and P's connector gets an Abort
+    (decode_failed), so that P frees the blocks it holds now, not after a TTL."""
+    p = make_fake("P0", "prefill")
+    d = make_fake("D0", "decode") if failure != "unreachable" else None
+    router = make_router(
+        [Instance(p.url, recorder.server.address)],
+        [d if d is not None else dead_url()],
+        secret=b"router-test-secret",
+    )
+    fake = {"prefill": "hang", "decode": failure} if d is not None else {"prefill": "hang"}
+    body = dict(COMPLETION, stream=failure == "cut", fake=fake)
+    with httpx.Client(timeout=30) as client:
+        resp = client.post(f"{router.url}/v1/completions", json=body)
+    assert resp.status_code == {"error": 503, "unreachable": 502, "cut": 200}[failure]
+    xfer = the_one(p).request_id
+    p.wait_disconnected(xfer)  # P's hanging request was stopped
+    wait_until(lambda: recorder.aborts, 10, what="P's connector to get an Abort")
+    assert recorder.aborts == [Abort(xfer_id=xfer, reason=AbortReason.DECODE_FAILED)]
+    wait_until(lambda: router.router.outstanding("prefill") == [0], 10, what="P to be released")
+
+
 def test_an_unreachable_control_address_makes_the_abort_fail_harmlessly(
     pd: tuple[FakeVLLM, FakeVLLM], make_router: MakeRouter, http: httpx.Client
 ) -> None:

@@ -308,6 +308,7 @@ class AbortReason(enum.Enum):
     NOTHING_TO_LOAD = "nothing_to_load"  # D's local hits cover the prompt: release
     TIMEOUT = "timeout"  # the sender gave up waiting
     PREFILL_FAILED = "prefill_failed"  # the router's request to P failed: D recomputes
+    DECODE_FAILED = "decode_failed"  # D refused or failed the request: P frees what it holds
 
 
 class Abort(msgspec.Struct, frozen=True, tag="abort", kw_only=True):

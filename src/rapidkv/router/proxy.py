@@ -33,7 +33,9 @@ Rules
   is logged (warning) and counted, and P's connector is sent an Abort
   (``prefill_failed``), so that D's TransferKV is answered at once.
 - A D error status is relayed as is (status and body); a D that does not
-  answer gives the client 502. A D stream that breaks off ends at once with an
+  answer gives the client 502. In both cases, and when D's answer breaks off,
+  P's request is stopped if it still runs and P's connector is sent an Abort
+  (``decode_failed``): P frees its blocks at once. A D stream that breaks off ends at once with an
   error event the client can read, as vLLM's own errors mid-stream do
   (``data: {"error": ...}`` then ``data: [DONE]``). A non-streamed D answer that
   breaks off closes the client's connection before the announced end, so the
@@ -117,6 +119,8 @@ XFER_HEADER = b"x-rapidkv-xfer-id"
 # a stitch's resolved state -> where the client's first token came from
 FIRST_TOKEN_SOURCE = {"matched": "prefill", "decode_first": "decode", "mismatched": "continuation"}
 DISCOVERY_RETRY_S = 10.0  # a failed control-address probe is repeated at most this often
+# outcomes of D's request after which P's part of it is stopped and aborted
+DECODE_FAILURES = frozenset({"upstream_error", "unreachable", "stream_error"})
 
 
 class BodyTooLarge(Exception):
@@ -350,7 +354,10 @@ class Router:
             )
             await asyncio.wait({relay, gone}, return_when=asyncio.FIRST_COMPLETED)
             if relay.done():
-                return relay.result()
+                outcome = relay.result()
+                if outcome in DECODE_FAILURES:
+                    self._decode_failed(ex, prefill)
+                return outcome
             relay.cancel()
             await asyncio.gather(relay, return_exceptions=True)
             self._client_gone(ex, prefill)
@@ -403,6 +410,18 @@ class Router:
             return
         if ex.prefill is not None and ex.prefill.control is not None:
             self._aborter.abort(ex.prefill.control, ex.xfer_id, AbortReason.PREFILL_FAILED)
+
+    def _decode_failed(self, ex: Exchange, prefill: asyncio.Task[bool] | None) -> None:
+        """D refused, never answered or broke off: P's part can serve nothing. Stop
+        P's request if it still runs (vLLM aborts it) and tell its connector, which
+        frees what it holds for the transfer now instead of after `finished_ttl_s`."""
+        if prefill is None:
+            return  # local dispatch: P was never asked
+        log.info("xfer %s: decode failed; stopping the prefill", ex.xfer_id)
+        if not prefill.done():
+            prefill.cancel()
+        if ex.prefill is not None and ex.prefill.control is not None:
+            self._aborter.abort(ex.prefill.control, ex.xfer_id, AbortReason.DECODE_FAILED)
 
     def _client_gone(self, ex: Exchange, prefill: asyncio.Task[bool] | None) -> None:
         """The client left before its answer was relayed: stop P too, and tell its connector."""
