@@ -158,6 +158,9 @@ def test_a_stall_shows_in_the_stall_report_whatever_the_p50() -> None:
     assert st["met"] is False and st["rapidkv-whole c1"]["ttft_over_1s"] == 4
     configs["rapidkv-whole"] = config(161.0, 600.0, 0, 9.0)  # slower than vllm-nixl at c4
     assert stall_report(configs)["met"] is False
+    configs["rapidkv-whole"]["loads"]["c4"]["paired_single"] = {}  # blocks: no rate target
+    st = stall_report(configs)
+    assert st["met"] is True and st["rapidkv-whole c4"]["paired"] is True
 
 
 @pytest.mark.unit
