@@ -32,8 +32,8 @@ def make_fake() -> Iterator[MakeFake]:
     """`make_fake(name, role)` starts a `FakeVLLM` on a free loopback port."""
     fakes: list[FakeVLLM] = []
 
-    def make(name: str, role: str) -> FakeVLLM:
-        fake = FakeVLLM(name, role)
+    def make(name: str, role: str, port: int = 0) -> FakeVLLM:
+        fake = FakeVLLM(name, role, port)
         fakes.append(fake)
         return fake
 

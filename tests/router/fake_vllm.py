@@ -72,7 +72,7 @@ def fake_tokens(body: dict[str, Any]) -> list[int]:
 class FakeVLLM:
     """See the module docstring. `url` is its base URL; `stop()` ends it."""
 
-    def __init__(self, name: str, role: str) -> None:
+    def __init__(self, name: str, role: str, port: int = 0) -> None:
         self.name = name
         self.role = role
         self.healthy = True
@@ -80,7 +80,7 @@ class FakeVLLM:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._gate: asyncio.Event | None = None
         self._released = False
-        self._server = ThreadedServer(self, lifespan="off", name=f"fake-{name}")
+        self._server = ThreadedServer(self, port=port, lifespan="off", name=f"fake-{name}")
         self.url = self._server.url
 
     def stop(self) -> None:

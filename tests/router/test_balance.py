@@ -68,3 +68,28 @@ def test_every_pick_has_the_fewest_outstanding(n: int, ops: list[int | None]) ->
         else:
             b.release(held.pop(op % len(held)))
         assert [b.outstanding(i) for i in range(n)] == [held.count(i) for i in range(n)]
+
+
+def test_only_eligible_instances_are_picked() -> None:
+    b = LeastOutstanding(3)
+    assert [b.acquire([0, 2]) for _ in range(4)] == [0, 2, 0, 2]
+    assert b.outstanding(1) == 0
+    assert b.acquire() == 1  # the least loaded of all
+    with pytest.raises(ValueError):
+        b.acquire([])
+
+
+def test_instance_health_marks_down_until_marked_up() -> None:
+    from rapidkv.router.health import InstanceHealth
+
+    h = InstanceHealth(3)
+    assert h.up() == [0, 1, 2] and h.down(1) is None
+    assert h.mark_down(1, "refused", 5.0) is True
+    assert h.mark_down(1, "reset", 6.0) is False  # the first reason is kept
+    d = h.down(1)
+    assert d is not None and (d.reason, d.since) == ("refused", 5.0)
+    assert h.up() == [0, 2] and not h.is_up(1)
+    assert h.mark_up(1) is True and h.mark_up(1) is False
+    assert h.up() == [0, 1, 2]
+    with pytest.raises(IndexError):
+        h.mark_down(3, "x", 0.0)

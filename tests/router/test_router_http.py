@@ -332,6 +332,61 @@ def test_a_decode_stream_that_breaks_off_ends_with_an_error_event(
     assert metric(router, "rapidkv_router_upstream_errors_total", role="decode", kind="stream") == 1
 
 
+# ------------------------------------------------------------------ instance health
+
+
+def test_with_no_decode_up_requests_get_503_at_once_and_p_gets_nothing(
+    make_fake: MakeFake, make_router: MakeRouter, http: httpx.Client
+) -> None:
+    """The first request finds D gone (502) and marks it down; later ones get a
+    503 naming why, without waiting and without reaching P. When D answers its
+    /health again (a new server on the same address) it is used again."""
+    p, d = make_fake("P0", "prefill"), make_fake("D0", "decode")
+    port = urlsplit(d.url).port
+    router = make_router([p], [d], probe_interval_s=0.2)
+    d.stop()
+    assert http.post(f"{router.url}/v1/completions", json=COMPLETION).status_code == 502
+    assert metric(router, "rapidkv_router_instance_up", role="decode") == 0
+    p_requests = len(p.requests())
+    t0 = time.monotonic()
+    refused = http.post(f"{router.url}/v1/completions", json=COMPLETION)
+    assert time.monotonic() - t0 < 1.0
+    assert refused.status_code == 503
+    error = refused.json()["error"]
+    assert error["type"] == "ServiceUnavailableError" and d.url in error["message"]
+    assert len(p.requests()) == p_requests, "P was asked for a request no D could serve"
+    assert metric(router, "rapidkv_router_requests_total", outcome="unavailable") == 1
+    health = http.get(f"{router.url}/health").json()
+    assert health["decode"][0]["dispatching"] is False
+
+    back = make_fake("D0-again", "decode", port)
+    wait_until(
+        lambda: metric(router, "rapidkv_router_instance_up", role="decode") == 1,
+        10,
+        what="D to be probed up again",
+    )
+    assert http.post(f"{router.url}/v1/completions", json=COMPLETION).status_code == 200
+    assert len(back.requests("/v1/completions")) == 1
+
+
+@pytest.mark.parametrize("dispatch", ["dual", "serial"])
+def test_with_no_prefill_up_d_serves_requests_alone(
+    make_fake: MakeFake, make_router: MakeRouter, http: httpx.Client, dispatch: str
+) -> None:
+    """P gone: the request that finds out is served by D (which recomputes), and
+    later ones go to D alone, as in local dispatch, counted."""
+    d = make_fake("D0", "decode")
+    router = make_router([dead_url()], [d], dispatch=dispatch)
+    assert http.post(f"{router.url}/v1/completions", json=COMPLETION).status_code == 200
+    assert metric(router, "rapidkv_router_instance_up", role="prefill") == 0
+    alone = http.post(f"{router.url}/v1/completions", json=COMPLETION)
+    assert alone.status_code == 200
+    assert metric(router, "rapidkv_router_without_prefill_total") == 1
+    last = d.requests("/v1/completions")[-1]
+    assert last.raw == json.dumps(COMPLETION).encode() or "kv_transfer_params" not in last.body
+    assert router.router.outstanding("prefill") == [0]
+
+
 # ------------------------------------------------------------------ instance choice
 
 
@@ -537,7 +592,9 @@ def test_health_needs_one_answering_p_and_one_answering_d(
     assert ok.status_code == 200
     report = ok.json()
     assert [c["healthy"] for c in report["prefill"]] == [False, True]
-    assert report["decode"] == [{"url": d.url, "healthy": True, "detail": "HTTP 200"}]
+    assert report["decode"] == [
+        {"url": d.url, "healthy": True, "detail": "HTTP 200", "dispatching": True}
+    ]
 
     d.healthy = False
     down = http.get(f"{router.url}/health")

@@ -6,7 +6,9 @@
 ``GET /v1/models``          relayed from the first decode instance that answers
 ``GET /health``             200 when at least one P (unless dispatch is
                             ``local``) and one D answer ``/health`` with 200,
-                            else 503; the JSON body says which did
+                            else 503; the JSON body says which did, and
+                            whether the router dispatches to each
+                            (``dispatching``: false while it is down)
 ``GET /metrics``            the router's Prometheus metrics
 anything else               404 (405 for a known path with the wrong method),
                             as an OpenAI-format JSON error
@@ -69,6 +71,9 @@ def build_app(config: RouterConfig) -> Starlette:
             role: await asyncio.gather(*(_check_health(router.http, i, timeout) for i in insts))
             for role, insts in roles.items()
         }
+        for role, results in checks.items():
+            for i, result in enumerate(results):
+                result["dispatching"] = router.is_up(role, i)
         needed = ["decode"] if config.dispatch == "local" else ["prefill", "decode"]
         ok = all(any(c["healthy"] for c in checks[role]) for role in needed)
         body = {"status": "ok" if ok else "unavailable", "dispatch": config.dispatch, **checks}

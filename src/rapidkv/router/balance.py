@@ -7,12 +7,15 @@ Invariants:
 - ``outstanding(i)`` is the number of `acquire` calls that returned ``i`` and
   have not been `release`d; it never goes negative (releasing more than was
   acquired is a bug and raises).
-- `acquire` returns an instance with the fewest outstanding requests. Among
+- `acquire` returns an eligible instance with the fewest outstanding requests
+  among the eligible ones. Among
   several such instances it returns the first at or after a cursor that moves
   past each pick, so equal loads are served round-robin.
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection
 
 
 class LeastOutstanding:
@@ -24,13 +27,17 @@ class LeastOutstanding:
         self._counts = [0] * n
         self._cursor = 0
 
-    def acquire(self) -> int:
-        """Pick an instance and count one more request outstanding on it."""
+    def acquire(self, eligible: Collection[int] | None = None) -> int:
+        """Pick an instance (among `eligible`, default all) and count one more
+        request outstanding on it. ValueError if `eligible` is empty."""
         n = len(self._counts)
-        low = min(self._counts)
+        allowed = range(n) if eligible is None else eligible
+        if not allowed:
+            raise ValueError("no eligible instance")
+        low = min(self._counts[i] for i in allowed)
         for k in range(n):
             i = (self._cursor + k) % n
-            if self._counts[i] == low:
+            if self._counts[i] == low and i in allowed:
                 break
         self._counts[i] += 1
         self._cursor = (i + 1) % n

@@ -88,6 +88,8 @@ class RouterConfig:
     connect_timeout_s: float = 10.0
     upstream_read_timeout_s: float = 600.0
     health_timeout_s: float = 2.0
+    # a down instance's /health is asked this often until it answers 200
+    probe_interval_s: float = 1.0
     abort_timeout_s: float = 5.0
     max_connections: int = 1024
     max_body_bytes: int = 64 << 20
@@ -111,6 +113,8 @@ class RouterConfig:
             raise ValueError(f"port {self.port} out of range")
         if not 0 < self.split_fraction < 1:
             raise ValueError(f"split_fraction must be between 0 and 1, not {self.split_fraction}")
+        if not self.probe_interval_s > 0:
+            raise ValueError(f"probe_interval_s must be > 0, not {self.probe_interval_s}")
         if self.secret is not None and not self.secret:
             raise ValueError("an empty shared secret authenticates nothing; use None")
 

@@ -24,6 +24,11 @@ Names and labels (``endpoint`` is ``completions`` | ``chat``; ``dispatch`` is
   ``decode`` (D's came first, or the request could not be stitched),
   ``continuation`` (P's opened it, D's differed: D's answer was dropped and the
   rest computed from the prompt plus P's token).
+- ``rapidkv_router_instance_up{role,instance}``: 1 while the router dispatches
+  to the instance, 0 from a request that got no answer from it until its
+  ``/health`` answers 200 again (`health`).
+- ``rapidkv_router_without_prefill_total``: dual or serial requests served by D
+  alone because no prefill instance was up.
 - ``rapidkv_router_control_aborts_total{outcome}``: control-plane Aborts sent to
   P after a client disconnect; ``outcome`` is ``ok`` (P answered) or ``failed``.
 
@@ -45,6 +50,7 @@ OUTCOMES = (
     "stream_error",  # D's answer broke off mid-way (client connection closed)
     "client_abort",  # the client went away first
     "bad_request",  # refused by the router (400/413)
+    "unavailable",  # no decode instance was up (503 at once; nothing sent to P)
     "error",  # the router failed, or shut down, while serving it
 )
 FIRST_TOKEN_SOURCES = ("prefill", "decode", "continuation")
@@ -100,6 +106,17 @@ class RouterMetrics:
             ["outcome"],
             registry=r,
         )
+        self.instance_up = Gauge(
+            "rapidkv_router_instance_up",
+            "1 while the router dispatches to the instance, 0 while it is down",
+            ["role", "instance"],
+            registry=r,
+        )
+        self.without_prefill = Counter(
+            "rapidkv_router_without_prefill",
+            "Dual or serial requests served by a decode instance alone: no prefill instance up",
+            registry=r,
+        )
         self.split_prefills = Counter(
             "rapidkv_router_split_prefills",
             "Dual-dispatch requests whose prompt P and D computed in two parts at once",
@@ -121,6 +138,7 @@ class RouterMetrics:
         for role, instances in (("prefill", config.prefill), ("decode", config.decode)):
             for inst in instances:
                 self.outstanding.labels(role, inst.url).set(0)
+                self.instance_up.labels(role, inst.url).set(1)
                 for kind in UPSTREAM_ERROR_KINDS:
                     self.upstream_errors.labels(role, inst.url, kind)
         for outcome in ("ok", "failed"):

@@ -40,6 +40,10 @@ Rules
   (``data: {"error": ...}`` then ``data: [DONE]``). A non-streamed D answer that
   breaks off closes the client's connection before the announced end, so the
   client sees it truncated.
+- An instance whose request got no status line is down (`health`): nothing is
+  dispatched to it until its ``/health`` answers 200 (probed every
+  ``probe_interval_s``). With no P up, dual and serial requests go to D alone;
+  with no D up, the client gets 503 at once and P is not asked.
 - In ``dual`` mode P's request outlives the client's answer when it is slower:
   it runs to its end in the background (cancelled only by a client disconnect
   or shutdown), so the connector on P sees a normal request.
@@ -66,6 +70,7 @@ from rapidkv.router.aborts import ControlAborter
 from rapidkv.router.balance import LeastOutstanding
 from rapidkv.router.config import Instance, RouterConfig
 from rapidkv.router.discovery import DiscoveryError, discover_control
+from rapidkv.router.health import InstanceHealth
 from rapidkv.router.metrics import RouterMetrics
 from rapidkv.router.rewrite import (
     BadRequest,
@@ -90,7 +95,7 @@ from rapidkv.router.stitch import (
     continuation_body,
     is_output,
 )
-from rapidkv.router.upstream import UPSTREAM_ERRORS, open_session
+from rapidkv.router.upstream import UPSTREAM_ERRORS, get, open_session
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +171,7 @@ class Router:
             for role, instances in self._instances.items()
             if instances
         }
+        self._health = {role: InstanceHealth(len(i)) for role, i in self._instances.items()}
         self._aborter = ControlAborter(config.secret, config.abort_timeout_s, self.metrics)
         self._http: aiohttp.ClientSession | None = None
         self._background: set[asyncio.Task[Any]] = set()
@@ -299,6 +305,12 @@ class Router:
     ) -> str:
         """Dispatch `ex`; return its outcome (see `metrics.OUTCOMES`)."""
         mode = self.config.dispatch
+        if not self._health["decode"].up():  # nothing can answer: P is not asked either
+            await _send_error(send, 503, f"no decode instance is up: {self._down_reasons()}")
+            return "unavailable"
+        if mode != "local" and not self._health["prefill"].up():
+            mode = "local"  # D computes the prompt itself
+            self.metrics.without_prefill.inc()
         stitching = (
             mode == "dual" and self.config.prefill_first_token and stitchable(body, ex.endpoint)
         )
@@ -455,6 +467,8 @@ class Router:
             except (*UPSTREAM_ERRORS, StreamError) as e:
                 kind = "stream" if answered else "connect"
                 self._upstream_error("prefill", inst, kind, ex, repr(e))
+                if not answered:
+                    self._mark_down("prefill", index, repr(e))
                 return False
             if resp.status >= 400:
                 detail = f"HTTP {resp.status}: {data[:500]!r}"
@@ -491,6 +505,7 @@ class Router:
                 )
             except UPSTREAM_ERRORS as e:
                 self._upstream_error("decode", inst, "connect", ex, repr(e))
+                self._mark_down("decode", index, repr(e))
                 await _send_error(send, 502, f"decode instance {inst.url} did not answer: {e!r}")
                 return "unreachable"
             try:
@@ -640,8 +655,51 @@ class Router:
         task.add_done_callback(self._background.discard)
         return task
 
+    def _mark_down(self, role: str, index: int, reason: str) -> None:
+        """A request to this instance got no answer: dispatch nothing more to it
+        until its /health answers 200 (probed every `probe_interval_s`)."""
+        if not self._health[role].mark_down(index, reason, time.monotonic()):
+            return
+        inst = self._instances[role][index]
+        log.warning(
+            "%s instance %s is down (%s); probing its /health every %gs",
+            role,
+            inst.url,
+            reason,
+            self.config.probe_interval_s,
+        )
+        self.metrics.instance_up.labels(role, inst.url).set(0)
+        self._spawn(self._probe(role, index))
+
+    async def _probe(self, role: str, index: int) -> bool:
+        inst = self._instances[role][index]
+        while True:
+            await asyncio.sleep(self.config.probe_interval_s)
+            try:
+                status, _, _ = await get(
+                    self.http, f"{inst.url}/health", self.config.health_timeout_s
+                )
+            except UPSTREAM_ERRORS:
+                continue
+            if status == 200:
+                self._health[role].mark_up(index)
+                self.metrics.instance_up.labels(role, inst.url).set(1)
+                log.info("%s instance %s is up again", role, inst.url)
+                return True
+
+    def is_up(self, role: str, index: int) -> bool:
+        """Whether the router dispatches to instance `index` of `role` now."""
+        return self._health[role].is_up(index)
+
+    def _down_reasons(self) -> str:
+        health = self._health["decode"]
+        downs = [(inst, health.down(i)) for i, inst in enumerate(self._instances["decode"])]
+        return "; ".join(f"{inst.url} ({d.reason})" for inst, d in downs if d is not None)
+
     def _acquire(self, role: str) -> tuple[int, Instance]:
-        index = self._balancers[role].acquire()
+        # every instance down since the caller looked: try them all (the request fails
+        # like any to a dead instance) rather than fail here
+        index = self._balancers[role].acquire(self._health[role].up() or None)
         inst = self._instances[role][index]
         self.metrics.outstanding.labels(role, inst.url).inc()
         return index, inst
