@@ -179,8 +179,8 @@ class FakeVLLM:
             if first:
                 for event in events:
                     await self._chunk(seen, send, event, more=True)
+                seen.answered_seq = next(_sequence)  # before the end leaves: see _body
                 await self._chunk(seen, send, b"", more=False)
-                seen.answered_seq = next(_sequence)
                 return
         if behaviour == "cut":
             assert events, "cut needs a streaming request"
@@ -246,8 +246,10 @@ class FakeVLLM:
         for data in chunks:
             await self._chunk(seen, send, data, more=True)
             await asyncio.sleep(0)  # let each event leave as its own chunk
-        await self._chunk(seen, send, b"", more=False)
+        # numbered before the end leaves: the caller may act on the end (the router
+        # sends D its request) before this thread runs again
         seen.answered_seq = next(_sequence)
+        await self._chunk(seen, send, b"", more=False)
 
 
 def _full(seen: Seen, chat: bool, name: str) -> dict[str, Any]:
