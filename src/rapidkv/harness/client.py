@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+T = TypeVar("T")
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -136,17 +138,32 @@ def complete_many_full(
     **kwargs: Any,
 ) -> list[Completion]:
     """Send every prompt, at most `concurrency` in flight; results in prompt order."""
+    return _for_each(
+        prompts,
+        concurrency,
+        lambda client, p: acomplete_full(client, base_url, p, max_tokens, **kwargs),
+    )
+
+
+def _for_each(
+    prompts: Sequence[Sequence[int]],
+    concurrency: int,
+    call: Callable[[httpx.AsyncClient, Sequence[int]], Awaitable[T]],
+) -> list[T]:
+    """`call(client, prompt)` for every prompt, at most `concurrency` at once, on one
+    client with that many connections (each call sets its own timeout); results in
+    prompt order."""
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
 
-    async def run() -> list[Completion]:
+    async def run() -> list[T]:
         sem = asyncio.Semaphore(concurrency)
         limits = httpx.Limits(max_connections=concurrency)
-        async with httpx.AsyncClient(limits=limits, timeout=DEFAULT_TIMEOUT_S) as client:
+        async with httpx.AsyncClient(limits=limits) as client:
 
-            async def one(p: Sequence[int]) -> Completion:
+            async def one(p: Sequence[int]) -> T:
                 async with sem:
-                    return await acomplete_full(client, base_url, p, max_tokens, **kwargs)
+                    return await call(client, p)
 
             return list(await asyncio.gather(*(one(p) for p in prompts)))
 
@@ -235,17 +252,6 @@ def stream_many(
     base_url: str, prompts: Sequence[Sequence[int]], max_tokens: int, *, concurrency: int = 1
 ) -> list[Streamed]:
     """Stream every prompt, at most `concurrency` in flight; results in prompt order."""
-    if concurrency < 1:
-        raise ValueError("concurrency must be >= 1")
-
-    async def run() -> list[Streamed]:
-        sem = asyncio.Semaphore(concurrency)
-        async with httpx.AsyncClient() as client:
-
-            async def one(p: Sequence[int]) -> Streamed:
-                async with sem:
-                    return await acomplete_stream(client, base_url, p, max_tokens)
-
-            return list(await asyncio.gather(*(one(p) for p in prompts)))
-
-    return asyncio.run(run())
+    return _for_each(
+        prompts, concurrency, lambda client, p: acomplete_stream(client, base_url, p, max_tokens)
+    )
