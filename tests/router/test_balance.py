@@ -84,12 +84,11 @@ def test_instance_health_marks_down_until_marked_up() -> None:
 
     h = InstanceHealth(3)
     assert h.up() == [0, 1, 2] and h.down(1) is None
-    assert h.mark_down(1, "refused", 5.0) is True
-    assert h.mark_down(1, "reset", 6.0) is False  # the first reason is kept
-    d = h.down(1)
-    assert d is not None and (d.reason, d.since) == ("refused", 5.0)
+    assert h.mark_down(1, "refused") is True
+    assert h.mark_down(1, "reset") is False  # the first reason is kept
+    assert h.down(1) == "refused"
     assert h.up() == [0, 2] and not h.is_up(1)
     assert h.mark_up(1) is True and h.mark_up(1) is False
     assert h.up() == [0, 1, 2]
     with pytest.raises(IndexError):
-        h.mark_down(3, "x", 0.0)
+        h.mark_down(3, "x")

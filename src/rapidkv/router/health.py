@@ -1,27 +1,18 @@
 """Which instances the router may dispatch to: up until a request to one fails to
 get an answer, down until it answers ``/health`` again.
 
-`InstanceHealth` is pure bookkeeping (no I/O, no clock of its own: callers pass
-``now``); the router marks an instance down when a request to it gets no status
-line (refused, reset, timed out) and probes a down instance's ``/health`` until
-it answers 200 (`Router`).
+`InstanceHealth` is pure bookkeeping (no I/O, no clock). The router marks an
+instance down when a request to it gets no status line (refused, reset, timed
+out) and probes a down instance's ``/health`` until it answers 200 (`Router`).
 
 Invariants:
 - Every instance starts up; it is down from `mark_down` until `mark_up`.
 - `up()` lists the up instances in configuration order.
-- A down instance keeps the reason and time of the failure that took it down
-  (later failures while it is down change nothing).
+- A down instance keeps the reason of the failure that took it down (later
+  failures while it is down change nothing).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-
-
-@dataclass(frozen=True)
-class Down:
-    reason: str
-    since: float
 
 
 class InstanceHealth:
@@ -29,14 +20,14 @@ class InstanceHealth:
 
     def __init__(self, n: int) -> None:
         self._n = n
-        self._down: dict[int, Down] = {}
+        self._down: dict[int, str] = {}  # index -> why it is down
 
-    def mark_down(self, i: int, reason: str, now: float) -> bool:
+    def mark_down(self, i: int, reason: str) -> bool:
         """Instance `i` failed to answer; True if it was up until now."""
         self._check(i)
         if i in self._down:
             return False
-        self._down[i] = Down(reason, now)
+        self._down[i] = reason
         return True
 
     def mark_up(self, i: int) -> bool:
@@ -48,7 +39,8 @@ class InstanceHealth:
         self._check(i)
         return i not in self._down
 
-    def down(self, i: int) -> Down | None:
+    def down(self, i: int) -> str | None:
+        """Why instance `i` is down (None: it is up)."""
         self._check(i)
         return self._down.get(i)
 

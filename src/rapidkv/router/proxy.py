@@ -35,8 +35,9 @@ Rules
 - A D error status is relayed as is (status and body); a D that does not
   answer gives the client 502. In both cases, and when D's answer breaks off,
   P's request is stopped if it still runs and P's connector is sent an Abort
-  (``decode_failed``): P frees its blocks at once. A D stream that breaks off ends at once with an
-  error event the client can read, as vLLM's own errors mid-stream do
+  (``decode_failed``): P frees its blocks at once. A D stream that breaks off
+  ends at once with an error event the client can read, as vLLM's own errors
+  mid-stream do
   (``data: {"error": ...}`` then ``data: [DONE]``). A non-streamed D answer that
   breaks off closes the client's connection before the announced end, so the
   client sees it truncated.
@@ -355,7 +356,7 @@ class Router:
                 if mode == "serial":
                     await asyncio.wait({prefill, gone}, return_when=asyncio.FIRST_COMPLETED)
                     if not prefill.done():
-                        self._client_gone(ex, prefill)
+                        self._stop_prefill(ex, prefill, AbortReason.CLIENT_ABORT)
                         return "client_abort"
                 d_content = encode(
                     decode_body(body, ex.xfer_id, ex.prefill, first_token=stitching, split=split)
@@ -368,11 +369,11 @@ class Router:
             if relay.done():
                 outcome = relay.result()
                 if outcome in DECODE_FAILURES:
-                    self._decode_failed(ex, prefill)
+                    self._stop_prefill(ex, prefill, AbortReason.DECODE_FAILED)
                 return outcome
             relay.cancel()
             await asyncio.gather(relay, return_exceptions=True)
-            self._client_gone(ex, prefill)
+            self._stop_prefill(ex, prefill, AbortReason.CLIENT_ABORT)
             return "client_abort"
         except asyncio.CancelledError:  # shutdown: nothing may outlive the request
             if prefill is not None:
@@ -423,25 +424,20 @@ class Router:
         if ex.prefill is not None and ex.prefill.control is not None:
             self._aborter.abort(ex.prefill.control, ex.xfer_id, AbortReason.PREFILL_FAILED)
 
-    def _decode_failed(self, ex: Exchange, prefill: asyncio.Task[bool] | None) -> None:
-        """D refused, never answered or broke off: P's part can serve nothing. Stop
-        P's request if it still runs (vLLM aborts it) and tell its connector, which
-        frees what it holds for the transfer now instead of after `finished_ttl_s`."""
-        if prefill is None:
+    def _stop_prefill(
+        self, ex: Exchange, prefill: asyncio.Task[bool] | None, reason: AbortReason
+    ) -> None:
+        """The client's answer is over and P's part of it can serve nothing (the
+        client left, or D refused, never answered or broke off): stop P's request
+        if it still runs (vLLM aborts it) and tell P's connector, which frees what
+        it holds for the transfer now instead of after `finished_ttl_s`."""
+        if ex.prefill is None:
             return  # local dispatch: P was never asked
-        log.info("xfer %s: decode failed; stopping the prefill", ex.xfer_id)
-        if not prefill.done():
-            prefill.cancel()
-        if ex.prefill is not None and ex.prefill.control is not None:
-            self._aborter.abort(ex.prefill.control, ex.xfer_id, AbortReason.DECODE_FAILED)
-
-    def _client_gone(self, ex: Exchange, prefill: asyncio.Task[bool] | None) -> None:
-        """The client left before its answer was relayed: stop P too, and tell its connector."""
-        log.debug("xfer %s: client disconnected; cancelling upstream requests", ex.xfer_id)
+        log.debug("xfer %s: %s; stopping the prefill", ex.xfer_id, reason.value)
         if prefill is not None and not prefill.done():
             prefill.cancel()
-        if ex.prefill is not None and ex.prefill.control is not None:
-            self._aborter.abort(ex.prefill.control, ex.xfer_id)
+        if ex.prefill.control is not None:
+            self._aborter.abort(ex.prefill.control, ex.xfer_id, reason)
 
     async def _prefill(
         self,
@@ -658,7 +654,7 @@ class Router:
     def _mark_down(self, role: str, index: int, reason: str) -> None:
         """A request to this instance got no answer: dispatch nothing more to it
         until its /health answers 200 (probed every `probe_interval_s`)."""
-        if not self._health[role].mark_down(index, reason, time.monotonic()):
+        if not self._health[role].mark_down(index, reason):
             return
         inst = self._instances[role][index]
         log.warning(
@@ -694,7 +690,7 @@ class Router:
     def _down_reasons(self) -> str:
         health = self._health["decode"]
         downs = [(inst, health.down(i)) for i, inst in enumerate(self._instances["decode"])]
-        return "; ".join(f"{inst.url} ({d.reason})" for inst, d in downs if d is not None)
+        return "; ".join(f"{inst.url} ({why})" for inst, why in downs if why is not None)
 
     def _acquire(self, role: str) -> tuple[int, Instance]:
         # every instance down since the caller looked: try them all (the request fails
