@@ -60,14 +60,11 @@ def cpu_has_amx(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
     return False
 
 
-def _arch_prctl(code: int, arg: int | ctypes.c_uint64) -> tuple[int, int]:
+def _arch_prctl(code: int, arg: object) -> tuple[int, int]:
+    """`arch_prctl(code, arg)` (`arg` a ctypes value or pointer): (result, errno)."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.syscall.restype = ctypes.c_long
-    if isinstance(arg, ctypes.c_uint64):
-        rc = libc.syscall(SYS_ARCH_PRCTL, code, ctypes.byref(arg))
-    else:
-        rc = libc.syscall(SYS_ARCH_PRCTL, code, ctypes.c_ulong(arg))
-    return rc, ctypes.get_errno()
+    return libc.syscall(SYS_ARCH_PRCTL, code, arg), ctypes.get_errno()
 
 
 def tile_data_permitted() -> bool:
@@ -75,7 +72,7 @@ def tile_data_permitted() -> bool:
     if not cpu_has_amx():
         return False
     mask = ctypes.c_uint64(0)
-    rc, _ = _arch_prctl(ARCH_GET_XCOMP_PERM, mask)
+    rc, _ = _arch_prctl(ARCH_GET_XCOMP_PERM, ctypes.byref(mask))
     return rc == 0 and bool(mask.value >> XFEATURE_XTILEDATA & 1)
 
 
@@ -96,7 +93,7 @@ def request_tile_permission() -> Outcome:
         elif tile_data_permitted():
             _outcome = ("already", "AMX tile data already permitted")
         else:
-            rc, err = _arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
+            rc, err = _arch_prctl(ARCH_REQ_XCOMP_PERM, ctypes.c_ulong(XFEATURE_XTILEDATA))
             if rc == 0 and tile_data_permitted():
                 _outcome = ("granted", "AMX tile data permission granted")
             else:
