@@ -15,7 +15,6 @@ SIGILL at the first request.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,7 @@ from rapidkv.bench.serve_stats import Reference, classify, margins_from_logprobs
 from rapidkv.connector.config import kv_transfer_config
 from rapidkv.control.client import RpcClient
 from rapidkv.control.messages import StatsRequest
-from rapidkv.harness import ServerPool, ServerSpec, free_port, random_prompts
+from rapidkv.harness import ServerPool, ServerSpec, free_port, random_prompts, wait_until
 from rapidkv.harness.client import complete_many_full, get_metrics, metric_sum, stream_many
 from rapidkv.harness.server import pd_specs
 
@@ -127,11 +126,15 @@ def test_bf16_pd_through_the_router_equals_a_single_bf16_instance(
     assert grew(d_control, "split_loads_failed") == 0
     if concurrency == 1:  # P and D idle at each arrival: the router splits
         assert grew(d_control, "split_loads_ok") >= len(prompts) // 2
-    deadline = time.monotonic() + 2  # P counts a transfer a step after D has it
-    while grew(p_control, "transfers_ok") < len(prompts) and time.monotonic() < deadline:
-        time.sleep(0.05)
-        after[p_control] = rpc_stats(p_control)
-    assert grew(p_control, "transfers_ok") == len(prompts)
+
+    def p_transfers() -> float:
+        return rpc_stats(p_control).get("transfers_ok", 0) - before[p_control].get(
+            "transfers_ok", 0
+        )
+
+    # P counts a transfer a step after D has it
+    wait_until(lambda: p_transfers() >= len(prompts), 2.0, what="P to count every transfer")
+    assert p_transfers() == len(prompts)
     assert loaded_tokens(d.base_url) - d_loaded > 0, (
         "D's engine counted no prompt tokens loaded over the connector"
     )
