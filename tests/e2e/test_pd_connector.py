@@ -194,9 +194,9 @@ def pd_pair(server_pool: ServerPool, tiny_model: Path, workloads: dict) -> Pair:
     """The P/D pair (after the reference outputs exist: at most 2 servers run)."""
     pc, dc = free_port(), free_port()
     chunked = ("--max-num-batched-tokens", "256")
-    p, d = server_pool.get(
-        "pd", pd_specs(tiny_model, connector_config(pc), connector_config(dc), chunked)
-    )
+    specs = pd_specs(tiny_model, connector_config(pc), connector_config(dc), chunked)
+    # fixed ports: an instance restarted by a test keeps its address
+    p, d = server_pool.get("pd", [s.replace(port=free_port()) for s in specs])
     return Pair(tiny_model, p, d, f"127.0.0.1:{pc}", f"127.0.0.1:{dc}")
 
 
@@ -226,6 +226,9 @@ def workloads(tiny_model: Path, single_server_starter) -> dict[str, tuple[list, 
     for name, lengths, seed, max_tokens in SMALL_P_WORKLOADS:
         prompts = random_prompts(tiny_model, lengths, seed=seed)
         out[name] = (prompts, complete_many(single.base_url, prompts, max_tokens))
+    for seed, side in enumerate("pd"):
+        restart = random_prompts(tiny_model, [300, 450, 200], seed=2200 + seed)
+        out[f"restart-{side}"] = (restart, complete_many(single.base_url, restart, MAX_TOKENS))
     split_fail = random_prompts(tiny_model, [600, 700], seed=2100)
     out["split_fail"] = (split_fail, complete_many(single.base_url, split_fail, MAX_TOKENS))
     # text prompts (the router tokenizes them on P): random ids, detokenized
@@ -787,6 +790,70 @@ def test_finished_request_without_transfer_kv_is_freed_after_its_ttl(
 
         assert wait_for(freed, 1.0 + 2.0), "P kept the blocks past finished_ttl_s"
         assert rpc.call(control, StatsRequest(), 10).counters["finished_expired"] == 1
+
+
+# -- an instance killed and started again on its address, the other side and the
+# router left running: the first request after it is healthy crosses with a
+# real transfer (D re-handshakes with a restarted P; P forgets a restarted D's
+# old process when the new one handshakes from its control address)
+
+
+def external_tokens(server: VLLMServer) -> float:
+    return metric_sum(
+        get_metrics(server.base_url),
+        "vllm:prompt_tokens_by_source_total",
+        source="external_kv_transfer",
+    )
+
+
+def served_with_transfer(pair: Pair, router_url: str, ids: list[int], expected: list[int]):
+    """One greedy request through the router: its output is the single
+    instance's, its prompt's KV came from P (P confirmed one more transfer, D
+    counted the tokens as external and fell back to recompute none)."""
+    p0, d0, ext0 = pair.stats("p"), pair.stats("d"), external_tokens(pair.d)
+    out = complete_full(router_url, ids, MAX_TOKENS)
+    assert out.token_ids == expected
+    assert wait_for(
+        lambda: pair.stats("p").get("transfers_ok", 0) == p0.get("transfers_ok", 0) + 1, 2.0
+    ), f"P confirmed no transfer: {pair.stats('p')}"
+    assert pair.since({"d": d0}, "d", "recompute_fallbacks") == 0
+    assert external_tokens(pair.d) - ext0 == len(ids) - 1
+
+
+@pytest.mark.parametrize("side", ["p", "d"])
+def test_an_instance_restarted_on_its_address_transfers_again_at_once(
+    pd_pair: Pair, workloads: dict, side: str
+) -> None:
+    from rapidkv.router.config import Instance, RouterConfig
+    from rapidkv.router.server import start_router
+
+    prompts, expected = workloads[f"restart-{side}"]
+    config = RouterConfig(  # P's control address discovered, as a user would run it
+        prefill=(Instance(pd_pair.p.base_url, None),),
+        decode=(Instance(pd_pair.d.base_url, pd_pair.d_control),),
+        port=0,
+        split_prefill=False,
+    )
+    with start_router(config) as router:
+        served_with_transfer(pd_pair, router.url, prompts[0], expected[0])
+        restarted = pd_pair.p if side == "p" else pd_pair.d
+        other_before = pd_pair.stats("d" if side == "p" else "p")
+        url = restarted.base_url
+        restarted.stop(grace=0)  # killed, as by a crash
+        restarted.launch()
+        restarted.wait_ready()
+        assert restarted.base_url == url
+        healthy = time.monotonic()
+        served_with_transfer(pd_pair, router.url, prompts[1], expected[1])
+        assert time.monotonic() - healthy < 5.0
+        served_with_transfer(pd_pair, router.url, prompts[2], expected[2])
+    if side == "p":  # D learnt of the restart from P's answer and handshook again
+        assert pd_pair.since({"d": other_before}, "d", "rehandshakes") == 1
+    else:  # P replaced the old D, whose control address the new one handshook from
+        assert pd_pair.since({"p": other_before}, "p", "peers_forgotten") == 1
+        assert pd_pair.stats("p")["peers"] == 1
+    before = {"p": pd_pair.stats("p"), "d": pd_pair.stats("d")}
+    assert_back_to_baseline(pd_pair, before)
 
 
 # -- a P with a small block pool (15 usable blocks), one transfer per D at a time

@@ -45,12 +45,18 @@ MAX_MESSAGE_BYTES = 64 << 20
 
 
 class Peer(msgspec.Struct, frozen=True):
-    """A destination rank to connect to (from a Handshake)."""
+    """A destination rank to connect to (from a Handshake).
+
+    `generation` grows with every handshake P accepts: a worker applies a
+    peer's entry only if it is newer than the one it has (the same peer can
+    arrive both with the step metadata and over the bypass channel, and a
+    restarted peer's entry replaces its old process's)."""
 
     instance_id: str
     rank: int
     transport_metadata: bytes
     layout: bytes  # msgspec-encoded kvt Layout
+    generation: int = 0
 
 
 class BypassMsg(msgspec.Struct, frozen=True, kw_only=True):

@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from rapidkv.connector.bypass import Peer
 from rapidkv.kvt.messages import SendDone
 from rapidkv.kvt.task import Task
 
@@ -48,14 +49,6 @@ class RankInfo(KVConnectorHandshakeMetadata):
     kernel_blocks_per_block: int
 
 
-@dataclass(frozen=True)
-class NewPeer:
-    instance_id: str
-    rank: int
-    transport_metadata: bytes
-    layout: bytes
-
-
 @dataclass
 class StepMeta(KVConnectorMetadata):
     step_id: int
@@ -63,7 +56,9 @@ class StepMeta(KVConnectorMetadata):
     full_tasks: list[Task] = field(default_factory=list)  # KV complete: sent at once
     # substeps some ranks rejected and others sent: resent by those ranks only
     rank_full_tasks: dict[int, list[Task]] = field(default_factory=dict)
-    new_peers: list[NewPeer] = field(default_factory=list)
+    new_peers: list[Peer] = field(default_factory=list)  # connect (or reconnect)
+    # destination instances gone, with the generation they were added under
+    drop_peers: list[tuple[str, int]] = field(default_factory=list)
     fail_xfers: list[tuple[str, str]] = field(default_factory=list)  # (xfer_id, reason)
     preempted_xfers: list[str] = field(default_factory=list)  # P: blocks freed this step
     release: list[str] = field(default_factory=list)  # P: req ids whose blocks may go

@@ -29,6 +29,7 @@ import asyncio
 import concurrent.futures
 import hashlib
 import logging
+import secrets
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -38,7 +39,7 @@ from typing import Any
 from rapidkv.connector.bypass import BypassMsg, BypassSender, Peer
 from rapidkv.connector.config import ConnectorConfig
 from rapidkv.connector.journal import Entry, JournalError, Resolution, SubstepJournal
-from rapidkv.connector.metadata import NewPeer, RankInfo, StepMeta, WorkerMeta
+from rapidkv.connector.metadata import RankInfo, StepMeta, WorkerMeta
 from rapidkv.connector.plan import Window
 from rapidkv.connector.producer import Produced, Reply
 from rapidkv.control.client import RpcClient
@@ -98,6 +99,19 @@ class Consumed:
 
 
 @dataclass
+class _KnownPeer:
+    """A destination instance that handshook with this P (one process start of it)."""
+
+    endpoints: list[RankEndpoint]
+    incarnation: str
+    control_address: str
+    generation: int  # of its Peer entries in the workers
+
+
+WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]")
+
+
+@dataclass
 class _Parked:
     msg: TransferKV
     reply: Reply
@@ -107,7 +121,8 @@ class _Parked:
 class _Pending:
     """What goes to the workers with the next step's metadata."""
 
-    new_peers: list[NewPeer] = field(default_factory=list)
+    new_peers: list[Peer] = field(default_factory=list)
+    drop_peers: list[tuple[str, int]] = field(default_factory=list)
     fail: list[tuple[str, str]] = field(default_factory=list)
     release: list[str] = field(default_factory=list)
     expect: dict[str, str] = field(default_factory=dict)
@@ -134,6 +149,8 @@ class SchedulerSide:
     ) -> None:
         self.config = config
         self.instance_id = instance_id
+        # drawn per process start: peers tell a restarted instance from the old one
+        self.incarnation = secrets.token_hex(8)
         self.block_size = block_size
         self.tp_size = tp_size
         self.fingerprint = fingerprint
@@ -146,7 +163,7 @@ class SchedulerSide:
         self._p_by_req: dict[str, str] = {}  # req_id -> xfer_id
         self._parked: dict[str, _Parked] = {}
         self._tombstones: OrderedDict[str, float] = OrderedDict()
-        self._peers: dict[str, list[RankEndpoint]] = {}  # D instances we may write to
+        self._peers: dict[str, _KnownPeer] = {}  # D instances we may write to
         self._consumed: dict[str, Consumed] = {}  # req_id ->
         self._known_p: dict[str, concurrent.futures.Future] = {}  # P address -> handshake
         self._requests: dict[str, Any] = {}  # P requests, for num_computed_tokens
@@ -335,6 +352,7 @@ class SchedulerSide:
         meta.rank_full_tasks = pending.rank_full
         meta.bypass_seq = bypass_seq
         meta.new_peers = pending.new_peers
+        meta.drop_peers = pending.drop_peers
         meta.fail_xfers = pending.fail
         meta.release = pending.release
         meta.expect_recv = pending.expect
@@ -353,6 +371,7 @@ class SchedulerSide:
                 "rapidkv": {
                     "control": self.server.address,
                     "instance_id": self.instance_id,
+                    "incarnation": self.incarnation,
                     "block_size": self.block_size,
                 }
             }
@@ -614,6 +633,7 @@ class SchedulerSide:
                     control_address=self.server.address,
                     spec=self.spec,
                     endpoints=self.endpoints,
+                    incarnation=self.incarnation,
                 ),
                 self.config.rpc_timeout_s,
             )
@@ -643,6 +663,7 @@ class SchedulerSide:
 
         deadline = time.monotonic() + self.config.rpc_timeout_s
         backoff = [0.05]
+        handshake: list[Any] = []  # the handshake this transfer went out under
 
         def send() -> None:
             self.client.submit(address, msg, self.config.rpc_timeout_s).add_done_callback(on_reply)
@@ -652,6 +673,22 @@ class SchedulerSide:
                 reply = fut.result()
             except Exception as e:
                 failed(f"TransferKV: {type(e).__name__}: {e}", answered=False)
+                return
+            if reply.code == Code.UNKNOWN_PEER and len(handshake) == 1:
+                # P restarted (or forgot us): nothing was written; introduce
+                # ourselves again and ask once more
+                log.info(
+                    "rapidkv %s: %s has no handshake from us (restarted?); handshaking again",
+                    self.instance_id,
+                    address,
+                )
+                with self._lock:
+                    self.counters["rehandshakes"] += 1
+                    if self._known_p.get(address) is handshake[0]:
+                        del self._known_p[address]
+                    again = self._handshake(address)
+                handshake.append(again)
+                again.add_done_callback(on_handshake)
                 return
             # a split prefill's tail is computing now, waiting for the head: no retries
             retry = reply.code in (Code.NOT_FOUND, Code.BUSY) and not c.split
@@ -681,7 +718,9 @@ class SchedulerSide:
                 return
             send()
 
-        self._handshake(address).add_done_callback(on_handshake)
+        with self._lock:
+            handshake.append(self._handshake(address))
+        handshake[0].add_done_callback(on_handshake)
 
     def _split_over(self, xfer_id: str, ok: bool) -> None:
         """P answered a split prefill's TransferKV (or it failed): tell the
@@ -736,30 +775,77 @@ class SchedulerSide:
                 code=Code.BUSY, instance_id=self.instance_id, reasons=["instance still starting"]
             )
         reply = answer_handshake(
-            hs, instance_id=self.instance_id, spec=self.spec, endpoints=self.endpoints
+            hs,
+            instance_id=self.instance_id,
+            spec=self.spec,
+            endpoints=self.endpoints,
+            incarnation=self.incarnation,
         )
-        if reply.code == Code.OK:
-            with self._lock:
-                if hs.instance_id not in self._peers:
-                    self._peers[hs.instance_id] = list(hs.endpoints)
-                    self._pending.new_peers.extend(
-                        NewPeer(hs.instance_id, e.rank, e.transport_metadata, e.layout)
-                        for e in hs.endpoints
-                    )
-                    if self._bypass is not None:  # ahead of any bypass send to them
-                        peers = [
-                            Peer(hs.instance_id, e.rank, e.transport_metadata, e.layout)
-                            for e in hs.endpoints
-                        ]
-                        self._bypass.send(BypassMsg(kind="peers", peers=peers))
-        else:
+        if reply.code != Code.OK:
             log.warning(
                 "rapidkv %s: handshake from %s refused: %s",
                 self.instance_id,
                 hs.instance_id,
                 reply.reasons,
             )
+            return reply
+        with self._lock:
+            known = self._peers.get(hs.instance_id)
+            if known is not None and known.incarnation == hs.incarnation:
+                known.control_address = hs.control_address
+                return reply  # the same process again (it dropped its cached handshake)
+            if known is not None:
+                # same id, new process: its new transport metadata replaces the old
+                # in the workers (a newer Peer entry), the old one's transfers fail now
+                self._forget_peer(hs.instance_id, "restarted", drop=False)
+            host = hs.control_address.rpartition(":")[0]
+            if host not in WILDCARD_HOSTS:
+                for other, info in list(self._peers.items()):
+                    if info.control_address == hs.control_address:
+                        self._forget_peer(other, f"{hs.instance_id} now at its address")
+            self.counters["peers_added"] += 1
+            generation = int(self.counters["peers_added"])
+            self._peers[hs.instance_id] = _KnownPeer(
+                list(hs.endpoints), hs.incarnation, hs.control_address, generation
+            )
+            peers = [
+                Peer(hs.instance_id, e.rank, e.transport_metadata, e.layout, generation)
+                for e in hs.endpoints
+            ]
+            self._pending.new_peers.extend(peers)
+            if self._bypass is not None:  # ahead of any bypass send to them
+                self._bypass.send(BypassMsg(kind="peers", peers=peers))
         return reply
+
+    def _forget_peer(self, instance_id: str, why: str, drop: bool = True) -> None:
+        """`instance_id` is gone (restarted, or replaced at its address): fail
+        what was parked for or in flight to it (its held blocks are freed as soon
+        as no write of theirs is in flight, not after `finished_ttl_s`) and, with
+        `drop`, have the workers drop its transport peer. Its next TransferKV is
+        answered UNKNOWN_PEER until it handshakes again (caller holds the lock)."""
+        known = self._peers.pop(instance_id, None)
+        if known is None:
+            return
+        log.warning(
+            "rapidkv %s: forgetting peer %s (%s); its transfers fail",
+            self.instance_id,
+            instance_id,
+            why,
+        )
+        self.counters["peers_forgotten"] += 1
+        for xfer_id, parked in list(self._parked.items()):
+            if parked.msg.dst_instance == instance_id:
+                del self._parked[xfer_id]
+                parked.reply.resolve(
+                    TransferKVReply(xfer_id=xfer_id, code=Code.GONE, message=f"peer {why}")
+                )
+        for p in list(self._produced.values()):
+            if p.window is not None and p.window.peer == instance_id and not p.released:
+                self.counters["transfers_failed_peer_gone"] += 1
+                self._abort_produced(p, f"destination {instance_id} {why}")
+                self._maybe_release(p)
+        if drop:
+            self._pending.drop_peers.append((instance_id, known.generation))
 
     async def _on_transfer_kv(self, msg: TransferKV) -> TransferKVReply:
         loop = asyncio.get_running_loop()
@@ -769,9 +855,14 @@ class SchedulerSide:
             if not self.endpoints:
                 problems = ["instance still starting"]
             elif dst is None:
-                problems = [f"no handshake from {msg.dst_instance}"]
+                self.counters["unknown_peer_replies"] += 1
+                return TransferKVReply(
+                    xfer_id=msg.xfer_id,
+                    code=Code.UNKNOWN_PEER,
+                    message=f"no handshake from {msg.dst_instance}",
+                )
             else:  # the destination's block ids, checked against its own pool
-                problems = msg.problems(self.block_size, min(e.num_blocks for e in dst))
+                problems = msg.problems(self.block_size, min(e.num_blocks for e in dst.endpoints))
             if problems:
                 return TransferKVReply(
                     xfer_id=msg.xfer_id, code=Code.ERROR, message="; ".join(problems)
@@ -881,6 +972,7 @@ class SchedulerSide:
             out["parked_now"] = float(len(self._parked))
             out["transfers_live"] = float(len(self._produced))
             out["tombstones"] = float(len(self._tombstones))
+            out["peers"] = float(len(self._peers))
             out["waiting_for_kv"] = float(
                 sum(c.state == "loading" for c in self._consumed.values())
             )

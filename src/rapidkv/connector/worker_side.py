@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
-from rapidkv.connector.bypass import BypassMsg, BypassReceiver
+from rapidkv.connector.bypass import BypassMsg, BypassReceiver, Peer
 from rapidkv.connector.config import ConnectorConfig
 from rapidkv.connector.metadata import RankInfo, StepMeta, WorkerMeta, peer_name
 from rapidkv.kvt.coordinator import CoordinatorError
@@ -67,7 +67,7 @@ class WorkerSide:
         self.block_size = block_size
         self.kvt: KvtWorker | None = None
         self.bypass: BypassReceiver | None = None
-        self._peers: set[str] = set()  # destination instances connected
+        self._peers: dict[str, int] = {}  # destination instance -> generation connected
         self._peers_lock = threading.Lock()
         self.info: RankInfo | None = None
         self.layer_index: dict[str, int] = {}
@@ -168,7 +168,9 @@ class WorkerSide:
                 meta.step_id,
             )
         for peer in meta.new_peers:
-            self._add_peer(peer.instance_id, peer.rank, peer.transport_metadata, peer.layout)
+            self._add_peer(peer)
+        for instance_id, generation in meta.drop_peers:
+            self._drop_peer(instance_id, generation)
         for xfer_id, reason in meta.fail_xfers:
             kvt.fail(xfer_id, reason)
         self._release.update(meta.release)
@@ -331,7 +333,7 @@ class WorkerSide:
             return
         if msg.kind == "peers":
             for peer in msg.peers:
-                self._add_peer(peer.instance_id, peer.rank, peer.transport_metadata, peer.layout)
+                self._add_peer(peer)
             return
         tasks = self._mine(msg.tasks)
         if msg.kind == "full":
@@ -348,16 +350,43 @@ class WorkerSide:
 
     # -- helpers ----------------------------------------------------------------
 
-    def _add_peer(self, instance_id: str, rank: int, metadata: bytes, layout: bytes) -> None:
-        """Connect to `instance_id`'s rank of ours, once (peers arrive both with
-        the step metadata and over the bypass channel, whichever comes first)."""
-        if rank != self.rank:
+    def _add_peer(self, peer: Peer) -> None:
+        """Connect to `peer` if it is our rank and newer than what we have (peers
+        arrive both with the step metadata and over the bypass channel, whichever
+        comes first); a newer entry for a connected instance (it restarted)
+        replaces the old connection, whose writes fail."""
+        if peer.rank != self.rank:
             return
         with self._peers_lock:
-            if instance_id in self._peers:
+            known = self._peers.get(peer.instance_id)
+            if known is not None and known >= peer.generation:
                 return
-            self._require_kvt().add_peer(metadata, msgspec.msgpack.decode(layout, type=Layout))
-            self._peers.add(instance_id)
+            kvt = self._require_kvt()
+            if known is not None:
+                kvt.remove_peer(peer_name(peer.instance_id, self.rank))
+                self._count("peers_replaced")
+            self._peers[peer.instance_id] = peer.generation
+            try:
+                kvt.add_peer(
+                    peer.transport_metadata, msgspec.msgpack.decode(peer.layout, type=Layout)
+                )
+            except Exception:  # its writes fail as to an unknown peer; D recomputes
+                log.exception(
+                    "rapidkv worker rank %d: cannot add peer %s", self.rank, peer.instance_id
+                )
+
+    def _drop_peer(self, instance_id: str, generation: int) -> None:
+        """Forget a destination that is gone, unless a newer entry replaced it."""
+        with self._peers_lock:
+            if self._peers.get(instance_id) != generation:
+                return
+            del self._peers[instance_id]
+            self._require_kvt().remove_peer(peer_name(instance_id, self.rank))
+            self._count("peers_dropped")
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            self._counters[name] += 1
 
     def _collect(self, dones: list[SendDone]) -> None:
         """Keep arrived SendDones until acted on, except a finished split load's

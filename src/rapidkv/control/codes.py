@@ -10,6 +10,8 @@ reply message (`rapidkv.control.messages`). In short:
 - `GONE`: the id was aborted, finished or timed out. Do not retry.
 - `BUSY`: admission refused (a bounded queue is full). Retry later or fall back.
 - `ERROR`: the request was invalid or failed; the reply's message says why.
+- `UNKNOWN_PEER`: the replier has no handshake from the sender (it restarted,
+  or forgot a peer it found dead): handshake again, then retry once.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import enum
 
 class Code(enum.IntEnum):
     OK = 200
+    UNKNOWN_PEER = 401
     NOT_FOUND = 404
     GONE = 410
     ERROR = 500

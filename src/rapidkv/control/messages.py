@@ -158,12 +158,16 @@ class Handshake(msgspec.Struct, frozen=True, tag="handshake", kw_only=True):
 
     Invariant: `endpoints` holds one entry per TP rank, ranks 0..tp_size-1 in
     order. `control_address` is where the sender's own `RpcServer` listens.
+    `incarnation` is drawn at every process start: the same `instance_id` with
+    another incarnation (or another instance at a known `control_address`) is a
+    restarted process, and the receiver forgets the old one (its transfers fail).
     """
 
     instance_id: Id
     control_address: Annotated[str, Meta(min_length=1, max_length=MAX_ADDRESS)]
     spec: KVSpec
     endpoints: Annotated[list[RankEndpoint], Meta(max_length=MAX_RANKS)]
+    incarnation: Annotated[str, Meta(max_length=MAX_ID)] = ""
 
     def __post_init__(self) -> None:
         parse_address(self.control_address)
@@ -191,6 +195,7 @@ class HandshakeReply(msgspec.Struct, frozen=True, tag="handshake_reply", kw_only
     spec: KVSpec | None = None
     endpoints: Annotated[list[RankEndpoint], Meta(max_length=MAX_RANKS)] = []
     reasons: Annotated[list[Text], Meta(max_length=MAX_REASONS)] = []
+    incarnation: Annotated[str, Meta(max_length=MAX_ID)] = ""
 
     def __post_init__(self) -> None:
         if self.code == Code.OK:
@@ -202,7 +207,12 @@ class HandshakeReply(msgspec.Struct, frozen=True, tag="handshake_reply", kw_only
 
 
 def answer_handshake(
-    hs: Handshake, *, instance_id: str, spec: KVSpec, endpoints: list[RankEndpoint]
+    hs: Handshake,
+    *,
+    instance_id: str,
+    spec: KVSpec,
+    endpoints: list[RankEndpoint],
+    incarnation: str = "",
 ) -> HandshakeReply:
     """The reply the receiver of `hs` owes: OK with its own spec and endpoints, or
     ERROR naming every mismatch (the receiver's values first)."""
@@ -213,8 +223,15 @@ def answer_handshake(
             instance_id=instance_id,
             spec=spec,
             reasons=[f"KV spec mismatch with {hs.instance_id}: {r}" for r in reasons],
+            incarnation=incarnation,
         )
-    return HandshakeReply(code=Code.OK, instance_id=instance_id, spec=spec, endpoints=endpoints)
+    return HandshakeReply(
+        code=Code.OK,
+        instance_id=instance_id,
+        spec=spec,
+        endpoints=endpoints,
+        incarnation=incarnation,
+    )
 
 
 # --------------------------------------------------------------------------- transfer
@@ -293,6 +310,9 @@ class TransferKVReply(msgspec.Struct, frozen=True, tag="transfer_kv_reply", kw_o
     - `GONE`: P finished, aborted or timed out `xfer_id`; nothing more will be
       written. Do not retry: recompute what is missing locally.
     - `BUSY`: P refused admission; nothing was written. Retry later or recompute.
+    - `UNKNOWN_PEER`: P has no handshake from D (P restarted, or forgot D after
+      a broken data-plane connection); nothing was written. Handshake again and
+      retry once.
     - `ERROR`: invalid (prompt hash mismatch, block ids out of range) or failed
       transfer; `message` says why. Recompute beyond `tokens_sent`.
     """

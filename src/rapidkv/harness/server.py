@@ -284,13 +284,14 @@ class VLLMServer:
             f"log {self.log_path}, last lines:\n{tail}"
         )
 
-    def stop(self) -> int | None:
-        """Stop the whole tree (idempotent); returns the leader's exit status."""
+    def stop(self, grace: float = 10.0) -> int | None:
+        """Stop the whole tree (idempotent): SIGTERM, SIGKILL after `grace` s (0:
+        killed at once, as a crash would); returns the leader's exit status."""
         with self._lock:
             if self.process is None:
                 return None
             try:
-                return self.process.stop()
+                return self.process.stop(grace=grace)
             finally:
                 if self.process.stopped:
                     self._remove_tmp_dir()

@@ -678,6 +678,16 @@ class Router:
             except UPSTREAM_ERRORS:
                 continue
             if status == 200:
+                if role == "prefill" and inst.control is None and self.config.discover:
+                    # a restarted instance may listen elsewhere: ask again before
+                    # dispatching to it
+                    self._discovery.pop(inst.url, None)
+                    self._announced.discard(inst.url)
+                    try:
+                        await self._discovery_task(inst)
+                    except DiscoveryError as e:
+                        log.info("%s instance %s answers /health: %s", role, inst.url, e)
+                        continue
                 self._health[role].mark_up(index)
                 self.metrics.instance_up.labels(role, inst.url).set(1)
                 log.info("%s instance %s is up again", role, inst.url)
