@@ -49,8 +49,11 @@ def value(registry: CollectorRegistry, sample: str, engine: str = "0") -> float 
 
 def test_increments_cover_each_growth_once_and_gauges_go_when_they_change() -> None:
     d = StatsDelta()
-    assert d.take({"a": 2.0}, {"g": 1.0}) == {"counters": {"a": 2.0}, "gauges": {"g": 1.0}}
-    assert d.take({"a": 2.0}, {"g": 1.0}) == {"counters": {}, "gauges": {}}
+    assert d.take({"a": 2.0, "z": 0.0}, {"g": 1.0}) == {
+        "counters": {"a": 2.0, "z": 0.0},  # z: its series exists before it counts
+        "gauges": {"g": 1.0},
+    }
+    assert d.take({"a": 2.0, "z": 0.0}, {"g": 1.0}) == {"counters": {}, "gauges": {}}
     assert d.take({"a": 5.0, "b": 1.0}, {"g": 0.0}) == {
         "counters": {"a": 3.0, "b": 1.0},
         "gauges": {"g": 0.0},

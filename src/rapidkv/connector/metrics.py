@@ -21,6 +21,7 @@ Invariants:
   engine, so the increments summed over every payload are its total: nothing
   is counted twice, whoever aggregates or resets them (vLLM aggregates across
   an interval, then resets);
+- a counter seen for the first time is in the payload, at 0 if it is 0;
 - a gauge is in a payload when its level differs from the previous payload's;
   aggregating keeps the later level;
 - a payload with neither is empty.
@@ -29,10 +30,11 @@ Series (every name `SchedulerSide.stats()` has, with no list kept here: a
 counter added later shows up as it is): a counter `x` is the Prometheus counter
 `rapidkv_x` (exposed as `rapidkv_x_total`), a gauge `y` the gauge `rapidkv_y`;
 labels `model_name` and `engine`, as vLLM's own series. A series appears at the
-first engine step after its counter was first incremented (or its gauge first
-read); like every vLLM series fed from engine stats, it moves only while the
-engine steps (an idle instance's `/metrics` holds the levels of its last step;
-`StatsRequest` answers the live ones).
+first engine step after its counter came to exist (the control server's from
+the start, at 0; the others at their first increment). Like every vLLM series
+fed from engine stats, it moves only while the engine steps: an idle
+instance's `/metrics` holds what its last step saw (`StatsRequest` answers the
+live values).
 """
 
 from __future__ import annotations
@@ -75,15 +77,17 @@ class StatsDelta:
 
     def take(self, totals: Mapping[str, float], levels: Mapping[str, float]) -> Payload:
         """What changed since the previous call: each counter's growth (a
-        total that went down, which a counter never does, is resynced without
-        an increment) and each gauge whose level changed (all of them the
-        first time)."""
+        counter seen for the first time is in it even at 0, so that its series
+        exists before its first increment; a total that went down, which a
+        counter never does, is resynced without an increment) and each gauge
+        whose level changed (all of them the first time)."""
         out = empty_payload()
         for name, total in totals.items():
-            grown = total - self._sent.get(name, 0.0)
-            if grown > 0:
+            sent = self._sent.get(name)
+            grown = total - (sent or 0.0)
+            if grown > 0 or (sent is None and grown == 0):
                 out[COUNTERS][name] = grown
-            if grown != 0:
+            if grown != 0 or sent is None:
                 self._sent[name] = total
         for name, level in levels.items():
             if self._levels.get(name) != level:
