@@ -755,8 +755,9 @@ def test_nothing_to_load_releases_p_at_once(pd_pair: Pair, workloads: dict) -> N
     )
 
 
-# counters whose every change happens on the engine thread (or the workers), so
-# an idle instance's /metrics has them exactly as its control plane does
+# counters and gauges that change only on the engine thread (or the workers), or
+# in this test only before the steps it causes: an idle instance's /metrics has
+# them exactly as its control plane does (the series follow engine steps)
 P_COUNTERS = ["transfers_ok", "transfers_failed", "bytes_sent", "rpc_frame_errors"]
 D_COUNTERS = ["transfer_kv_sent", "recompute_fallbacks"]
 GAUGES = [
