@@ -433,6 +433,7 @@ def test_a_frame_over_the_limit_is_refused_before_its_body_is_read(peer: Peer) -
         assert raw.rest_until_closed() == b""  # closed without waiting for 4097 bytes
         raw.close()
         assert server.counters()["frame_errors"] == 1
+        assert server.counters()["oversized_frames"] == 1
     assert peer.calls == []
 
 
@@ -510,4 +511,6 @@ def test_a_peer_that_never_says_hello_is_dropped(
         raw = RawPeer(server.address, SECRET, hello=False)
         assert raw.rest_until_closed() == b""
         raw.close()
+        assert server.counters()["hello_timeouts"] == 1
+        assert server.counters()["oversized_frames"] == 0
     assert any("no valid HELLO in time" in r.getMessage() for r in caplog.records)

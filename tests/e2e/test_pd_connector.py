@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import socket
 import time
 from pathlib import Path
 
@@ -757,6 +758,78 @@ def test_nothing_to_load_releases_p_at_once(pd_pair: Pair, workloads: dict) -> N
     )
 
 
+# counters and gauges that change only on the engine thread (or the workers), or
+# in this test only before the steps it causes: an idle instance's /metrics has
+# them exactly as its control plane does (the series follow engine steps)
+P_COUNTERS = ["transfers_ok", "transfers_failed", "bytes_sent", "rpc_frame_errors"]
+D_COUNTERS = ["transfer_kv_sent", "recompute_fallbacks"]
+GAUGES = [
+    "parked_now",
+    "transfers_live",
+    "waiting_for_kv",
+    "held_requests",
+    "held_blocks",
+    "peers_decode",
+    "peers_prefill_ready",
+    "free_blocks",
+]
+
+
+def test_p_and_d_metrics_carry_the_connectors_series(pd_pair: Pair) -> None:
+    """Each instance's own /metrics carries the connector's counters and gauges
+    (vLLM's KV-connector stats hooks), with vLLM's labels, equal to what its
+    control plane answers once the instance is idle; a frame P's control server
+    refused is counted there too."""
+    (ids,) = random_prompts(pd_pair.model, [600], seed=6001)  # no D prefix hits
+    before = {w: pd_pair.stats(w) for w in ("p", "d")}
+    host, port = pd_pair.p_control.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"GET /metrics HTTP/1.1\r\n\r\n")  # not a rapidkv-rpc client
+        s.settimeout(10)
+        while s.recv(4096):
+            pass  # until P's control server closes it
+    assert len(pd_pair.run([ids], "metrics", serial=False)[0]) == MAX_TOKENS
+    assert pd_pair.since(before, "p", "transfers_ok") == 1
+    assert pd_pair.since(before, "p", "rpc_frame_errors") == 1
+
+    def exported(which: str) -> tuple[dict, dict]:
+        server = pd_pair.p if which == "p" else pd_pair.d
+        m = get_metrics(server.base_url)
+        labels = {ls for (n, ls) in m if n == "vllm:num_requests_running"}
+        assert len(labels) == 1, labels
+        want = dict(next(iter(labels)))  # model_name and engine, as vLLM's own series
+        assert set(want) == {"model_name", "engine"}
+        ours = {n: v for (n, ls), v in m.items() if n.startswith("rapidkv_")}
+        assert all(dict(ls) == want for (n, ls) in m if n.startswith("rapidkv_")), want
+        return ours, pd_pair.stats(which)
+
+    def agree(which: str) -> bool:
+        ours, live = exported(which)
+        counters = P_COUNTERS if which == "p" else D_COUNTERS
+        return all(
+            ours.get(f"rapidkv_{k}_total", 0.0) == live.get(k, 0.0) for k in counters
+        ) and all(ours.get(f"rapidkv_{k}") == live[k] for k in GAUGES)
+
+    for which in ("p", "d"):
+        wait_until(lambda w=which: agree(w), 10, what=f"{which}'s /metrics to match its Stats")
+    p_ours, p_live = exported("p")
+    d_ours, d_live = exported("d")
+    assert p_ours["rapidkv_transfers_ok_total"] >= 1 and p_ours["rapidkv_bytes_sent_total"] > 0
+    assert p_ours["rapidkv_rpc_frame_errors_total"] >= 1
+    assert p_ours["rapidkv_rpc_oversized_frames_total"] >= 1  # "GET " read as a length
+    assert p_ours["rapidkv_transfer_ms_sum_total"] == pytest.approx(p_live["transfer_ms_sum"])
+    assert p_ours["rapidkv_peers_decode"] >= 1 and p_ours["rapidkv_transfers_live"] == 0
+    assert d_ours["rapidkv_transfer_kv_sent_total"] >= 1
+    assert d_ours["rapidkv_waiting_for_kv"] == 0 and d_ours["rapidkv_peers_prefill_ready"] >= 1
+    # every gauge and every control-server counter is exported, not only those named here
+    for ours, live in ((p_ours, p_live), (d_ours, d_live)):
+        for k in live:
+            if k.startswith("rpc_"):
+                assert f"rapidkv_{k}_total" in ours, k
+        for k in ("tombstones", "peers_prefill_connecting", "peers_prefill_failed"):
+            assert f"rapidkv_{k}" in ours, k
+
+
 def test_finished_request_without_transfer_kv_is_freed_after_its_ttl(
     server_pool: ServerPool, tiny_model: Path, workloads: dict
 ) -> None:
@@ -914,7 +987,7 @@ def test_an_instance_restarted_on_its_address_transfers_again_at_once(
         assert pd_pair.since({"d": other_before}, "d", "rehandshakes") == 1
     else:  # P replaced the old D, whose control address the new one handshook from
         assert pd_pair.since({"p": other_before}, "p", "peers_forgotten") == 1
-        assert pd_pair.stats("p")["peers"] == 1
+        assert pd_pair.stats("p")["peers_decode"] == 1
     before = {"p": pd_pair.stats("p"), "d": pd_pair.stats("d")}
     assert_back_to_baseline(pd_pair, before)
 

@@ -27,6 +27,8 @@ Which side calls what (docs/vllm-connector-contract.md has the details):
 | worker | `save_kv_layer` | after each layer's KV is written: kvt `layer_done` |
 | worker | `wait_for_save` | after the forward: kvt `freeze_step` |
 | worker | `get_transfer_results` | every step: finished sending / receiving |
+| scheduler | `get_kv_connector_stats` | every step: counters and gauges for `/metrics` |
+| API server | `build_prom_metrics`, `build_kv_connector_stats` | `/metrics` series (metrics.py) |
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from rapidkv.connector.amx import request_tile_permission
 from rapidkv.connector.config import ConnectorConfig
 from rapidkv.connector.metadata import RankInfo, StepMeta
+from rapidkv.connector.metrics import RapidKVPromMetrics, RapidKVStats, StatsDelta
 from rapidkv.connector.scheduler_side import SchedulerSide, model_fingerprint
 from rapidkv.connector.worker_side import WorkerSide
 
@@ -86,6 +89,7 @@ class RapidKVConnector(KVConnectorBase_V1):
         block_size = vllm_config.cache_config.block_size
         self.sched: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
+        self._stats_delta = StatsDelta()
         if role == KVConnectorRole.SCHEDULER:
             if ktc.is_kv_consumer and ktc.kv_load_failure_policy != "recompute":
                 log.warning(
@@ -201,6 +205,31 @@ class RapidKVConnector(KVConnectorBase_V1):
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, Any]:
         assert self.sched is not None
         return self.sched.request_finished(request, block_ids)
+
+    def get_kv_connector_stats(self) -> RapidKVStats | None:
+        """Scheduler role, every step after `update_connector_output`: what
+        the counters grew and the gauges that changed since the previous call
+        (`metrics.py`; the workers' counters reach the scheduler side in their
+        metadata, so the worker role reports nothing here)."""
+        if self.sched is None:
+            return None
+        return RapidKVStats(
+            self._stats_delta.take(self.sched.counter_totals(), self.sched.gauges())
+        )
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> RapidKVStats:
+        return RapidKVStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> RapidKVPromMetrics:
+        return RapidKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def has_pending_block_frees(self) -> bool:
         return self.sched is not None and self.sched.pending_block_frees()

@@ -299,8 +299,8 @@ class SchedulerSide:
                 self._pending.split_recv[c.xfer_id] = block_ids[first_block:]
             else:
                 self._pending.expect[c.xfer_id] = c.req_id
-        self.counters["transfer_kv_sent"] += 1
         with self._lock:
+            self.counters["transfer_kv_sent"] += 1
             self._event(c.xfer_id, "d_transfer_kv_sent")
         self._send_transfer_kv(c, msg)
 
@@ -966,25 +966,61 @@ class SchedulerSide:
             }
             return Timeline(xfers, list(self._steps[-1024:]))
 
-    def stats(self) -> dict[str, float]:
+    def counter_totals(self) -> dict[str, float]:
+        """Every counter's running total: this side's (the workers' increments
+        included) and the control-plane server's, prefixed `rpc_`. Totals never
+        decrease; a counter appears once first incremented (the server's are
+        always there)."""
         with self._lock:
             out = {k: float(v) for k, v in self.counters.items()}
-            out["parked_now"] = float(len(self._parked))
-            out["transfers_live"] = float(len(self._produced))
-            out["tombstones"] = float(len(self._tombstones))
-            out["peers"] = float(len(self._peers))
-            out["waiting_for_kv"] = float(
-                sum(c.state == "loading" for c in self._consumed.values())
-            )
+        out.update({f"rpc_{k}": float(v) for k, v in self.server.counters().items()})
+        return out
+
+    def gauges(self) -> dict[str, float]:
+        """Current levels: parked TransferKVs, live transfers, tombstones, D
+        requests waiting for KV, blocks of finished P requests held for their
+        transfer, peers (D instances that handshook with us; P instances we
+        handshook with, by state) and vLLM's free blocks (once bound)."""
+        with self._lock:
+            held = [p for p in self._produced.values() if p.finished and not p.released]
+            out = {
+                "parked_now": float(len(self._parked)),
+                "transfers_live": float(len(self._produced)),
+                "tombstones": float(len(self._tombstones)),
+                "waiting_for_kv": float(sum(c.state == "loading" for c in self._consumed.values())),
+                "held_requests": float(len(held)),
+                "held_blocks": float(sum(len(p.block_ids) for p in held)),
+                "peers_decode": float(len(self._peers)),
+            }
+        # the engine thread adds to _known_p without the lock: list() copies at once
+        states = [_handshake_state(f) for f in list(self._known_p.values())]
+        for state in ("ready", "connecting", "failed"):
+            out[f"peers_prefill_{state}"] = float(states.count(state))
         if self.kv_cache_manager is not None:
             out["free_blocks"] = float(self.kv_cache_manager.block_pool.get_num_free_blocks())
         return out
+
+    def stats(self) -> dict[str, float]:
+        """What `StatsRequest` answers: `counter_totals()` and `gauges()` (no
+        name is in both)."""
+        return {**self.counter_totals(), **self.gauges()}
 
     def close(self) -> None:
         self.server.stop()
         self.client.close()
         if self._bypass is not None:
             self._bypass.close()
+
+
+def _handshake_state(fut: concurrent.futures.Future) -> str:
+    """`ready` (P accepted our Handshake), `connecting` (no answer yet) or
+    `failed` (refused, or the RPC failed)."""
+    if not fut.done():
+        return "connecting"
+    if fut.cancelled() or fut.exception() is not None:
+        return "failed"
+    reply = fut.result()
+    return "ready" if isinstance(reply, HandshakeReply) and reply.code == Code.OK else "failed"
 
 
 def model_fingerprint(model_config: Any) -> str:

@@ -51,6 +51,7 @@ from rapidkv.control.framing import (
     DEFAULT_MAX_FRAME,
     AuthError,
     FrameError,
+    FrameTooLarge,
     ServerSession,
     check_max_frame,
     normalize_secret,
@@ -77,6 +78,8 @@ COUNTERS = (
     "connections_refused",
     "auth_failures",
     "frame_errors",
+    "oversized_frames",
+    "hello_timeouts",
     "requests",
     "bad_requests",
     "busy_replies",
@@ -195,8 +198,16 @@ class RpcServer:
         return format_address(*self._sockname)
 
     def counters(self) -> dict[str, int]:
-        """Monotonic counters of the RPC layer (connections, auth failures, frame
-        errors, requests, bad requests, busy replies, handler errors)."""
+        """Monotonic counters of the RPC layer, every name in `COUNTERS` (safe
+        from any thread: the keys are fixed, only the loop thread increments).
+
+        What the server refused: `connections_refused` (over `max_connections`),
+        `auth_failures`, `frame_errors` (every other framing violation;
+        `oversized_frames` counts those that were over `max_frame`),
+        `hello_timeouts` (no valid HELLO within `hello_timeout`), `bad_requests`
+        (a sound frame holding no valid request), `busy_replies` (over
+        `max_in_flight`). Also `connections_accepted`, `requests`,
+        `handler_errors`."""
         return dict(self._counters)
 
     # ------------------------------------------------------------------ loop thread
@@ -269,8 +280,11 @@ class RpcServer:
                 await writer.drain()  # backpressure: stop reading while replies pile up
         except FrameError as e:
             self._counters["auth_failures" if isinstance(e, AuthError) else "frame_errors"] += 1
+            if isinstance(e, FrameTooLarge):
+                self._counters["oversized_frames"] += 1
             log.warning("rpc: closing connection from %s: %s", peer, e)
         except TimeoutError:
+            self._counters["hello_timeouts"] += 1
             log.warning("rpc: closing connection from %s: no valid HELLO in time", peer)
         except (ConnectionError, OSError) as e:
             log.debug("rpc: connection from %s lost: %r", peer, e)

@@ -1,0 +1,210 @@
+"""The connector's counters and gauges on each vLLM instance's own `/metrics`.
+
+How they get there (vLLM 0.32's KV-connector stats hooks, as NixlConnector uses
+them; docs/vllm-connector-contract.md §7):
+
+1. EngineCore, every `update_from_output`, after `update_connector_output`:
+   the scheduler role's `get_kv_connector_stats()` returns a `RapidKVStats`
+   (`StatsDelta.take` over `SchedulerSide.counter_totals()` / `gauges()`),
+   or one that `is_empty()`, which vLLM drops.
+2. `make_stats` ships `stats.to_dict()` (plain dicts of floats, serialized)
+   to the API server in `SchedulerStats.kv_connector_stats`.
+3. The API server's `PrometheusStatLogger` passes each such payload once to
+   `RapidKVPromMetrics.observe(payload, engine_idx)`; its `LoggingStatLogger`
+   rebuilds it with `build_kv_connector_stats`, `aggregate`s the payloads of a
+   logging interval, logs `reduce()` and starts over.
+
+Payload: ``{"counters": {name: increment}, "gauges": {name: level}}``.
+Invariants:
+
+- a counter's increment covers what it grew since the previous payload of this
+  engine, so the increments summed over every payload are its total: nothing
+  is counted twice, whoever aggregates or resets them (vLLM aggregates across
+  an interval, then resets);
+- a counter seen for the first time is in the payload, at 0 if it is 0;
+- a gauge is in a payload when its level differs from the previous payload's;
+  aggregating keeps the later level;
+- a payload with neither is empty.
+
+Series (every name `SchedulerSide.stats()` has, with no list kept here: a
+counter added later shows up as it is): a counter `x` is the Prometheus counter
+`rapidkv_x` (exposed as `rapidkv_x_total`), a gauge `y` the gauge `rapidkv_y`;
+labels `model_name` and `engine`, as vLLM's own series. A series appears at the
+first engine step after its counter came to exist (the control server's from
+the start, at 0; the others at their first increment). Like every vLLM series
+fed from engine stats, it moves only while the engine steps: an idle
+instance's `/metrics` holds what its last step saw (`StatsRequest` answers the
+live values).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import REGISTRY, Counter, Gauge
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+
+log = logging.getLogger(__name__)
+
+PREFIX = "rapidkv_"
+COUNTERS = "counters"
+GAUGES = "gauges"
+
+Payload = dict[str, dict[str, float]]
+
+
+def empty_payload() -> Payload:
+    return {COUNTERS: {}, GAUGES: {}}
+
+
+class StatsDelta:
+    """Turns running totals and current levels into payloads (pure).
+
+    Invariant: after `take`, `_sent` holds every counter total and `_levels`
+    every gauge level that the payloads taken so far account for.
+    """
+
+    def __init__(self) -> None:
+        self._sent: dict[str, float] = {}
+        self._levels: dict[str, float] = {}
+
+    def take(self, totals: Mapping[str, float], levels: Mapping[str, float]) -> Payload:
+        """What changed since the previous call: each counter's growth (a
+        counter seen for the first time is in it even at 0, so that its series
+        exists before its first increment; a total that went down, which a
+        counter never does, is resynced without an increment) and each gauge
+        whose level changed (all of them the first time)."""
+        out = empty_payload()
+        for name, total in totals.items():
+            sent = self._sent.get(name)
+            grown = total - (sent or 0.0)
+            if grown > 0 or (sent is None and grown == 0):
+                out[COUNTERS][name] = grown
+            if grown != 0 or sent is None:
+                self._sent[name] = total
+        for name, level in levels.items():
+            if self._levels.get(name) != level:
+                out[GAUGES][name] = level
+                self._levels[name] = level
+        return out
+
+
+@dataclass
+class RapidKVStats(KVConnectorStats):
+    """One or more payloads (module docstring). `data` stays a plain dict of
+    dicts of floats: vLLM serializes it from EngineCore to the API server."""
+
+    def __post_init__(self) -> None:
+        data = self.data or {}
+        # copies: aggregating must never change a payload vLLM also hands others
+        self.data = {
+            COUNTERS: dict(data.get(COUNTERS, {})),
+            GAUGES: dict(data.get(GAUGES, {})),
+        }
+
+    def reset(self) -> None:
+        self.data = empty_payload()
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        """Fold in `other`, the later stats: increments add up, its levels win."""
+        counters = self.data[COUNTERS]
+        for name, n in other.data.get(COUNTERS, {}).items():
+            counters[name] = counters.get(name, 0.0) + n
+        self.data[GAUGES].update(other.data.get(GAUGES, {}))
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        """For vLLM's "KV Transfer metrics" log line: the interval's increments
+        and the latest levels."""
+        out: dict[str, int | float] = {}
+        for name, v in sorted({**self.data[COUNTERS], **self.data[GAUGES]}.items()):
+            out[name] = int(v) if float(v).is_integer() else round(v, 3)
+        return out
+
+    def is_empty(self) -> bool:
+        return not self.data[COUNTERS] and not self.data[GAUGES]
+
+
+def series_name(name: str) -> str:
+    """`rapidkv_<name>`, any character Prometheus does not allow made `_`."""
+    return PREFIX + re.sub(r"[^a-zA-Z0-9_]", "_", name)
+
+
+# collectors this process registered in prometheus_client's default registry:
+# a later RapidKVPromMetrics (vLLM builds a new logger per engine client)
+# unregisters them first, as vLLM's PrometheusStatLogger does with its own
+_registered: list[Any] = []
+
+
+class RapidKVPromMetrics(KVConnectorPromMetrics):
+    """Prometheus series for every name in the payloads, created when first
+    seen (with vLLM's metric classes and labels). `observe` never raises: a
+    name that cannot become a series (it clashes with another) is logged once
+    and skipped; vLLM's output handler, which calls it, must not fail."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        while _registered:
+            collector = _registered.pop()
+            if collector in REGISTRY._collector_to_names:
+                REGISTRY.unregister(collector)
+        self._series: dict[tuple[str, str], Any] = {}  # (kind, name) -> metric
+        self._children: dict[tuple[str, str, int], Any] = {}  # + engine -> labelled child
+        self._skipped: set[tuple[str, str]] = set()
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for kind in (COUNTERS, GAUGES):
+            for name, value in (transfer_stats_data.get(kind) or {}).items():
+                child = self._child(kind, name, engine_idx)
+                if child is None:
+                    continue
+                if kind == COUNTERS:
+                    child.inc(value)
+                else:
+                    child.set(value)
+
+    def _child(self, kind: str, name: str, engine_idx: int) -> Any:
+        key = (kind, name, engine_idx)
+        child = self._children.get(key)
+        if child is not None or (kind, name) in self._skipped:
+            return child
+        try:
+            metric = self._series.get((kind, name))
+            if metric is None:
+                metric = self._series[(kind, name)] = self._create(kind, name)
+            child = self._children[key] = metric.labels(*self.per_engine_labelvalues[engine_idx])
+        except Exception as e:
+            self._skipped.add((kind, name))
+            log.warning("rapidkv: %s %r not exported to /metrics: %s", kind[:-1], name, e)
+            return None
+        return child
+
+    def _create(self, kind: str, name: str) -> Any:
+        doc = f"rapidkv connector {kind[:-1]} {name} (docs/connector.md#observability)"
+        if kind == COUNTERS:
+            metric = self._counter_cls(
+                name=series_name(name), documentation=doc, labelnames=self._labelnames
+            )
+        else:
+            metric = self._gauge_cls(
+                name=series_name(name),
+                documentation=doc,
+                labelnames=self._labelnames,
+                multiprocess_mode="mostrecent",
+            )
+        if isinstance(metric, Counter | Gauge):
+            _registered.append(metric)
+        return metric
