@@ -1,0 +1,117 @@
+"""Session fixtures of the P/D e2e tests: the reference outputs (computed once,
+before a pair takes the cores), the shared P/D pair, and a P with a small
+block pool."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+from pd_harness import (
+    BLOCK,
+    LATE_LENGTHS,
+    LATE_ROUNDS,
+    LENGTHS,
+    MAX_TOKENS,
+    MODE_RUNS,
+    SMALL_P_WORKLOADS,
+    Pair,
+    connector_config,
+)
+
+from rapidkv.connector.config import kv_transfer_config
+from rapidkv.harness import ServerPool, free_port, random_prompts
+from rapidkv.harness.client import (
+    complete_full,
+    complete_many,
+)
+from rapidkv.harness.server import pd_specs
+
+
+@pytest.fixture(scope="session")
+def pd_pair(server_pool: ServerPool, tiny_model: Path, workloads: dict) -> Pair:
+    """The P/D pair (after the reference outputs exist: at most 2 servers run)."""
+    pc, dc = free_port(), free_port()
+    chunked = ("--max-num-batched-tokens", "256")
+    specs = pd_specs(tiny_model, connector_config(pc), connector_config(dc), chunked)
+    # fixed ports: an instance restarted by a test keeps its address
+    p, d = server_pool.get("pd", [s.replace(port=free_port()) for s in specs])
+    return Pair(tiny_model, p, d, f"127.0.0.1:{pc}", f"127.0.0.1:{dc}")
+
+
+@pytest.fixture(scope="session")
+def workloads(tiny_model: Path, single_server_starter) -> dict[str, tuple[list, list]]:
+    """Prompts per test and the single instance's outputs for them, computed once
+    (before the P/D pair takes the cores)."""
+    single = single_server_starter()
+    out = {}
+    for seed, name in enumerate(MODE_RUNS):
+        prompts = random_prompts(tiny_model, LENGTHS * 2, seed=1000 + seed)
+        out[name] = (prompts, complete_many(single.base_url, prompts, MAX_TOKENS, concurrency=4))
+    base = random_prompts(tiny_model, [2 * BLOCK + 50], seed=77)[0]
+    prefix = [base, base[: 2 * BLOCK] + random_prompts(tiny_model, [300], seed=78)[0]]
+    out["prefix"] = (prefix, complete_many(single.base_url, prefix, MAX_TOKENS))
+    # distinct: no D prefix hits
+    for seed, name in enumerate(
+        ["router-dual", "router-serial", "router-dual-continuation", "router-split"]
+    ):
+        router = random_prompts(
+            tiny_model, LENGTHS * (1 if "continuation" in name else 2), seed=3000 + seed
+        )
+        out[name] = (router, complete_many(single.base_url, router, MAX_TOKENS, concurrency=4))
+    for r in range(LATE_ROUNDS):
+        late = random_prompts(tiny_model, LATE_LENGTHS, seed=5000 + r)
+        out[f"late-{r}"] = (late, complete_many(single.base_url, late, MAX_TOKENS, concurrency=4))
+    for name, lengths, seed, max_tokens in SMALL_P_WORKLOADS:
+        prompts = random_prompts(tiny_model, lengths, seed=seed)
+        out[name] = (prompts, complete_many(single.base_url, prompts, max_tokens))
+    for seed, side in enumerate("pd"):
+        restart = random_prompts(tiny_model, [300, 450, 200], seed=2200 + seed)
+        out[f"restart-{side}"] = (restart, complete_many(single.base_url, restart, MAX_TOKENS))
+    split_fail = random_prompts(tiny_model, [600, 700], seed=2100)
+    out["split_fail"] = (split_fail, complete_many(single.base_url, split_fail, MAX_TOKENS))
+    # text prompts (the router tokenizes them on P): random ids, detokenized
+    texts = [
+        httpx.post(f"{single.base_url}/detokenize", json={"tokens": ids}, timeout=30).json()[
+            "prompt"
+        ]
+        for ids in random_prompts(tiny_model, [300, 450, 700], seed=2102)
+    ]
+    out["split_text"] = (
+        texts,
+        [complete_full(single.base_url, [], MAX_TOKENS, prompt=t).token_ids for t in texts],
+    )
+    split_step = random_prompts(tiny_model, [500], seed=2101)
+    out["split_step"] = (split_step, complete_many(single.base_url, split_step, MAX_TOKENS))
+    substep = random_prompts(tiny_model, [600], seed=2103)
+    out["substep_late"] = (substep, complete_many(single.base_url, substep, MAX_TOKENS))
+    for seed, name in enumerate(["late_p", "gone", "abort_d", "nothing"]):
+        one = random_prompts(
+            tiny_model, [BLOCK + 1 if name == "nothing" else 600], seed=2000 + seed
+        )
+        out[name] = (one, complete_many(single.base_url, one, MAX_TOKENS))
+    return out
+
+
+# -- a P with a small block pool (15 usable blocks), one transfer per D at a time
+
+
+@pytest.fixture(scope="session")
+def small_p_pair(server_pool: ServerPool, tiny_model: Path, workloads: dict) -> Pair:
+    pc, dc = free_port(), free_port()
+    p_cfg = kv_transfer_config(
+        pc,
+        park_ttl_s=30.0,
+        finished_ttl_s=60.0,
+        max_transfers_per_peer=1,
+        # prompt steps last >= 120 ms; substeps reach the workers 300 ms late
+        debug_layer_delay_s=0.03,
+        debug_bypass_delay_s=0.3,
+    )
+    chunked = ("--max-num-batched-tokens", "256")
+    p_spec, d_spec = pd_specs(tiny_model, p_cfg, connector_config(dc), chunked)
+    p, d = server_pool.get("pd-small", [p_spec.replace(kv_cache_memory_bytes="8M"), d_spec])
+    pair = Pair(tiny_model, p, d, f"127.0.0.1:{pc}", f"127.0.0.1:{dc}")
+    assert pair.stats("p")["free_blocks"] == 15
+    return pair

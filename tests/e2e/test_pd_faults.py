@@ -1,0 +1,152 @@
+"""Faults on a real P/D pair behind the router: an instance killed and started
+again on its address heals without restarting the other side or the router, and
+a request that cannot succeed costs P nothing."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from pd_harness import (
+    MAX_TOKENS,
+    Pair,
+    assert_back_to_baseline,
+    wait_for,
+)
+
+from rapidkv.harness import VLLMServer, wait_until
+from rapidkv.harness.client import (
+    complete_full,
+    get_metrics,
+    metric_sum,
+)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+
+# -- an instance killed and started again on its address, the other side and the
+# router left running: the first request after it is healthy crosses with a
+# real transfer (D re-handshakes with a restarted P; P forgets a restarted D's
+# old process when the new one handshakes from its control address)
+
+
+def external_tokens(server: VLLMServer) -> float:
+    return metric_sum(
+        get_metrics(server.base_url),
+        "vllm:prompt_tokens_by_source_total",
+        source="external_kv_transfer",
+    )
+
+
+def served_with_transfer(pair: Pair, router_url: str, ids: list[int], expected: list[int]):
+    """One greedy request through the router: its output is the single
+    instance's, its prompt's KV came from P (P confirmed one more transfer, D
+    counted the tokens as external and fell back to recompute none)."""
+    p0, d0, ext0 = pair.stats("p"), pair.stats("d"), external_tokens(pair.d)
+    out = complete_full(router_url, ids, MAX_TOKENS)
+    assert out.token_ids == expected
+    assert wait_for(
+        lambda: pair.stats("p").get("transfers_ok", 0) == p0.get("transfers_ok", 0) + 1, 2.0
+    ), f"P confirmed no transfer: {pair.stats('p')}"
+    assert pair.since({"d": d0}, "d", "recompute_fallbacks") == 0
+    assert external_tokens(pair.d) - ext0 == len(ids) - 1
+
+
+def p_idle_at(pair: Pair, baseline: dict[str, float]) -> bool:
+    s = pair.stats("p")
+    return s["free_blocks"] == baseline["free_blocks"] and s["transfers_live"] == 0
+
+
+def p_prompt_tokens(pair: Pair) -> float:
+    return metric_sum(get_metrics(pair.p.base_url), "vllm:prompt_tokens_total")
+
+
+def router_dispatches_to(router_url: str, role: str) -> bool:
+    health = httpx.get(f"{router_url}/health", timeout=10).json()
+    return all(i["dispatching"] for i in health[role])
+
+
+def requests_to_a_dead_d_cost_p_nothing(pair: Pair, router_url: str, ids: list[int]) -> None:
+    """D is dead: the first request (sent to P and D at once) gets 502 and P,
+    told at once, is back at its baseline within 1 s; the router then knows D is
+    down and answers 503 at once without asking P."""
+    idle = pair.stats("p")
+    body = {"prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0.0}
+    resp = httpx.post(f"{router_url}/v1/completions", json=body, timeout=30)
+    assert resp.status_code == 502, resp.text
+    answered = time.monotonic()
+    assert wait_for(lambda: p_idle_at(pair, idle), 1.0), f"P holds blocks: {pair.stats('p')}"
+    assert time.monotonic() - answered < 1.5
+    asked = p_prompt_tokens(pair)
+    resp = httpx.post(f"{router_url}/v1/completions", json=body, timeout=30)
+    assert resp.status_code == 503, resp.text
+    assert "no decode instance is up" in resp.json()["error"]["message"]
+    assert p_prompt_tokens(pair) == asked
+    assert p_idle_at(pair, idle)
+
+
+def test_a_request_d_refuses_costs_p_nothing_within_a_second(
+    pd_pair: Pair, workloads: dict
+) -> None:
+    """D refuses (min_tokens over max_tokens) what P accepted (P is asked for
+    one token, min_tokens at most 1): the client gets D's 400 as is, and P,
+    aborted by the router, holds nothing within 1 s."""
+    from rapidkv.router.config import Instance, RouterConfig
+    from rapidkv.router.server import start_router
+
+    (ids,), _ = workloads["gone"]
+    config = RouterConfig(
+        prefill=(Instance(pd_pair.p.base_url, pd_pair.p_control),),
+        decode=(Instance(pd_pair.d.base_url, pd_pair.d_control),),
+        port=0,
+        split_prefill=False,
+    )
+    idle = pd_pair.stats("p")
+    aborts = idle.get("aborts_decode_failed", 0)
+    with start_router(config) as router:
+        body = {"prompt": ids, "max_tokens": 8, "min_tokens": 9, "temperature": 0.0}
+        resp = httpx.post(f"{router.url}/v1/completions", json=body, timeout=30)
+        assert resp.status_code == 400, resp.text
+        assert wait_for(lambda: p_idle_at(pd_pair, idle), 1.0), pd_pair.stats("p")
+    assert pd_pair.stats("p")["aborts_decode_failed"] == aborts + 1
+
+
+@pytest.mark.parametrize("side", ["p", "d"])
+def test_an_instance_restarted_on_its_address_transfers_again_at_once(
+    pd_pair: Pair, workloads: dict, side: str
+) -> None:
+    from rapidkv.router.config import Instance, RouterConfig
+    from rapidkv.router.server import start_router
+
+    prompts, expected = workloads[f"restart-{side}"]
+    config = RouterConfig(  # P's control address discovered, as a user would run it
+        prefill=(Instance(pd_pair.p.base_url, None),),
+        decode=(Instance(pd_pair.d.base_url, pd_pair.d_control),),
+        port=0,
+        split_prefill=False,
+    )
+    with start_router(config) as router:
+        served_with_transfer(pd_pair, router.url, prompts[0], expected[0])
+        restarted = pd_pair.p if side == "p" else pd_pair.d
+        other_before = pd_pair.stats("d" if side == "p" else "p")
+        url = restarted.base_url
+        restarted.stop(grace=0)  # killed, as by a crash
+        if side == "d":
+            requests_to_a_dead_d_cost_p_nothing(pd_pair, router.url, prompts[1])
+        restarted.launch()
+        restarted.wait_ready()
+        assert restarted.base_url == url
+        healthy = time.monotonic()
+        # the router probes a down instance's /health every second
+        wait_until(lambda: router_dispatches_to(router.url, "decode"), 2.0, what="D back")
+        served_with_transfer(pd_pair, router.url, prompts[1], expected[1])
+        assert time.monotonic() - healthy < 5.0
+        served_with_transfer(pd_pair, router.url, prompts[2], expected[2])
+    if side == "p":  # D learnt of the restart from P's answer and handshook again
+        assert pd_pair.since({"d": other_before}, "d", "rehandshakes") == 1
+    else:  # P replaced the old D, whose control address the new one handshook from
+        assert pd_pair.since({"p": other_before}, "p", "peers_forgotten") == 1
+        assert pd_pair.stats("p")["peers_decode"] == 1
+    before = {"p": pd_pair.stats("p"), "d": pd_pair.stats("d")}
+    assert_back_to_baseline(pd_pair, before)
