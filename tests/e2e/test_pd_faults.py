@@ -1,10 +1,13 @@
 """Faults on a real P/D pair behind the router: an instance killed and started
-again on its address heals without restarting the other side or the router, and
-a request that cannot succeed costs P nothing."""
+again on its address heals without restarting the other side or the router; a
+request that cannot succeed costs P nothing; a client that leaves at any phase
+leaves nothing behind."""
 
 from __future__ import annotations
 
+import socket
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -15,12 +18,8 @@ from pd_harness import (
     wait_for,
 )
 
-from rapidkv.harness import VLLMServer, wait_until
-from rapidkv.harness.client import (
-    complete_full,
-    get_metrics,
-    metric_sum,
-)
+from rapidkv.harness import VLLMServer, random_prompts, wait_until
+from rapidkv.harness.client import complete_full, get_metrics, metric_sum, open_request
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -150,3 +149,94 @@ def test_an_instance_restarted_on_its_address_transfers_again_at_once(
         assert pd_pair.stats("p")["peers_decode"] == 1
     before = {"p": pd_pair.stats("p"), "d": pd_pair.stats("d")}
     assert_back_to_baseline(pd_pair, before)
+
+
+# -- a client that goes away at every phase of its request: nothing stays behind
+# (phase: dispatch, stream, the moment the client leaves)
+LEAVE_AT = {
+    "before_p_starts": ("dual", False, "sent"),
+    "mid_prefill": ("dual", False, "p_computes"),
+    "mid_transfer": ("dual", False, "kv_crossing"),
+    "mid_decode": ("dual", False, "d_decodes"),
+    "mid_decode_streaming": ("dual", True, "streamed"),
+    "serial_mid_prefill": ("serial", False, "p_computes"),
+}
+
+
+def engine_gauge(server: VLLMServer, name: str) -> float:
+    return metric_sum(get_metrics(server.base_url), f"vllm:{name}")
+
+
+def leave_when(pair: Pair, sock: socket.socket, when: str, p0: dict[str, float]) -> None:
+    """Block until the request is at `when`, then return (the caller closes)."""
+    what = f"the request to reach {when}"
+    if when == "p_computes":
+        wait_until(lambda: engine_gauge(pair.p, "num_requests_running") >= 1, 30, what=what)
+    elif when == "kv_crossing":
+        wait_until(
+            lambda: (
+                pair.stats("p").get("bytes_sent", 0) > p0.get("bytes_sent", 0)
+                and pair.stats("d")["waiting_for_kv"] >= 1
+            ),
+            30,
+            interval=0.005,
+            what=what,
+        )
+    elif when == "d_decodes":
+        base = engine_gauge(pair.d, "generation_tokens_total")
+        wait_until(
+            lambda: engine_gauge(pair.d, "generation_tokens_total") >= base + 3, 30, what=what
+        )
+    elif when == "streamed":
+        seen = b""
+        while seen.count(b"data: ") < 3:
+            chunk = sock.recv(65536)
+            assert chunk, f"the stream ended early: {seen!r}"
+            seen += chunk
+        assert seen.startswith(b"HTTP/1.1 200")
+
+
+@pytest.mark.parametrize("phase", list(LEAVE_AT))
+def test_a_client_that_leaves_at_any_phase_leaves_nothing_behind(
+    pd_pair: Pair, tiny_model: Path, phase: str
+) -> None:
+    """The router sees the client go (counted `client_abort`), cancels what it
+    sent, tells P's connector (where P was asked), and within 2 s P and D hold
+    nothing: free blocks as before, nothing parked, live or awaited, no request
+    running or waiting."""
+    from rapidkv.router.config import Instance, RouterConfig
+    from rapidkv.router.server import start_router
+
+    dispatch, stream, when = LEAVE_AT[phase]
+    (ids,) = random_prompts(tiny_model, [900], seed=2300 + list(LEAVE_AT).index(phase))
+    config = RouterConfig(
+        prefill=(Instance(pd_pair.p.base_url, pd_pair.p_control),),
+        decode=(Instance(pd_pair.d.base_url, pd_pair.d_control),),
+        port=0,
+        dispatch=dispatch,
+        split_prefill=False,
+    )
+    before = {"p": pd_pair.stats("p"), "d": pd_pair.stats("d")}
+    body = {"prompt": ids, "max_tokens": 100, "temperature": 0.0, "ignore_eos": True}
+    with start_router(config) as router:
+        sock = open_request(router.url, "/v1/completions", dict(body, stream=stream))
+        try:
+            leave_when(pd_pair, sock, when, before["p"])
+        finally:
+            sock.close()
+        wait_until(
+            lambda: (
+                metric_sum(
+                    get_metrics(router.url), "rapidkv_router_requests_total", outcome="client_abort"
+                )
+                == 1
+            ),
+            5,
+            what="the router to count the client's abort",
+        )
+        assert router.router.outstanding("prefill") == [0]
+        assert router.router.outstanding("decode") == [0]
+        assert_back_to_baseline(pd_pair, before)
+    if when != "sent":  # P was asked: its connector was told (by the router, and
+        # by D too when D's request was waiting for the KV)
+        assert pd_pair.since(before, "p", "aborts_client_abort") >= 1

@@ -23,6 +23,7 @@ from rapidkv.control.codes import Code
 from rapidkv.control.messages import Abort, AbortReason, AbortReply, ErrorReply, Request
 from rapidkv.control.server import RpcServer
 from rapidkv.harness import free_port, get_metrics, metric_sum, wait_until
+from rapidkv.harness.client import open_request
 from rapidkv.router import Instance, RunningRouter
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
@@ -446,14 +447,7 @@ def recorder() -> Iterator[AbortRecorder]:
 
 def abandon(url: str, path: str, body: dict[str, Any], read_first: bool) -> socket.socket:
     """Send a request on a raw socket (optionally read the answer's first bytes)."""
-    parts = urlsplit(url)
-    sock = socket.create_connection((parts.hostname, parts.port), timeout=30)
-    data = json.dumps(body).encode()
-    head = (
-        f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(data)}\r\n\r\n"
-    )
-    sock.sendall(head.encode() + data)
+    sock = open_request(url, path, body)
     if read_first:
         assert sock.recv(65536).startswith(b"HTTP/1.1 200")
     return sock

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -255,3 +257,18 @@ def stream_many(
     return _for_each(
         prompts, concurrency, lambda client, p: acomplete_stream(client, base_url, p, max_tokens)
     )
+
+
+def open_request(url: str, path: str, body: dict[str, Any], timeout: float = 30.0) -> socket.socket:
+    """POST `body` as JSON on a raw socket and return it unread: the caller
+    reads what it wants of the answer and closes the socket, as a client that
+    goes away at a chosen moment does."""
+    parts = urlsplit(url)
+    sock = socket.create_connection((parts.hostname, parts.port), timeout=timeout)
+    data = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + data)
+    return sock
