@@ -67,7 +67,7 @@ def workloads(tiny_model: Path, single_server_starter) -> dict[str, tuple[list, 
         prompts = random_prompts(tiny_model, lengths, seed=seed)
         out[name] = (prompts, complete_many(single.base_url, prompts, max_tokens))
     for seed, side in enumerate("pd"):
-        restart = random_prompts(tiny_model, [300, 450, 200], seed=2200 + seed)
+        restart = random_prompts(tiny_model, [300, 450, 200, 900], seed=2200 + seed)
         out[f"restart-{side}"] = (restart, complete_many(single.base_url, restart, MAX_TOKENS))
     split_fail = random_prompts(tiny_model, [600, 700], seed=2100)
     out["split_fail"] = (split_fail, complete_many(single.base_url, split_fail, MAX_TOKENS))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -66,11 +67,12 @@ def router_dispatches_to(router_url: str, role: str) -> bool:
     return all(i["dispatching"] for i in health[role])
 
 
-def requests_to_a_dead_d_cost_p_nothing(pair: Pair, router_url: str, ids: list[int]) -> None:
+def requests_to_a_dead_d_cost_p_nothing(
+    pair: Pair, router_url: str, ids: list[int], idle: dict[str, float]
+) -> None:
     """D is dead: the first request (sent to P and D at once) gets 502 and P,
-    told at once, is back at its baseline within 1 s; the router then knows D is
-    down and answers 503 at once without asking P."""
-    idle = pair.stats("p")
+    told at once, is back at its baseline (`idle`) within 1 s; the router then
+    knows D is down and answers 503 at once without asking P."""
     body = {"prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0.0}
     resp = httpx.post(f"{router_url}/v1/completions", json=body, timeout=30)
     assert resp.status_code == 502, resp.text
@@ -112,7 +114,7 @@ def test_a_request_d_refuses_costs_p_nothing_within_a_second(
 
 
 @pytest.mark.parametrize("side", ["p", "d"])
-def test_an_instance_restarted_on_its_address_transfers_again_at_once(
+def test_an_instance_killed_mid_transfer_and_restarted_on_its_address_heals(
     pd_pair: Pair, workloads: dict, side: str
 ) -> None:
     from rapidkv.router.config import Instance, RouterConfig
@@ -125,30 +127,43 @@ def test_an_instance_restarted_on_its_address_transfers_again_at_once(
         port=0,
         split_prefill=False,
     )
-    with start_router(config) as router:
+    with start_router(config) as router, ThreadPoolExecutor(1) as pool:
         served_with_transfer(pd_pair, router.url, prompts[0], expected[0])
         restarted = pd_pair.p if side == "p" else pd_pair.d
-        other_before = pd_pair.stats("d" if side == "p" else "p")
+        before = {"p": pd_pair.stats("p"), "d": pd_pair.stats("d")}
         url = restarted.base_url
-        restarted.stop(grace=0)  # killed, as by a crash
-        if side == "d":
-            requests_to_a_dead_d_cost_p_nothing(pd_pair, router.url, prompts[1])
+        # killed, as by a crash, while a request's KV crosses
+        inflight = pool.submit(complete_full, router.url, prompts[3], MAX_TOKENS)
+        leave_when(pd_pair, None, "kv_crossing", before["p"])
+        restarted.stop(grace=0)
+        if side == "p":  # D computes what P could not send: the client sees nothing
+            assert inflight.result(60).token_ids == expected[3]
+            assert pd_pair.since(before, "d", "recompute_fallbacks") == 1
+        else:  # a clear error, and P, told by the router, holds nothing
+            with pytest.raises(httpx.HTTPStatusError) as failed:
+                inflight.result(60)
+            assert failed.value.response.status_code == 502
+            assert "did not answer" in failed.value.response.json()["error"]["message"]
+            assert wait_for(lambda: p_idle_at(pd_pair, before["p"]), 2.0), pd_pair.stats("p")
+            requests_to_a_dead_d_cost_p_nothing(pd_pair, router.url, prompts[1], before["p"])
         restarted.launch()
         restarted.wait_ready()
         assert restarted.base_url == url
         healthy = time.monotonic()
         # the router probes a down instance's /health every second
-        wait_until(lambda: router_dispatches_to(router.url, "decode"), 2.0, what="D back")
+        role = "prefill" if side == "p" else "decode"
+        wait_until(lambda: router_dispatches_to(router.url, role), 2.0, what=f"{role} back")
         served_with_transfer(pd_pair, router.url, prompts[1], expected[1])
         assert time.monotonic() - healthy < 5.0
         served_with_transfer(pd_pair, router.url, prompts[2], expected[2])
     if side == "p":  # D learnt of the restart from P's answer and handshook again
-        assert pd_pair.since({"d": other_before}, "d", "rehandshakes") == 1
+        assert pd_pair.since(before, "d", "rehandshakes") == 1
     else:  # P replaced the old D, whose control address the new one handshook from
-        assert pd_pair.since({"p": other_before}, "p", "peers_forgotten") == 1
+        assert pd_pair.since(before, "p", "peers_forgotten") == 1
         assert pd_pair.stats("p")["peers_decode"] == 1
-    before = {"p": pd_pair.stats("p"), "d": pd_pair.stats("d")}
-    assert_back_to_baseline(pd_pair, before)
+    # the restarted process has its own pool: nothing parked, live or awaited,
+    # the engines idle, free blocks steady
+    assert_back_to_baseline(pd_pair, {"p": pd_pair.stats("p"), "d": pd_pair.stats("d")})
 
 
 # -- a client that goes away at every phase of its request: nothing stays behind
@@ -167,7 +182,7 @@ def engine_gauge(server: VLLMServer, name: str) -> float:
     return metric_sum(get_metrics(server.base_url), f"vllm:{name}")
 
 
-def leave_when(pair: Pair, sock: socket.socket, when: str, p0: dict[str, float]) -> None:
+def leave_when(pair: Pair, sock: socket.socket | None, when: str, p0: dict[str, float]) -> None:
     """Block until the request is at `when`, then return (the caller closes)."""
     what = f"the request to reach {when}"
     if when == "p_computes":
@@ -188,6 +203,7 @@ def leave_when(pair: Pair, sock: socket.socket, when: str, p0: dict[str, float])
             lambda: engine_gauge(pair.d, "generation_tokens_total") >= base + 3, 30, what=what
         )
     elif when == "streamed":
+        assert sock is not None
         seen = b""
         while seen.count(b"data: ") < 3:
             chunk = sock.recv(65536)
