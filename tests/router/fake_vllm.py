@@ -61,12 +61,20 @@ class Seen:
         return self.body.get("kv_transfer_params")
 
 
+MAX_FAKE_TOKENS = 64  # the most tokens a fake answer has, whatever the request asks
+
+
 def fake_tokens(body: dict[str, Any]) -> list[int]:
-    """The 'generated' tokens: a function of the prompt and max_tokens only."""
+    """The 'generated' tokens: a function of the prompt and max_tokens only.
+
+    vLLM validates the request; the fake does not: a budget that is not an int
+    counts as 16 tokens, one over `MAX_FAKE_TOKENS` as that many."""
     prompt = body.get("prompt", body.get("messages"))
     seed = sum(json.dumps(prompt, sort_keys=True).encode()) % 997
     n = body.get("max_completion_tokens") or body.get("max_tokens") or 16
-    return [(seed + 31 * i) % 1000 for i in range(int(n))]
+    if not isinstance(n, int) or isinstance(n, bool):
+        n = 16
+    return [(seed + 31 * i) % 1000 for i in range(min(n, MAX_FAKE_TOKENS))]
 
 
 class FakeVLLM:
@@ -300,7 +308,8 @@ def _events(seen: Seen, chat: bool, name: str) -> list[bytes]:
             prompt = seen.body.get("prompt")
             choice["prompt_token_ids"] = prompt if isinstance(prompt, list) else [1, 2]
         out.append({**base, "choices": [choice]})
-    if (seen.body.get("stream_options") or {}).get("include_usage"):
+    options = seen.body.get("stream_options")
+    if isinstance(options, dict) and options.get("include_usage"):
         usage = {
             "prompt_tokens": 3,
             "completion_tokens": len(tokens),

@@ -8,7 +8,9 @@ A connection is a byte stream of frames, each::
 
 `length` counts body and tag. A frame longer than `max_frame` is refused
 (`FrameTooLarge`) as soon as its four length bytes are in: none of its body is
-read or buffered.
+read or buffered. The opening frames have fixed sizes, and one announced longer
+is refused the same way (an unauthenticated peer makes the server buffer no
+more than a HELLO).
 
 A connection opens with one frame each way, then carries messages:
 
@@ -112,13 +114,20 @@ class FrameReader:
     def feed(self, data: bytes) -> None:
         self._buf += data
 
-    def next_frame(self) -> bytes | None:
-        """The next complete frame's payload, or None until more bytes arrive."""
+    @property
+    def pending(self) -> int:
+        """Bytes buffered of a frame not complete yet."""
+        return len(self._buf)
+
+    def next_frame(self, limit: int | None = None) -> bytes | None:
+        """The next complete frame's payload, or None until more bytes arrive.
+        `limit` lowers `max_frame` for this frame."""
         if len(self._buf) < LENGTH.size:
             return None
         (n,) = LENGTH.unpack_from(self._buf)
-        if n > self.max_frame:
-            raise FrameTooLarge(f"frame of {n} bytes exceeds the limit of {self.max_frame}")
+        limit = self.max_frame if limit is None else min(limit, self.max_frame)
+        if n > limit:
+            raise FrameTooLarge(f"frame of {n} bytes exceeds the limit of {limit}")
         end = LENGTH.size + n
         if len(self._buf) < end:
             return None
@@ -132,6 +141,7 @@ class _Session:
 
     _send_dir: bytes
     _recv_dir: bytes
+    _opening_bytes: int  # the size of the opening frame received
 
     def __init__(self, secret: bytes | str | None, max_frame: int = DEFAULT_MAX_FRAME) -> None:
         self._secret = normalize_secret(secret)
@@ -151,6 +161,12 @@ class _Session:
     @property
     def max_frame(self) -> int:
         return self._reader.max_frame
+
+    @property
+    def pending(self) -> int:
+        """Bytes received of a frame not complete yet (a peer that stops here
+        sent a truncated frame)."""
+        return self._reader.pending
 
     def outgoing(self) -> bytes:
         """Opening bytes waiting to be sent (then cleared)."""
@@ -176,7 +192,9 @@ class _Session:
         try:
             self._reader.feed(data)
             messages = []
-            while (frame := self._reader.next_frame()) is not None:
+            while (
+                frame := self._reader.next_frame(None if self._ready else self._opening_bytes)
+            ) is not None:
                 if not self._ready:
                     self._opening(frame)
                     continue
@@ -236,6 +254,7 @@ class ServerSession(_Session):
 
     def __init__(self, secret: bytes | str | None, max_frame: int = DEFAULT_MAX_FRAME) -> None:
         super().__init__(secret, max_frame)
+        self._opening_bytes = _HELLO_BYTES + (TAG_BYTES if self._secret is not None else 0)
         self._nonce = os.urandom(NONCE_BYTES)
         flags = FLAG_AUTH if self._secret is not None else 0
         body = MAGIC + bytes([flags]) + self._nonce
@@ -245,11 +264,10 @@ class ServerSession(_Session):
         """Verify the client's HELLO."""
         if not frame.startswith(MAGIC):
             raise FrameError("not a rapidkv-rpc/1 client (bad HELLO)")
-        expected = _HELLO_BYTES + (TAG_BYTES if self._secret is not None else 0)
-        if len(frame) != expected:
+        if len(frame) != self._opening_bytes:
             if self._secret is not None:
                 raise AuthError(f"HELLO of {len(frame)} bytes carries no valid tag")
-            raise FrameError(f"HELLO of {len(frame)} bytes, expected {expected}")
+            raise FrameError(f"HELLO of {len(frame)} bytes, expected {self._opening_bytes}")
         self._derive_key(self._nonce, frame[len(MAGIC) : _HELLO_BYTES])
         self._open(frame)
         self._ready = True
@@ -261,6 +279,7 @@ class ClientSession(_Session):
 
     _send_dir = _CLIENT_TO_SERVER
     _recv_dir = _SERVER_TO_CLIENT
+    _opening_bytes = _PREAMBLE_BYTES
 
     def _opening(self, frame: bytes) -> None:
         """Check the server's preamble and answer with HELLO."""

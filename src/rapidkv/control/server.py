@@ -21,8 +21,10 @@ server's loop: it must not block (take locks only briefly; wait on
 Rules
 -----
 - Bad input never stops the server. A frame that breaks the framing (too large,
-  bad tag, garbage where a frame was due) closes its connection and logs one
-  warning with the peer's address; nothing is replied. A frame that is sound but
+  bad tag, garbage where a frame was due, a frame the peer left unfinished when
+  it closed) closes its connection and logs one warning with the peer's
+  address; nothing is replied. A peer that sends no valid HELLO within
+  `hello_timeout` is dropped the same way. A frame that is sound but
   does not hold a valid request gets `ErrorReply(ERROR)` naming the problem.
 - Unauthenticated peers get nothing but the preamble, and the handler never
   sees anything from them.
@@ -274,10 +276,12 @@ class RpcServer:
             async with asyncio.timeout(self._hello_timeout):
                 while not session.ready:
                     if not await self._read(reader, conn):
+                        self._ended(conn)
                         return
             log.debug("rpc: %s connected", peer)
             while await self._read(reader, conn):
                 await writer.drain()  # backpressure: stop reading while replies pile up
+            self._ended(conn)
         except FrameError as e:
             self._counters["auth_failures" if isinstance(e, AuthError) else "frame_errors"] += 1
             if isinstance(e, FrameTooLarge):
@@ -288,12 +292,26 @@ class RpcServer:
             log.warning("rpc: closing connection from %s: no valid HELLO in time", peer)
         except (ConnectionError, OSError) as e:
             log.debug("rpc: connection from %s lost: %r", peer, e)
-        else:
-            log.debug("rpc: %s disconnected", peer)
-            writer.close()
         finally:
             if not writer.is_closing():
                 writer.transport.abort()
+
+    def _ended(self, conn: _Connection) -> None:
+        """The peer closed its end: a frame it left unfinished (truncated) is a
+        framing error, logged like any; a clean end is logged at debug level."""
+        session = conn.session
+        stage = "" if session.ready else " before its HELLO"
+        if session.pending:
+            self._counters["frame_errors"] += 1
+            log.warning(
+                "rpc: closing connection from %s: it closed%s, inside a frame (%d bytes of it)",
+                conn.peer,
+                stage,
+                session.pending,
+            )
+        else:
+            log.debug("rpc: %s disconnected%s", conn.peer, stage)
+        conn.writer.close()
 
     async def _read(self, reader: asyncio.StreamReader, conn: _Connection) -> bool:
         """Read one chunk and dispatch its requests; False at end of stream."""

@@ -21,8 +21,9 @@ the other end of this contract (see docs/vllm-connector-contract.md §4.5, §8):
 
 Invariants: the input dict is never mutated; the P and D bodies carry the same
 ``xfer_id``; requests the router cannot serve faithfully (``n > 1`` or
-``best_of > 1``: one engine request per ``xfer_id``) are refused with
-`BadRequest` before anything is sent.
+``best_of > 1``, in any form vLLM reads as such: one engine request per
+``xfer_id``) and bodies it cannot re-encode (nested deeper than `MAX_DEPTH`)
+are refused with `BadRequest` before anything is sent.
 """
 
 from __future__ import annotations
@@ -54,6 +55,12 @@ def new_xfer_id() -> str:
     return uuid.uuid4().hex
 
 
+# JSON nesting a request may have: far more than any OpenAI body needs, and little
+# enough that re-encoding it never exhausts Python's recursion limit (a body that
+# just parsed could otherwise fail to encode for P or D, one call deeper)
+MAX_DEPTH = 256
+
+
 def parse_request(raw: bytes) -> Body:
     """The client's JSON body, checked for what the router itself must refuse.
 
@@ -61,15 +68,19 @@ def parse_request(raw: bytes) -> Body:
     """
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (ValueError, RecursionError) as e:
+        # not JSON, not UTF-8 (UnicodeDecodeError), an integer of more digits than
+        # Python converts (ValueError), nested deeper than the parser recurses
         raise BadRequest(f"request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
+    if _deeper_than(body, raw, MAX_DEPTH):
+        raise BadRequest(f"request body nested deeper than {MAX_DEPTH} levels")
     for param in ("n", "best_of"):
-        value = body.get(param)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+        count = _as_count(body.get(param))
+        if count is not None and count > 1:
             raise BadRequest(
-                f"{param}={value} is not supported by the PD router: it serves one "
+                f"{param}={count} is not supported by the PD router: it serves one "
                 f"sequence per request (send {param}=1, or several requests)",
                 param,
             )
@@ -81,6 +92,43 @@ def parse_request(raw: bytes) -> Body:
             "kv_transfer_params",
         )
     return body
+
+
+def _deeper_than(body: Body, raw: bytes, limit: int) -> bool:
+    """Whether `body` (parsed from `raw`) nests more than `limit` levels (the
+    object itself is one). Fewer brackets than that in `raw`: no walk needed."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    stack: list[tuple[Any, int]] = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > limit:
+            return True
+        for child in value.values() if isinstance(value, dict) else value:
+            if isinstance(child, dict | list):
+                stack.append((child, depth + 1))
+    return False
+
+
+def _as_count(value: Any) -> int | None:
+    """`value` as vLLM reads an integer field (pydantic, lax): an int, a float
+    or a string that is a whole number (``2.0``, ``"2"``, ``" 2 "``, ``"2.0"``);
+    None for anything else (vLLM refuses it)."""
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            return int(text)
+        except ValueError:  # not an integer literal, or too many digits
+            pass
+        try:
+            value = float(text)
+        except ValueError:
+            return None
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
 
 
 def client_transfer_kv_mode(body: Body) -> Any:
@@ -184,8 +232,13 @@ def decode_body(
 
 
 def encode(body: Body) -> bytes:
-    """A body as compact UTF-8 JSON."""
-    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+    """A body as compact UTF-8 JSON; all-ASCII (with ``\\u`` escapes) when a
+    string holds what UTF-8 cannot carry: a lone surrogate, which only a
+    client's ``\\ud800`` escape can have sent."""
+    try:
+        return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return json.dumps(body, separators=(",", ":")).encode()
 
 
 ERROR_TYPES = {
