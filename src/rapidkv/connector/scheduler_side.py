@@ -872,35 +872,57 @@ class SchedulerSide:
                     xfer_id=msg.xfer_id, code=Code.GONE, message="transfer aborted or timed out"
                 )
             p = self._produced.get(msg.xfer_id)
-            self._arrived(msg, p)
-            new = p is None or p.window is None
-            if new and self._outstanding(msg.dst_instance) >= self.config.max_transfers_per_peer:
-                self.counters["busy_replies"] += 1
-                return TransferKVReply(
-                    xfer_id=msg.xfer_id,
-                    code=Code.BUSY,
-                    message=f"{self.config.max_transfers_per_peer} transfers to "
-                    f"{msg.dst_instance} outstanding",
-                )
-            if p is not None:
-                self._accept(p, msg, reply)
-            elif len(self._parked) >= self.config.max_parked:
-                return TransferKVReply(
-                    xfer_id=msg.xfer_id, code=Code.BUSY, message="too many parked transfers"
-                )
+            parked = self._parked.get(msg.xfer_id)
+            earlier = parked.reply if parked is not None else p.reply if p and p.window else None
+            if earlier is not None:
+                # the same transfer asked for twice (a replay, or a confused D):
+                # nothing changes; this one gets the first one's answer, when
+                # no more writes of it can land
+                self.counters["duplicate_transfer_kv"] += 1
+                reply = earlier
             else:
-                self.counters["parked"] += 1
-                self._parked[msg.xfer_id] = _Parked(msg, reply)
+                refused = self._take_up(msg, p, reply)
+                if refused is not None:
+                    return refused
         try:  # parked: NOT_FOUND once the park TTL passes, even if P never steps
             return await asyncio.wait_for(asyncio.shield(reply.future), self.config.park_ttl_s)
         except TimeoutError:
             with self._lock:
                 if self._parked.pop(msg.xfer_id, None) is not None:
                     self.counters["park_expired"] += 1
-                    return TransferKVReply(
-                        xfer_id=msg.xfer_id, code=Code.NOT_FOUND, message="request not seen on P"
-                    )
+                    if not reply.future.done():  # for a duplicate waiting on it too
+                        reply.future.set_result(
+                            TransferKVReply(
+                                xfer_id=msg.xfer_id,
+                                code=Code.NOT_FOUND,
+                                message="request not seen on P",
+                            )
+                        )
         return await reply.future
+
+    def _take_up(self, msg: TransferKV, p: Produced | None, reply: Reply) -> TransferKVReply | None:
+        """Accept `msg` for its request, or park it until the request arrives; the
+        refusal if neither may be done now (caller holds the lock)."""
+        self._arrived(msg, p)
+        new = p is None or p.window is None
+        if new and self._outstanding(msg.dst_instance) >= self.config.max_transfers_per_peer:
+            self.counters["busy_replies"] += 1
+            return TransferKVReply(
+                xfer_id=msg.xfer_id,
+                code=Code.BUSY,
+                message=f"{self.config.max_transfers_per_peer} transfers to "
+                f"{msg.dst_instance} outstanding",
+            )
+        if p is not None:
+            self._accept(p, msg, reply)
+        elif len(self._parked) >= self.config.max_parked:
+            return TransferKVReply(
+                xfer_id=msg.xfer_id, code=Code.BUSY, message="too many parked transfers"
+            )
+        else:
+            self.counters["parked"] += 1
+            self._parked[msg.xfer_id] = _Parked(msg, reply)
+        return None
 
     def _on_abort(self, msg: Abort) -> AbortReply:
         with self._lock:
