@@ -20,7 +20,15 @@ import pytest
 from fake_vllm import FakeVLLM, MakeFake, MakeRouter, Seen
 
 from rapidkv.control.codes import Code
-from rapidkv.control.messages import Abort, AbortReason, AbortReply, ErrorReply, Request
+from rapidkv.control.messages import (
+    Abort,
+    AbortReason,
+    AbortReply,
+    ErrorReply,
+    Request,
+    Stats,
+    StatsRequest,
+)
 from rapidkv.control.server import RpcServer
 from rapidkv.harness import free_port, get_metrics, metric_sum, wait_until
 from rapidkv.harness.client import open_request
@@ -588,7 +596,13 @@ def test_health_needs_one_answering_p_and_one_answering_d(
     report = ok.json()
     assert [c["healthy"] for c in report["prefill"]] == [False, True]
     assert report["decode"] == [
-        {"url": d.url, "healthy": True, "detail": "HTTP 200", "dispatching": True}
+        {
+            "url": d.url,
+            "healthy": True,
+            "detail": "HTTP 200",
+            "dispatching": True,
+            "transfers": "unknown",  # no control address: not watched
+        }
     ]
 
     d.healthy = False
@@ -596,6 +610,50 @@ def test_health_needs_one_answering_p_and_one_answering_d(
     assert down.status_code == 503
     assert down.json()["status"] == "unavailable"
     assert down.json()["decode"][0]["detail"] == "HTTP 503"
+
+
+class StatsServer:
+    """A control-plane server standing in for D's connector: answers Stats with
+    the counters the test sets."""
+
+    def __init__(self, secret: bytes | None) -> None:
+        self.counters: dict[str, float] = {"transfer_kv_sent": 0, "recompute_fallbacks": 0}
+        self.server = RpcServer(self.handle, secret=secret)
+        self.server.start()
+
+    async def handle(self, request: Request) -> Stats | ErrorReply:
+        if isinstance(request, StatsRequest):
+            return Stats(counters=dict(self.counters))
+        return ErrorReply(Code.ERROR, "unexpected")
+
+
+def test_a_decode_whose_every_transfer_falls_back_shows_as_degraded(
+    make_fake: MakeFake, make_router: MakeRouter, http: httpx.Client
+) -> None:
+    p, d = make_fake("P0", "prefill"), make_fake("D0", "decode")
+    stats = StatsServer(secret=b"s")
+    try:
+        router = make_router(
+            [p],
+            [Instance(d.url, stats.server.address)],
+            secret=b"s",
+            transfer_check_interval_s=0.05,
+        )
+
+        def state() -> tuple[str, str, float]:
+            report = http.get(f"{router.url}/health").json()
+            degraded = metric(router, "rapidkv_router_transfers_degraded", instance=d.url)
+            return report["status"], report["decode"][0]["transfers"], degraded
+
+        time.sleep(0.2)  # read at least once: idle, nothing to judge
+        assert state() == ("ok", "unknown", 0)
+        stats.counters = {"transfer_kv_sent": 5, "recompute_fallbacks": 5}
+        wait_until(lambda: state() == ("degraded", "degraded", 1), 5, what="degraded")
+        assert http.get(f"{router.url}/health").status_code == 200  # it serves, recomputing
+        stats.counters = {"transfer_kv_sent": 9, "recompute_fallbacks": 8}
+        wait_until(lambda: state() == ("ok", "ok", 0), 5, what="transferring again")
+    finally:
+        stats.server.stop()
 
 
 def test_models_come_from_the_first_decode_that_answers(

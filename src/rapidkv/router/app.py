@@ -8,7 +8,10 @@
                             ``local``) and one D answer ``/health`` with 200,
                             else 503; the JSON body says which did, and
                             whether the router dispatches to each
-                            (``dispatching``: false while it is down)
+                            (``dispatching``: false while it is down) and,
+                            per decode instance, whether its transfers work
+                            (``transfers``: ok / degraded / unknown; status
+                            ``degraded`` while one is)
 ``GET /metrics``            the router's Prometheus metrics
 anything else               404 (405 for a known path with the wrong method),
                             as an OpenAI-format JSON error
@@ -74,9 +77,13 @@ def build_app(config: RouterConfig) -> Starlette:
         for role, results in checks.items():
             for i, result in enumerate(results):
                 result["dispatching"] = router.is_up(role, i)
+                if role == "decode":
+                    result["transfers"] = router.transfers(i)
         needed = ["decode"] if config.dispatch == "local" else ["prefill", "decode"]
         ok = all(any(c["healthy"] for c in checks[role]) for role in needed)
-        body = {"status": "ok" if ok else "unavailable", "dispatch": config.dispatch, **checks}
+        degraded = any(c["transfers"] == "degraded" for c in checks["decode"])
+        status = "unavailable" if not ok else "degraded" if degraded else "ok"
+        body = {"status": status, "dispatch": config.dispatch, **checks}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def models(request: Request) -> Response:

@@ -90,6 +90,9 @@ class RouterConfig:
     health_timeout_s: float = 2.0
     # a down instance's /health is asked this often until it answers 200
     probe_interval_s: float = 1.0
+    # decode instances with a control address: their connector's counters are
+    # read this often, to tell a pair that is up but not transferring (0: never)
+    transfer_check_interval_s: float = 2.0
     abort_timeout_s: float = 5.0
     max_connections: int = 1024
     max_body_bytes: int = 64 << 20

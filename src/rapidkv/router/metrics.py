@@ -27,6 +27,9 @@ Names and labels (``endpoint`` is ``completions`` | ``chat``; ``dispatch`` is
 - ``rapidkv_router_instance_up{role,instance}``: 1 while the router dispatches
   to the instance, 0 from a request that got no answer from it until its
   ``/health`` answers 200 again (`health`).
+- ``rapidkv_router_transfers_degraded{instance}``: 1 while every TransferKV a
+  decode instance sent since the previous check fell back to recompute (a pair
+  that is up but not transferring; `transfers`), else 0.
 - ``rapidkv_router_without_prefill_total``: dual or serial requests served by D
   alone because no prefill instance was up.
 - ``rapidkv_router_control_aborts_total{outcome}``: control-plane Aborts sent to
@@ -112,6 +115,12 @@ class RouterMetrics:
             ["role", "instance"],
             registry=r,
         )
+        self.transfers_degraded = Gauge(
+            "rapidkv_router_transfers_degraded",
+            "1 while every TransferKV of the decode instance fell back to recompute",
+            ["instance"],
+            registry=r,
+        )
         self.without_prefill = Counter(
             "rapidkv_router_without_prefill",
             "Dual or serial requests served by a decode instance alone: no prefill instance up",
@@ -139,6 +148,8 @@ class RouterMetrics:
             for inst in instances:
                 self.outstanding.labels(role, inst.url).set(0)
                 self.instance_up.labels(role, inst.url).set(1)
+                if role == "decode":
+                    self.transfers_degraded.labels(inst.url).set(0)
                 for kind in UPSTREAM_ERROR_KINDS:
                     self.upstream_errors.labels(role, inst.url, kind)
         for outcome in ("ok", "failed"):

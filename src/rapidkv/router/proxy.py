@@ -96,6 +96,7 @@ from rapidkv.router.stitch import (
     continuation_body,
     is_output,
 )
+from rapidkv.router.transfer_watcher import TransferWatcher
 from rapidkv.router.upstream import UPSTREAM_ERRORS, get, open_session
 
 log = logging.getLogger(__name__)
@@ -174,6 +175,7 @@ class Router:
         }
         self._health = {role: InstanceHealth(len(i)) for role, i in self._instances.items()}
         self._aborter = ControlAborter(config.secret, config.abort_timeout_s, self.metrics)
+        self._transfers = TransferWatcher(config, self.metrics)
         self._http: aiohttp.ClientSession | None = None
         self._background: set[asyncio.Task[Any]] = set()
         # prefill URL -> its control address, once discovered (see `discovery`)
@@ -186,6 +188,7 @@ class Router:
     async def start(self) -> None:
         """Open the shared upstream HTTP client (on the serving loop)."""
         self._http = open_session(self.config)
+        self._transfers.start()
 
     def discover_all(self) -> None:
         """Start asking every prefill instance configured without a control
@@ -243,6 +246,7 @@ class Router:
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
+        await self._transfers.close()
         if self._http is not None:
             await self._http.close()
         await asyncio.to_thread(self._aborter.close)
@@ -692,6 +696,11 @@ class Router:
                 self.metrics.instance_up.labels(role, inst.url).set(1)
                 log.info("%s instance %s is up again", role, inst.url)
                 return True
+
+    def transfers(self, index: int) -> str:
+        """Whether decode instance `index` transfers: ``ok``, ``degraded`` or
+        ``unknown`` (`transfers`)."""
+        return self._transfers.state(index)
 
     def is_up(self, role: str, index: int) -> bool:
         """Whether the router dispatches to instance `index` of `role` now."""

@@ -1,0 +1,80 @@
+"""Reading each decode instance's connector counters over the control plane, so
+that a pair that is up but not transferring shows as degraded (`transfers`).
+
+Only decode instances configured with a control address (``--decode
+URL=HOST:PORT``) are read. A reading that fails (refused, timed out, wrong
+secret) makes that instance's state ``unknown``; it is logged once per change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from rapidkv.control.client import RpcClient
+from rapidkv.control.messages import Stats, StatsRequest
+from rapidkv.router.config import RouterConfig
+from rapidkv.router.metrics import RouterMetrics
+from rapidkv.router.transfers import TransferWatch
+
+log = logging.getLogger(__name__)
+
+
+class TransferWatcher:
+    """Polls decode instances' `Stats` every `transfer_check_interval_s`."""
+
+    def __init__(self, config: RouterConfig, metrics: RouterMetrics) -> None:
+        self._config = config
+        self._metrics = metrics
+        self._watch = TransferWatch(len(config.decode))
+        self._client: RpcClient | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Start polling (on the serving loop), if there is anything to read."""
+        watched = [i.control for i in self._config.decode if i.control]
+        if watched and self._config.transfer_check_interval_s > 0:
+            self._client = RpcClient(secret=self._config.secret)
+            self._task = asyncio.create_task(self._run())
+
+    def state(self, index: int) -> str:
+        """``unknown``, ``ok`` or ``degraded`` (see `transfers`)."""
+        return self._watch.state(index)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self._config.transfer_check_interval_s)
+            for index, inst in enumerate(self._config.decode):
+                if inst.control:
+                    self._observe(index, inst.url, await self._read(inst.control))
+
+    async def _read(self, address: str) -> dict[str, float] | None:
+        assert self._client is not None
+        try:
+            future = self._client.submit(address, StatsRequest(), self._config.health_timeout_s)
+            reply = await asyncio.wrap_future(future)
+        except Exception as e:  # any failure: the state is unknown
+            log.debug("transfer check of %s failed: %r", address, e)
+            return None
+        return reply.counters if isinstance(reply, Stats) else None
+
+    def _observe(self, index: int, url: str, counters: dict[str, float] | None) -> None:
+        changed = self._watch.observe(index, counters)
+        if changed is None:
+            return
+        self._metrics.transfers_degraded.labels(url).set(1 if changed == "degraded" else 0)
+        if changed == "degraded":
+            log.warning(
+                "decode instance %s is degraded: every TransferKV since the last check "
+                "fell back to recompute (see its connector's log)",
+                url,
+            )
+        else:
+            log.info("decode instance %s transfers: %s", url, changed)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._client is not None:
+            await asyncio.to_thread(self._client.close)

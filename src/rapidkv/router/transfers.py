@@ -1,0 +1,57 @@
+"""Whether each decode instance's transfers work: a pair can be up (both
+answer ``/health``) and still never transfer (every TransferKV failing, D
+recomputing every prompt). The router reads each decode instance's connector
+counters over the control plane every `transfer_check_interval_s`
+(`Router._watch_transfers`) and feeds them here.
+
+`TransferWatch` is pure bookkeeping (no I/O, no clock). Per decode instance it
+keeps the last cumulative counters (`transfer_kv_sent`, `recompute_fallbacks`)
+and a state:
+
+- ``unknown``: not read yet, unreadable, or no TransferKV since it was read;
+- ``ok``: since the previous reading some TransferKV was sent and fewer fell
+  back to recompute than were sent;
+- ``degraded``: since the previous reading TransferKVs were sent and every one
+  fell back to recompute.
+
+Invariants: a state changes only on a reading that shows TransferKVs sent (an
+idle instance keeps its state); counters that went down (the instance
+restarted) start over from that reading, as does an unreadable one.
+"""
+
+from __future__ import annotations
+
+STATES = ("unknown", "ok", "degraded")
+
+
+class TransferWatch:
+    """Transfer state of `n` decode instances (indices ``0..n-1``)."""
+
+    def __init__(self, n: int) -> None:
+        self._last: dict[int, tuple[float, float]] = {}
+        self._state = ["unknown"] * n
+
+    def observe(self, i: int, counters: dict[str, float] | None) -> str | None:
+        """A reading of instance `i`'s counters (None: it could not be read);
+        returns the new state if it changed."""
+        if counters is None:
+            self._last.pop(i, None)
+            return self._set(i, "unknown")
+        now = (counters.get("transfer_kv_sent", 0.0), counters.get("recompute_fallbacks", 0.0))
+        last = self._last.get(i)
+        self._last[i] = now
+        if last is None or now[0] < last[0] or now[1] < last[1]:
+            return None  # a first reading, or a restarted instance: nothing to compare
+        sent, fell_back = now[0] - last[0], now[1] - last[1]
+        if sent <= 0:
+            return None
+        return self._set(i, "degraded" if fell_back >= sent else "ok")
+
+    def state(self, i: int) -> str:
+        return self._state[i]
+
+    def _set(self, i: int, state: str) -> str | None:
+        if self._state[i] == state:
+            return None
+        self._state[i] = state
+        return state

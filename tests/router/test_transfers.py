@@ -1,0 +1,54 @@
+"""`TransferWatch`: a decode instance whose TransferKVs all fall back is degraded."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from rapidkv.router.transfers import STATES, TransferWatch
+
+pytestmark = pytest.mark.unit
+
+
+def reading(sent: float, fell_back: float) -> dict[str, float]:
+    return {"transfer_kv_sent": sent, "recompute_fallbacks": fell_back}
+
+
+def test_every_transfer_falling_back_is_degraded_and_one_success_is_ok() -> None:
+    watch = TransferWatch(2)
+    assert watch.observe(0, reading(10, 0)) is None  # a first reading compares nothing
+    assert watch.state(0) == "unknown"
+    assert watch.observe(0, reading(14, 4)) == "degraded"
+    assert watch.observe(0, reading(14, 4)) is None  # idle: the state stays
+    assert watch.state(0) == "degraded"
+    assert watch.observe(0, reading(20, 9)) == "ok"  # one of six crossed
+    assert watch.state(1) == "unknown"
+
+
+def test_a_restart_or_an_unreadable_instance_starts_over() -> None:
+    watch = TransferWatch(1)
+    watch.observe(0, reading(10, 0))
+    assert watch.observe(0, reading(12, 2)) == "degraded"
+    assert watch.observe(0, reading(1, 1)) is None  # counters went down: restarted
+    assert watch.state(0) == "degraded"
+    assert watch.observe(0, reading(3, 1)) == "ok"
+    assert watch.observe(0, None) == "unknown"
+    assert watch.observe(0, reading(5, 5)) is None
+
+
+@given(st.lists(st.one_of(st.none(), st.tuples(st.integers(0, 50), st.integers(0, 50)))))
+def test_the_state_follows_the_latest_window_with_transfers(readings: list) -> None:
+    watch = TransferWatch(1)
+    last = None
+    expected = "unknown"
+    for r in readings:
+        watch.observe(0, None if r is None else reading(*r))
+        if r is None:
+            expected, last = "unknown", None
+            continue
+        if last is not None and r[0] >= last[0] and r[1] >= last[1] and r[0] > last[0]:
+            expected = "degraded" if r[1] - last[1] >= r[0] - last[0] else "ok"
+        last = r
+        assert watch.state(0) in STATES
+    assert watch.state(0) == expected
