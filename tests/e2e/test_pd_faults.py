@@ -16,10 +16,11 @@ from pd_harness import (
     MAX_TOKENS,
     Pair,
     assert_back_to_baseline,
+    connector_config,
     wait_for,
 )
 
-from rapidkv.harness import VLLMServer, random_prompts, wait_until
+from rapidkv.harness import VLLMServer, free_port, random_prompts, wait_until
 from rapidkv.harness.client import complete_full, get_metrics, metric_sum, open_request
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -251,3 +252,37 @@ def test_a_client_that_leaves_at_any_phase_leaves_nothing_behind(
     if when != "sent":  # P was asked: its connector was told (by the router, and
         # by D too when D's request was waiting for the KV)
         assert pd_pair.since(before, "p", "aborts_client_abort") >= 1
+
+
+# last of the pair's tests: P's control plane moves for the rest of the session
+def test_p_restarted_with_its_control_plane_elsewhere_is_followed(
+    pd_pair: Pair, workloads: dict
+) -> None:
+    """P comes back on its HTTP address with its control plane on another port,
+    before the router saw it down: the first request's D asks the old address
+    and recomputes (the client sees nothing); P's answer names the new address,
+    and the next request crosses with a real transfer."""
+    from rapidkv.router.config import Instance, RouterConfig
+    from rapidkv.router.server import start_router
+
+    prompts, expected = workloads["moved-p"]
+    config = RouterConfig(
+        prefill=(Instance(pd_pair.p.base_url, None),),
+        decode=(Instance(pd_pair.d.base_url, pd_pair.d_control),),
+        port=0,
+        split_prefill=False,
+    )
+    with start_router(config) as router:
+        served_with_transfer(pd_pair, router.url, prompts[0], expected[0])
+        pd_pair.p.stop(grace=0)
+        port = free_port()
+        pd_pair.p.spec = pd_pair.p.spec.replace(kv_transfer_config=connector_config(port))
+        pd_pair.p.launch()
+        pd_pair.p.wait_ready()
+        pd_pair.p_control = f"127.0.0.1:{port}"
+        healthy = time.monotonic()
+        d0 = pd_pair.stats("d")
+        assert complete_full(router.url, prompts[1], MAX_TOKENS).token_ids == expected[1]
+        assert pd_pair.since({"d": d0}, "d", "recompute_fallbacks") == 1
+        served_with_transfer(pd_pair, router.url, prompts[2], expected[2])
+        assert time.monotonic() - healthy < 5.0

@@ -84,6 +84,9 @@ class FakeVLLM:
         self.name = name
         self.role = role
         self.healthy = True
+        # the control address a connector would report in its full answers'
+        # kv_transfer_params (None: no connector, as plain vLLM)
+        self.control: str | None = None
         self.seen: list[Seen] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._gate: asyncio.Event | None = None
@@ -198,7 +201,12 @@ class FakeVLLM:
         if events is not None:
             await self._answer(seen, send, 200, "text/event-stream", events)
         else:
-            answer = json.dumps(_full(seen, chat, self.name)).encode()
+            full = _full(seen, chat, self.name)
+            if self.control is not None:
+                full["kv_transfer_params"] = {
+                    "rapidkv": {"control": self.control, "instance_id": self.name, "block_size": 4}
+                }
+            answer = json.dumps(full).encode()
             await self._answer(seen, send, 200, "application/json", [answer])
 
     async def _tokenize(self, seen: Seen, send: Any) -> None:

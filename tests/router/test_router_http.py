@@ -656,6 +656,26 @@ def test_a_decode_whose_every_transfer_falls_back_shows_as_degraded(
         stats.server.stop()
 
 
+def test_a_prefill_that_answers_from_another_control_address_is_followed(
+    pd: tuple[FakeVLLM, FakeVLLM], make_router: MakeRouter, http: httpx.Client
+) -> None:
+    """P restarted with its control plane elsewhere: its next answer says so,
+    and the requests after it send D there."""
+    p, d = pd
+    p.control = "127.0.0.1:7001"
+    router = make_router([p], [d], discover=True, split_prefill=False)
+
+    def prefill_control_d_got() -> str:
+        resp = http.post(f"{router.url}/v1/completions", json=COMPLETION)
+        assert resp.status_code == 200
+        return d.requests()[-1].kv_transfer_params["rapidkv"]["prefill_control"]
+
+    assert prefill_control_d_got() == "127.0.0.1:7001"
+    p.control = "127.0.0.1:7002"
+    assert prefill_control_d_got() == "127.0.0.1:7001"  # D was asked with P, at once
+    wait_until(lambda: prefill_control_d_got() == "127.0.0.1:7002", 5, what="the new address")
+
+
 def test_models_come_from_the_first_decode_that_answers(
     make_fake: MakeFake, make_router: MakeRouter, http: httpx.Client
 ) -> None:

@@ -367,14 +367,7 @@ class SchedulerSide:
         if is_discovery(request.kv_transfer_params):
             # a router asks where our control plane listens (the answer goes out
             # in the response's kv_transfer_params)
-            return False, {
-                "rapidkv": {
-                    "control": self.server.address,
-                    "instance_id": self.instance_id,
-                    "incarnation": self.incarnation,
-                    "block_size": self.block_size,
-                }
-            }
+            return False, self.identity()
         self._requests.pop(req_id, None)
         with self._lock:
             c = self._consumed.pop(req_id, None)
@@ -394,7 +387,20 @@ class SchedulerSide:
             if request.status.name == "FINISHED_ABORTED":
                 self._abort_produced(p, "request aborted on P")
             self._maybe_release(p)
-        return True, None
+        # who computed it: a router that knew another control address re-learns it
+        return True, self.identity()
+
+    def identity(self) -> dict[str, Any]:
+        """What a router learns from our answers (`kv_transfer_params`): where
+        our control plane listens, who we are, our block size."""
+        return {
+            "rapidkv": {
+                "control": self.server.address,
+                "instance_id": self.instance_id,
+                "incarnation": self.incarnation,
+                "block_size": self.block_size,
+            }
+        }
 
     def update_output(
         self,

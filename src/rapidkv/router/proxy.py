@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import time
 from collections.abc import Coroutine
@@ -70,7 +71,12 @@ from rapidkv.control.messages import AbortReason
 from rapidkv.router.aborts import ControlAborter
 from rapidkv.router.balance import LeastOutstanding
 from rapidkv.router.config import Instance, RouterConfig
-from rapidkv.router.discovery import DiscoveryError, discover_control
+from rapidkv.router.discovery import (
+    DiscoveryError,
+    block_size_from_answer,
+    control_from_answer,
+    discover_control,
+)
 from rapidkv.router.health import InstanceHealth
 from rapidkv.router.metrics import RouterMetrics
 from rapidkv.router.rewrite import (
@@ -180,7 +186,7 @@ class Router:
         self._background: set[asyncio.Task[Any]] = set()
         # prefill URL -> its control address, once discovered (see `discovery`)
         # (probe, started)
-        self._discovery: dict[str, tuple[asyncio.Task[tuple[str, int | None]], float]] = {}
+        self._discovery: dict[str, tuple[asyncio.Future[tuple[str, int | None]], float]] = {}
         self._announced: set[str] = set()
 
     # ------------------------------------------------------------------ lifecycle
@@ -197,7 +203,7 @@ class Router:
             if inst.control is None:
                 self._discovery_task(inst)
 
-    def _discovery_task(self, inst: Instance) -> asyncio.Task[tuple[str, int | None]]:
+    def _discovery_task(self, inst: Instance) -> asyncio.Future[tuple[str, int | None]]:
         """The probe of `inst` (a new one if the last failed over DISCOVERY_RETRY_S ago)."""
         entry = self._discovery.get(inst.url)
         if entry is not None:
@@ -239,6 +245,33 @@ class Router:
                 block_size,
             )
         return dataclasses.replace(inst, control=inst.control or control, block_size=block_size)
+
+    def _learn_control(self, inst: Instance, data: bytes) -> None:
+        """P's answer names the control address its connector listens on: if
+        it is not the one discovered (P restarted elsewhere), later requests use
+        the new one. `inst` is as configured: a configured address is kept."""
+        if inst.control is not None or not self.config.discover:
+            return
+        entry = self._discovery.get(inst.url)
+        known = entry[0] if entry is not None else None
+        if known is None or not known.done() or known.cancelled() or known.exception():
+            return  # being discovered, or not at all: that answer comes first
+        try:
+            answer = json.loads(data)
+            control = control_from_answer(inst, answer)
+        except (ValueError, DiscoveryError):
+            return  # no connector, or not ours: nothing to learn
+        if control == known.result()[0]:
+            return
+        log.warning(
+            "prefill %s: control plane now at %s, not %s (restarted?)",
+            inst.url,
+            control,
+            known.result()[0],
+        )
+        learnt: asyncio.Future[tuple[str, int | None]] = asyncio.get_running_loop().create_future()
+        learnt.set_result((control, block_size_from_answer(answer)))
+        self._discovery[inst.url] = (learnt, time.monotonic())
 
     async def close(self) -> None:
         """Cancel background prefill requests, close the HTTP and RPC clients."""
@@ -474,6 +507,8 @@ class Router:
                 detail = f"HTTP {resp.status}: {data[:500]!r}"
                 self._upstream_error("prefill", inst, "status", ex, detail)
                 return False
+            if data:
+                self._learn_control(self._instances["prefill"][index], data)
             log.debug(
                 "xfer %s: prefill on %s answered %d after %.3fs",
                 ex.xfer_id,
