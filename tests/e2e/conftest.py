@@ -66,6 +66,8 @@ def workloads(tiny_model: Path, single_server_starter) -> dict[str, tuple[list, 
     for name, lengths, seed, max_tokens in SMALL_P_WORKLOADS:
         prompts = random_prompts(tiny_model, lengths, seed=seed)
         out[name] = (prompts, complete_many(single.base_url, prompts, max_tokens))
+    again = random_prompts(tiny_model, [330], seed=2211)
+    out["router-restart"] = (again, complete_many(single.base_url, again, MAX_TOKENS))
     moved = random_prompts(tiny_model, [350, 420, 380], seed=2210)
     out["moved-p"] = (moved, complete_many(single.base_url, moved, MAX_TOKENS))
     for seed, side in enumerate("pd"):

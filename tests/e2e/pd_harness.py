@@ -205,9 +205,11 @@ def wait_for(cond, timeout: float) -> bool:
     return cond()
 
 
-def assert_back_to_baseline(pair: Pair, before: dict[str, dict[str, float]]) -> None:
-    """Within 2 s: vLLM's free blocks as before, nothing parked, held or awaited,
-    no request running or waiting, on P and on D."""
+def assert_back_to_baseline(
+    pair: Pair, before: dict[str, dict[str, float]], within: float = 2.0
+) -> None:
+    """Within `within` s: vLLM's free blocks as before, nothing parked, held or
+    awaited, no request running or waiting, on P and on D."""
     for w, server in (("p", pair.p), ("d", pair.d)):
 
         def settled(w=w, server=server) -> bool:
@@ -220,4 +222,4 @@ def assert_back_to_baseline(pair: Pair, before: dict[str, dict[str, float]]) -> 
                 and engine_idle(server)
             )
 
-        assert wait_for(settled, 2.0), f"{w} did not return to its baseline: {pair.stats(w)}"
+        assert wait_for(settled, within), f"{w} did not return to its baseline: {pair.stats(w)}"

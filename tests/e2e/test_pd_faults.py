@@ -5,7 +5,9 @@ leaves nothing behind."""
 
 from __future__ import annotations
 
+import os
 import socket
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,7 +22,7 @@ from pd_harness import (
     wait_for,
 )
 
-from rapidkv.harness import VLLMServer, free_port, random_prompts, wait_until
+from rapidkv.harness import ManagedProcess, VLLMServer, free_port, random_prompts, wait_until
 from rapidkv.harness.client import complete_full, get_metrics, metric_sum, open_request
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -252,6 +254,57 @@ def test_a_client_that_leaves_at_any_phase_leaves_nothing_behind(
     if when != "sent":  # P was asked: its connector was told (by the router, and
         # by D too when D's request was waiting for the KV)
         assert pd_pair.since(before, "p", "aborts_client_abort") >= 1
+
+
+def router_process(pair: Pair, port: int, log_dir: Path) -> ManagedProcess:
+    """`rapidkv router` in its own process (so that it can be killed), healthy."""
+    argv = [
+        sys.executable, "-m", "rapidkv", "router",
+        "--prefill", f"{pair.p.base_url}={pair.p_control}",
+        "--decode", f"{pair.d.base_url}={pair.d_control}",
+        "--port", str(port), "--no-split-prefill",
+    ]  # fmt: skip
+    proc = ManagedProcess(argv, dict(os.environ), log_dir / f"router-{port}.log", name="router")
+    url = f"http://127.0.0.1:{port}"
+    wait_until(lambda: router_healthy(url), 30, what="the router to start")
+    return proc
+
+
+def router_healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_a_router_killed_while_requests_run_leaves_nothing_and_a_new_one_serves(
+    pd_pair: Pair, workloads: dict, tiny_model: Path, harness_log_dir: Path
+) -> None:
+    """Requests in flight when the router dies get a broken connection (the
+    client's clear signal); vLLM aborts their P and D parts, whose connectors
+    free everything within 3 s; a router started again on the same port serves
+    with a real transfer."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    long = random_prompts(tiny_model, [900, 800, 700, 600], seed=2400)
+    before = {"p": pd_pair.stats("p"), "d": pd_pair.stats("d")}
+    router = router_process(pd_pair, port, harness_log_dir)
+    try:
+        with ThreadPoolExecutor(len(long)) as pool:
+            inflight = [pool.submit(complete_full, url, ids, 200, ignore_eos=True) for ids in long]
+            wait_until(
+                lambda: engine_gauge(pd_pair.d, "num_requests_running") >= 1, 30, what="D busy"
+            )
+            router.stop(grace=0)
+            for f in inflight:
+                with pytest.raises(httpx.TransportError):
+                    f.result(30)
+        assert_back_to_baseline(pd_pair, before, within=3.0)
+        router = router_process(pd_pair, port, harness_log_dir)
+        prompts, expected = workloads["router-restart"]
+        served_with_transfer(pd_pair, url, prompts[0], expected[0])
+    finally:
+        router.stop(grace=0)
 
 
 # last of the pair's tests: P's control plane moves for the rest of the session
