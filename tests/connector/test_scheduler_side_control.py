@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from rapidkv.connector.config import ConnectorConfig
-from rapidkv.connector.metadata import RankInfo
+from rapidkv.connector.metadata import RankInfo, WorkerMeta
 from rapidkv.connector.scheduler_side import SchedulerSide
 from rapidkv.control.client import RpcClient
 from rapidkv.control.codes import Code
@@ -148,3 +148,23 @@ def test_a_duplicate_transfer_kv_gets_the_first_ones_answer_and_changes_nothing(
     s = stats(side, client)
     assert s["duplicate_transfer_kv"] == 1
     assert s["park_expired"] == 1 and s["parked"] == 1 and s["parked_now"] == 0
+
+
+def test_a_destination_whose_writes_failed_is_forgotten_and_handshakes_anew(
+    p_side: tuple[SchedulerSide, RpcClient],
+) -> None:
+    """A worker reports the transport failed writes to D: P forgets D (unless a
+    newer handshake of it came since) and D's next TransferKV is UNKNOWN_PEER,
+    so D handshakes again and P connects to it anew."""
+    side, client = p_side
+    address = side.server.address
+    assert client.call(address, handshake(side, "D", "a", "127.0.0.1:7001"), 5).code == Code.OK
+    generation = int(stats(side, client)["peers_added"])
+    side.update_output(WorkerMeta(broken_peers=[("D", generation - 1)]), None)  # stale
+    assert stats(side, client).get("peers_forgotten", 0) == 0
+    side.update_output(WorkerMeta(broken_peers=[("D", generation)]), None)
+    assert stats(side, client)["peers_forgotten"] == 1
+    assert client.call(address, transfer("x1"), 5).code == Code.UNKNOWN_PEER
+    assert client.call(address, handshake(side, "D", "a", "127.0.0.1:7001"), 5).code == Code.OK
+    s = stats(side, client)
+    assert s["peers_decode"] == 1 and s["peers_added"] == generation + 1

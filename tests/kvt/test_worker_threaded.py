@@ -273,3 +273,45 @@ def test_only_the_owner_thread_runs_real_time() -> None:
         assert os.sched_getscheduler(0) == os.SCHED_OTHER
     finally:
         worker.close()
+
+
+def test_a_write_the_transport_fails_names_its_peer_and_a_new_one_connects() -> None:
+    """The destination goes away: the write to it fails, the transfer settles
+    failed, and `on_peer_failed` names the peer (the connector then has it
+    handshake anew); removing it and adding its new process connects again."""
+    src_mem, src_layout = kv_memory(fill=True)
+    _, dst_layout = kv_memory(fill=False)
+    failed: list[tuple[str, str]] = []
+    done: list[SendDone] = []
+    src = KvtWorker(
+        create_transport("tcp", "src"),
+        src_layout,
+        rank=0,
+        block_size=BLOCK,
+        on_send_done=done.append,
+        on_peer_failed=lambda peer, why: failed.append((peer, why)),
+        write_timeout_s=5.0,
+    )
+    dst = KvtWorker(create_transport("tcp", "dst"), dst_layout, rank=0, block_size=BLOCK)
+    again_mem, again_layout = kv_memory(fill=False)
+    again = None
+    try:
+        peer = src.add_peer(dst.metadata, dst_layout)
+        dst.close()
+        src.send_full([Task("lost", peer, (3,), (10,), 0, BLOCK, True)])
+        wait_for(lambda: bool(failed) and bool(done), 10, "the write to fail")
+        assert failed[0][0] == peer
+        assert [(d.xfer_id, d.ok) for d in done] == [("lost", False)]
+
+        again = KvtWorker(create_transport("tcp", "dst"), again_layout, rank=0, block_size=BLOCK)
+        src.remove_peer(peer)
+        assert src.add_peer(again.metadata, again_layout) == peer
+        src.send_full([Task("found", peer, (3,), (10,), 0, BLOCK, True)])
+        wait_for(lambda: len(done) == 2, 10, "the new destination to be written")
+        assert done[1].xfer_id == "found" and done[1].ok
+        assert torch.equal(again_mem[:, [10]], src_mem[:, [3]])
+        assert len(failed) == 1
+    finally:
+        src.close()
+        if again is not None:
+            again.close()

@@ -80,10 +80,17 @@ class WorkerMeta(KVConnectorWorkerMetadata):
     acks: list[tuple[int, int, int]] = field(default_factory=list)  # (step, ack, rank)
     settled: list[SendDone] = field(default_factory=list)  # transfers settled as source
     counters: dict[str, int] = field(default_factory=dict)  # increments, summed over ranks
+    # destinations whose writes the transport failed: (instance_id, generation)
+    broken_peers: list[tuple[str, int]] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, WorkerMeta)
         counters = dict(self.counters)
         for k, v in other.counters.items():
             counters[k] = counters.get(k, 0) + v
-        return WorkerMeta(self.acks + other.acks, self.settled + other.settled, counters)
+        return WorkerMeta(
+            self.acks + other.acks,
+            self.settled + other.settled,
+            counters,
+            self.broken_peers + other.broken_peers,
+        )

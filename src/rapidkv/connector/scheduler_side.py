@@ -426,6 +426,10 @@ class SchedulerSide:
                     self._event(c.xfer_id, "d_kv_received")
             if meta is not None:
                 self.counters.update(meta.counters)
+                for instance_id, generation in meta.broken_peers:
+                    known = self._peers.get(instance_id)
+                    if known is not None and known.generation == generation:
+                        self._forget_peer(instance_id, "writes to it failed")
             for s in meta.settled if meta is not None else ():
                 p = self._produced.get(s.xfer_id)
                 if p is None:

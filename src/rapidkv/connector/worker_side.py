@@ -85,6 +85,8 @@ class WorkerSide:
         self._split_done: OrderedDict[str, None] = OrderedDict()  # drop their SendDones
         self._load_errors: set[int] = set()
         self._counters: Counter[str] = Counter()
+        # destinations whose writes failed (-> the generation then), not yet reported
+        self._broken: dict[str, int] = {}
         # layer-by-layer evidence: when this step began, had step tasks, and when
         # its first per-layer write was handed to the transport
         self._step_began = 0.0
@@ -116,6 +118,7 @@ class WorkerSide:
             block_size=self.block_size,
             on_send_done=self._on_send_done,
             on_posted=self._on_posted,
+            on_peer_failed=self._on_peer_failed,
             write_timeout_s=self.config.write_timeout_s,
             hugepages=self.config.hugepages,
             bandwidth_cap_bps=self.config.bandwidth_cap_gbps * 1e9,
@@ -311,9 +314,12 @@ class WorkerSide:
 
     def worker_meta(self) -> WorkerMeta:
         with self._lock:
-            meta = WorkerMeta(self._acks, self._settled, dict(self._counters))
+            meta = WorkerMeta(
+                self._acks, self._settled, dict(self._counters), list(self._broken.items())
+            )
             self._acks, self._settled = [], []
             self._counters.clear()
+            self._broken.clear()
         return meta
 
     def close(self) -> None:
@@ -416,6 +422,25 @@ class WorkerSide:
             self._counters["bytes_sent"] += nbytes
             if kind == "layer" and t_event >= self._step_began and self._first_layer_post is None:
                 self._first_layer_post = t_post
+
+    def _on_peer_failed(self, peer: str, why: str) -> None:  # kvt owner thread
+        """The transport failed a write to `peer`: the scheduler side forgets
+        that destination, so its next TransferKV makes it handshake anew (and
+        this rank connect again) instead of failing for ever."""
+        instance_id = peer.removesuffix(f".r{self.rank}")
+        with self._peers_lock:
+            generation = self._peers.get(instance_id)
+        if generation is None:
+            return  # already dropped
+        with self._lock:
+            if self._broken.get(instance_id) != generation:
+                log.warning(
+                    "rapidkv worker rank %d: writes to %s fail (%s); it will handshake anew",
+                    self.rank,
+                    instance_id,
+                    why,
+                )
+            self._broken[instance_id] = generation
 
     def _on_send_done(self, done: SendDone) -> None:  # kvt owner thread
         with self._lock:

@@ -153,6 +153,7 @@ class KvtWorker:
         on_send_done: Callable[[SendDone], None] | None = None,
         write_timeout_s: float = 10.0,
         on_posted: PostedHook | None = None,
+        on_peer_failed: Callable[[str, str], None] | None = None,
         realtime: bool = True,
         hugepages: bool = True,
         bandwidth_cap_bps: float = 0.0,
@@ -163,6 +164,9 @@ class KvtWorker:
         self.write_timeout_s = write_timeout_s
         self.on_send_done = on_send_done
         self.on_posted = on_posted
+        # (peer, why), on the owner thread, when the transport fails a write to
+        # it (posting refused, ERROR, or pending past write_timeout_s)
+        self.on_peer_failed = on_peer_failed
         self.realtime = realtime
         self.bandwidth_cap_bps = bandwidth_cap_bps
         self._link_free_at = 0.0
@@ -440,6 +444,7 @@ class KvtWorker:
             peer_layout = self._peers.get(peer)
             if peer_layout is None:
                 self._fail_pieces(group, f"unknown peer {peer}")
+                self._peer_failed(peer, "unknown peer")
                 continue
             descs = np.concatenate(
                 [
@@ -461,6 +466,7 @@ class KvtWorker:
             except Exception as e:
                 log.warning("kvt rank %d: post to %s failed: %s", self.rank, peer, e)
                 self._fail_pieces(group, f"post failed: {e}")
+                self._peer_failed(peer, f"post failed: {e}")
                 continue
             nbytes = int(descs[:, 2].sum())
             self.stats.writes_posted += 1
@@ -478,6 +484,10 @@ class KvtWorker:
                 self._tracker.posted(write_id, write.pieces)
             if self.on_posted is not None:
                 self.on_posted(job.kind, job.t_event, t_post, nbytes)
+
+    def _peer_failed(self, peer: str, why: str) -> None:
+        if self.on_peer_failed is not None:
+            self.on_peer_failed(peer, why)
 
     def _fail_pieces(self, group: list[tuple[Tracked, int, int]], reason: str) -> None:
         with self._lock:
@@ -505,6 +515,7 @@ class KvtWorker:
             if not ok:
                 self.stats.writes_failed += 1
                 log.warning("kvt rank %d: write to %s %s", self.rank, write.peer, error)
+                self._peer_failed(write.peer, f"write {error}")
             self.transport.release(write.handle)
             with self._lock:
                 dones = self._tracker.settled(write_id, ok, error)
