@@ -21,7 +21,7 @@ from pd_harness import (
 )
 
 from rapidkv.connector.config import kv_transfer_config
-from rapidkv.harness import ServerPool, free_port, random_prompts
+from rapidkv.harness import ServerPool, ServerSpec, free_port, random_prompts
 from rapidkv.harness.client import (
     complete_full,
     complete_many,
@@ -30,14 +30,27 @@ from rapidkv.harness.server import pd_specs
 
 
 @pytest.fixture(scope="session")
-def pd_pair(server_pool: ServerPool, tiny_model: Path, workloads: dict) -> Pair:
-    """The P/D pair (after the reference outputs exist: at most 2 servers run)."""
+def pd_pair_specs(tiny_model: Path) -> tuple[list[ServerSpec], tuple[str, str]]:
+    """The shared pair's specs, with fixed ports (an instance restarted by a
+    test keeps its address), and its control addresses."""
     pc, dc = free_port(), free_port()
     chunked = ("--max-num-batched-tokens", "256")
     specs = pd_specs(tiny_model, connector_config(pc), connector_config(dc), chunked)
-    # fixed ports: an instance restarted by a test keeps its address
-    p, d = server_pool.get("pd", [s.replace(port=free_port()) for s in specs])
-    return Pair(tiny_model, p, d, f"127.0.0.1:{pc}", f"127.0.0.1:{dc}")
+    return [s.replace(port=free_port()) for s in specs], (f"127.0.0.1:{pc}", f"127.0.0.1:{dc}")
+
+
+@pytest.fixture
+def pd_pair(
+    server_pool: ServerPool,
+    tiny_model: Path,
+    workloads: dict,
+    pd_pair_specs: tuple[list[ServerSpec], tuple[str, str]],
+) -> Pair:
+    """The P/D pair (after the reference outputs exist: at most 2 servers run),
+    started again if another group took its cores since the last test."""
+    specs, (p_control, d_control) = pd_pair_specs
+    p, d = server_pool.get("pd", specs)
+    return Pair(tiny_model, p, d, p_control, d_control)
 
 
 @pytest.fixture(scope="session")

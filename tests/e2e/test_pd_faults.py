@@ -5,6 +5,7 @@ leaves nothing behind."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -22,7 +23,14 @@ from pd_harness import (
     wait_for,
 )
 
-from rapidkv.harness import ManagedProcess, VLLMServer, free_port, random_prompts, wait_until
+from rapidkv.harness import (
+    ManagedProcess,
+    ServerPool,
+    VLLMServer,
+    free_port,
+    random_prompts,
+    wait_until,
+)
 from rapidkv.harness.client import complete_full, get_metrics, metric_sum, open_request
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -307,9 +315,8 @@ def test_a_router_killed_while_requests_run_leaves_nothing_and_a_new_one_serves(
         router.stop(grace=0)
 
 
-# last of the pair's tests: P's control plane moves for the rest of the session
 def test_p_restarted_with_its_control_plane_elsewhere_is_followed(
-    pd_pair: Pair, workloads: dict
+    pd_pair: Pair, workloads: dict, server_pool: ServerPool
 ) -> None:
     """P comes back on its HTTP address with its control plane on another port,
     before the router saw it down: the first request's D asks the old address
@@ -325,7 +332,9 @@ def test_p_restarted_with_its_control_plane_elsewhere_is_followed(
         port=0,
         split_prefill=False,
     )
-    with start_router(config) as router:
+    with start_router(config) as router, contextlib.ExitStack() as undo:
+        # the pair as configured again for whoever needs it next
+        undo.callback(server_pool.stop, "pd")
         served_with_transfer(pd_pair, router.url, prompts[0], expected[0])
         pd_pair.p.stop(grace=0)
         port = free_port()

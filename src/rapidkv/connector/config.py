@@ -27,6 +27,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     park_ttl_s: float = 10.0  # a TransferKV waits this long for its request on P
     finished_ttl_s: float = 30.0  # P holds a finished request's blocks this long
     rpc_timeout_s: float = 30.0  # D's wait for a TransferKV reply
+    # D: how long blocks P may still write into stay held while P does not
+    # confirm an Abort of their transfer (frozen, cut off); see _abort_p
+    fence_timeout_s: float = 300.0
     tombstone_ttl_s: float = 60.0
     max_parked: int = 1024
     # P: TransferKVs one D may have outstanding here (accepted and not settled,

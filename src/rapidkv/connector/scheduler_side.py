@@ -656,20 +656,23 @@ class SchedulerSide:
 
         def failed(why: str, answered: bool = True) -> None:
             """`answered`: P said the transfer is over (or never reached P), so
-            no write of it can land; else (the RPC failed) a split prefill's
-            workers stop waiting only once P answered an Abort or cannot be
-            reached."""
+            no write of it can land; else (the RPC failed: P died, froze or was
+            cut off) D recomputes, and a split prefill's workers stop waiting,
+            only once P confirmed an Abort (`_abort_p`: the write fence)."""
             log.warning(
                 "rapidkv %s: transfer %s fails (%s); D recomputes", self.instance_id, c.xfer_id, why
             )
             with self._lock:
                 self.counters["recompute_fallbacks"] += 1
-                if not c.split:
-                    self._pending.recv_failed.append(c.req_id)
-                elif answered:
-                    self._split_over(c.xfer_id, ok=False)
-                else:
+                if answered:
+                    if c.split:
+                        self._split_over(c.xfer_id, ok=False)
+                    else:
+                        self._pending.recv_failed.append(c.req_id)
+                elif c.split:
                     self._abort_p(c, AbortReason.TIMEOUT, split_failed=True)
+                else:  # P may still be writing: recompute once it confirmed the abort
+                    self._abort_p(c, AbortReason.TIMEOUT, report=True)
 
         deadline = time.monotonic() + self.config.rpc_timeout_s
         backoff = [0.05]
@@ -745,24 +748,76 @@ class SchedulerSide:
         report: bool = False,
         split_failed: bool = False,
     ) -> None:
-        """Send P an Abort of `c`'s transfer; once it is answered (or failed):
-        report the request failed (`report`), end its split load as failed
-        (`split_failed`: no write can land any more)."""
+        """Send P an Abort of `c`'s transfer; once P confirmed that no more of
+        its writes can land: report the request failed (`report`: vLLM then
+        frees or recomputes its blocks), end its split load as failed
+        (`split_failed`).
 
-        def done(fut: Any = None) -> None:
+        The fence: only an answer OK / GONE / NOT_FOUND confirms (`AbortReply`),
+        or a refused connection (no process listens at P's control address any
+        more). Anything else (BUSY, an error, no answer: P frozen or cut off) is
+        asked again with backoff while the blocks stay held, for up to
+        `fence_timeout_s`; then the blocks are given up with an error logged."""
+        deadline = time.monotonic() + self.config.fence_timeout_s
+        backoff = [0.1]
+
+        def over() -> None:
             with self._lock:
                 if report:
                     self._pending.recv_failed.append(c.req_id)
                 if split_failed:
                     self._split_over(c.xfer_id, ok=False)
 
-        if not c.prefill_control:
-            done()
-            return
+        def send() -> None:
+            assert c.prefill_control is not None
+            abort = Abort(xfer_id=c.xfer_id, reason=reason)
+            self.client.submit(
+                c.prefill_control, abort, self.config.rpc_timeout_s
+            ).add_done_callback(answered)
 
-        self.client.submit(
-            c.prefill_control, Abort(xfer_id=c.xfer_id, reason=reason), self.config.rpc_timeout_s
-        ).add_done_callback(done)
+        def answered(fut: Any) -> None:
+            try:
+                reply = fut.result()
+                confirmed = reply.code in (Code.OK, Code.GONE, Code.NOT_FOUND)
+                why = f"{reply.code.name}: {reply.message}"
+            except ConnectionRefusedError:
+                confirmed, why = True, "refused"
+            except Exception as e:
+                confirmed, why = False, f"{type(e).__name__}: {e}"
+            if confirmed or not (report or split_failed):
+                over()
+                return
+            with self._lock:
+                self.counters["abort_retries"] += 1
+            if time.monotonic() + backoff[0] > deadline:
+                log.error(
+                    "rapidkv %s: %s never confirmed the abort of %s (%s) within %gs; "
+                    "its blocks are given up and a late write of it could land in them",
+                    self.instance_id,
+                    c.prefill_control,
+                    c.xfer_id,
+                    why,
+                    self.config.fence_timeout_s,
+                )
+                with self._lock:
+                    self.counters["abort_fence_gave_up"] += 1
+                over()
+                return
+            log.warning(
+                "rapidkv %s: abort of %s unconfirmed (%s); holding its blocks, asking again",
+                self.instance_id,
+                c.xfer_id,
+                why,
+            )
+            timer = threading.Timer(backoff[0], send)
+            timer.daemon = True
+            timer.start()
+            backoff[0] = min(backoff[0] * 2, 2.0)
+
+        if not c.prefill_control:
+            over()
+            return
+        send()
 
     # -- P side: the control-plane handler (RPC loop thread) ----------------------
 
@@ -772,7 +827,7 @@ class SchedulerSide:
         if isinstance(msg, Handshake):
             return self._on_handshake(msg)
         if isinstance(msg, Abort):
-            return self._on_abort(msg)
+            return await self._on_abort(msg)
         if isinstance(msg, StatsRequest):
             return Stats(counters=self.stats())
         if isinstance(msg, TimelineRequest):
@@ -934,7 +989,11 @@ class SchedulerSide:
             self._parked[msg.xfer_id] = _Parked(msg, reply)
         return None
 
-    def _on_abort(self, msg: Abort) -> AbortReply:
+    async def _on_abort(self, msg: Abort) -> AbortReply:
+        """Stop the transfer; answer once no more of its writes can land (its
+        sends in flight settled), or BUSY if that is not confirmed within
+        `write_timeout_s` (the sender keeps its blocks and asks again)."""
+        in_flight: asyncio.Future | None = None
         with self._lock:
             self.counters[f"aborts_{msg.reason.value}"] += 1
             parked = self._parked.pop(msg.xfer_id, None)
@@ -944,9 +1003,19 @@ class SchedulerSide:
                 )
             p = self._produced.get(msg.xfer_id)
             if p is not None and not p.released:
+                if p.issued and len(p.settled_ranks) < self.tp_size and p.reply is not None:
+                    in_flight = p.reply.future  # resolved when every rank settled
                 self._abort_produced(p, f"aborted by peer: {msg.reason.value}")
                 self._maybe_release(p)
             self._tombstone(msg.xfer_id)
+        if in_flight is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(in_flight), self.config.write_timeout_s)
+            except TimeoutError:
+                self.counters["aborts_unconfirmed"] += 1
+                return AbortReply(
+                    xfer_id=msg.xfer_id, code=Code.BUSY, message="writes of it may still land"
+                )
         return AbortReply(xfer_id=msg.xfer_id, code=Code.OK)
 
     # -- observability ------------------------------------------------------------
