@@ -12,16 +12,23 @@ import pytest
 
 from rapidkv.connector.config import ConnectorConfig
 from rapidkv.connector.metadata import RankInfo, WorkerMeta
-from rapidkv.connector.scheduler_side import SchedulerSide
+from rapidkv.connector.scheduler_side import Consumed, SchedulerSide
 from rapidkv.control.client import RpcClient
 from rapidkv.control.codes import Code
 from rapidkv.control.messages import (
+    Abort,
+    AbortReason,
+    AbortReply,
+    ErrorReply,
     Handshake,
     RankEndpoint,
+    Request,
     StatsRequest,
     TransferKV,
     prompt_hash,
 )
+from rapidkv.control.server import RpcServer
+from rapidkv.harness import free_port
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -168,3 +175,86 @@ def test_a_destination_whose_writes_failed_is_forgotten_and_handshakes_anew(
     assert client.call(address, handshake(side, "D", "a", "127.0.0.1:7001"), 5).code == Code.OK
     s = stats(side, client)
     assert s["peers_decode"] == 1 and s["peers_added"] == generation + 1
+
+
+class AbortAnswerer:
+    """Stands in for P's control plane: answers Aborts with the given codes in
+    turn (then OK)."""
+
+    def __init__(self, codes: list[Code]) -> None:
+        self.codes = list(codes)
+        self.asked = 0
+        self.server = RpcServer(self.handle)
+        self.server.start()
+
+    async def handle(self, request: Request) -> AbortReply | ErrorReply:
+        if not isinstance(request, Abort):
+            return ErrorReply(Code.ERROR, "unexpected")
+        self.asked += 1
+        code = self.codes.pop(0) if self.codes else Code.OK
+        return AbortReply(xfer_id=request.xfer_id, code=code, message="as scripted")
+
+
+def d_side(**config: float) -> SchedulerSide:
+    return SchedulerSide(ConnectorConfig(transport="tcp", **config), "D", 16, 1, "fingerprint")
+
+
+def reported(side: SchedulerSide, req_id: str) -> bool:
+    return req_id in side._pending.recv_failed
+
+
+@pytest.mark.parametrize("codes", [[], [Code.BUSY, Code.ERROR], [Code.GONE], [Code.NOT_FOUND]])
+def test_d_gives_up_blocks_p_may_write_only_once_p_confirms_the_abort(codes: list[Code]) -> None:
+    """The write fence on D: the request is reported failed (its blocks freed
+    or recomputed) only after an OK / GONE / NOT_FOUND; BUSY and ERROR are
+    asked again while the blocks stay held."""
+    p = AbortAnswerer(codes)
+    side = d_side()
+    try:
+        c = Consumed("x1", "req-1", p.server.address, None)
+        side._abort_p(c, AbortReason.TIMEOUT, report=True)
+        deadline = time.monotonic() + 10
+        while not reported(side, "req-1"):
+            assert time.monotonic() < deadline, "never reported"
+            time.sleep(0.01)
+        unconfirmed = sum(code in (Code.BUSY, Code.ERROR) for code in codes)
+        assert p.asked == unconfirmed + 1
+        assert side.counters["abort_retries"] == unconfirmed
+    finally:
+        side.close()
+        p.server.stop()
+
+
+def test_a_p_that_never_confirms_holds_the_blocks_until_the_fence_timeout() -> None:
+    p = AbortAnswerer([Code.BUSY] * 1000)
+    side = d_side(fence_timeout_s=1.0)
+    try:
+        c = Consumed("x1", "req-1", p.server.address, None)
+        t0 = time.monotonic()
+        side._abort_p(c, AbortReason.TIMEOUT, report=True)
+        time.sleep(0.5)
+        assert not reported(side, "req-1")  # still held
+        deadline = t0 + 5
+        while not reported(side, "req-1"):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert side.counters["abort_fence_gave_up"] == 1  # within the timeout, not before 0.5 s
+        assert p.asked >= 3
+    finally:
+        side.close()
+        p.server.stop()
+
+
+def test_a_refused_connection_confirms_the_abort() -> None:
+    """Nothing listens at P's control address any more: P's process is gone."""
+    side = d_side()
+    try:
+        c = Consumed("x1", "req-1", f"127.0.0.1:{free_port()}", None)
+        side._abort_p(c, AbortReason.TIMEOUT, report=True)
+        deadline = time.monotonic() + 5
+        while not reported(side, "req-1"):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert side.counters.get("abort_retries", 0) == 0
+    finally:
+        side.close()
