@@ -70,9 +70,14 @@ LATE_LENGTHS = [300, 450, 250, 500, 380, 420, 260, 480]
 
 def connector_config(control_port: int) -> dict:
     # every TTL well above the 2 s leak window: a timeout cannot hide a leak;
-    # 5 ms after each layer: a step's layer-by-layer sends are observable
+    # 5 ms after each layer: a step's layer-by-layer sends are observable;
+    # D gives up on a silent P after 10 s (a frozen P's test waits that long)
     return kv_transfer_config(
-        control_port, park_ttl_s=30.0, finished_ttl_s=60.0, debug_layer_delay_s=0.005
+        control_port,
+        park_ttl_s=30.0,
+        finished_ttl_s=60.0,
+        rpc_timeout_s=10.0,
+        debug_layer_delay_s=0.005,
     )
 
 

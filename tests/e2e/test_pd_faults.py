@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import sys
 import time
@@ -262,6 +263,48 @@ def test_a_client_that_leaves_at_any_phase_leaves_nothing_behind(
     if when != "sent":  # P was asked: its connector was told (by the router, and
         # by D too when D's request was waiting for the KV)
         assert pd_pair.since(before, "p", "aborts_client_abort") >= 1
+
+
+def test_a_p_frozen_past_ds_timeout_cannot_write_into_reused_blocks(
+    pd_pair: Pair, workloads: dict
+) -> None:
+    """P is frozen (SIGSTOP) while a prompt's KV crosses, past D's TransferKV
+    timeout: D gives the transfer up but keeps its blocks (nothing recomputed
+    into them, nothing freed) until P confirms the Abort, which P does, once
+    resumed, only when no more of its writes can land. Then D recomputes: the
+    output is exact and both sides return to their baseline."""
+    from rapidkv.router.config import Instance, RouterConfig
+    from rapidkv.router.server import start_router
+
+    prompts, expected = workloads["frozen-p"]
+    config = RouterConfig(
+        prefill=(Instance(pd_pair.p.base_url, pd_pair.p_control),),
+        decode=(Instance(pd_pair.d.base_url, pd_pair.d_control),),
+        port=0,
+        split_prefill=False,
+    )
+    before = {"p": pd_pair.stats("p"), "d": pd_pair.stats("d")}
+    with start_router(config) as router, ThreadPoolExecutor(1) as pool:
+        inflight = pool.submit(complete_full, router.url, prompts[0], MAX_TOKENS)
+        leave_when(pd_pair, None, "kv_crossing", before["p"])
+        pd_pair.p.signal(signal.SIGSTOP)
+        try:
+            # past D's 10 s TransferKV timeout: D has given up the transfer...
+            wait_until(
+                lambda: pd_pair.since(before, "d", "recompute_fallbacks") == 1,
+                20,
+                what="D to give up the transfer",
+            )
+            time.sleep(1.0)
+            held = pd_pair.stats("d")
+            # ...but holds its blocks: the request still waits for them
+            assert held["waiting_for_kv"] == 1
+            assert held["free_blocks"] < before["d"]["free_blocks"]
+            assert not inflight.done()
+        finally:
+            pd_pair.p.signal(signal.SIGCONT)
+        assert inflight.result(60).token_ids == expected[0]
+    assert_back_to_baseline(pd_pair, before, within=5.0)
 
 
 def router_process(pair: Pair, port: int, log_dir: Path) -> ManagedProcess:

@@ -125,6 +125,10 @@ class ManagedProcess:
 
     # ----------------------------------------------------------- stopping
 
+    def signal(self, sig: int) -> None:
+        """Send `sig` to every process of the tree (e.g. SIGSTOP / SIGCONT)."""
+        self._signal_all(sig)
+
     def _signal_all(self, sig: int) -> None:
         if not self._reaped:
             with contextlib.suppress(ProcessLookupError, PermissionError):

@@ -331,6 +331,10 @@ class VLLMServer:
     def pid(self) -> int:
         return self._proc().pid
 
+    def signal(self, sig: int) -> None:
+        """Send `sig` to every process of the server (SIGSTOP freezes it)."""
+        self._proc().signal(sig)
+
     @property
     def pgid(self) -> int:
         return self._proc().pgid
