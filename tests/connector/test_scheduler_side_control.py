@@ -13,7 +13,7 @@ import pytest
 from rapidkv.connector.config import ConnectorConfig
 from rapidkv.connector.metadata import RankInfo, WorkerMeta
 from rapidkv.connector.scheduler_side import Consumed, SchedulerSide
-from rapidkv.control.client import RpcClient
+from rapidkv.control.client import RpcClient, RpcError
 from rapidkv.control.codes import Code
 from rapidkv.control.messages import (
     Abort,
@@ -35,24 +35,26 @@ pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 PARK_TTL_S = 0.5
 
 
+RANK_INFO = RankInfo(
+    rank=0,
+    bypass_address="tcp://127.0.0.1:9",
+    transport="tcp",
+    transport_metadata=b"p-rank-0",
+    layout=b"layout",
+    num_blocks=64,
+    block_bytes=(4096,),
+    runs_per_block=(1,),
+    dtype="float32",
+    kernel_blocks_per_block=1,
+)
+
+
 @pytest.fixture
 def p_side() -> Iterator[tuple[SchedulerSide, RpcClient]]:
     side = SchedulerSide(
         ConnectorConfig(park_ttl_s=PARK_TTL_S, transport="tcp"), "P", 16, 1, "fingerprint"
     )
-    info = RankInfo(
-        rank=0,
-        bypass_address="tcp://127.0.0.1:9",
-        transport="tcp",
-        transport_metadata=b"p-rank-0",
-        layout=b"layout",
-        num_blocks=64,
-        block_bytes=(4096,),
-        runs_per_block=(1,),
-        dtype="float32",
-        kernel_blocks_per_block=1,
-    )
-    side.set_ranks({0: info})
+    side.set_ranks({0: RANK_INFO})
     client = RpcClient()
     try:
         yield side, client
@@ -257,4 +259,53 @@ def test_a_refused_connection_confirms_the_abort() -> None:
             time.sleep(0.01)
         assert side.counters.get("abort_retries", 0) == 0
     finally:
+        side.close()
+
+
+def test_with_a_secret_a_peer_without_it_can_do_nothing(
+    p_side: tuple[SchedulerSide, RpcClient],
+) -> None:
+    """P's control plane with a shared secret: a peer with no secret, or a wrong
+    one, gets no handshake (so never the endpoints that reach P's or D's KV
+    memory), triggers no transfer, aborts nothing and reads no stats; P's state
+    is as before. The same messages with the secret work."""
+    side, _ = p_side
+    side.close()
+    secret = "the shared secret"
+    side = SchedulerSide(
+        ConnectorConfig(park_ttl_s=PARK_TTL_S, transport="tcp", secret=secret),
+        "P",
+        16,
+        1,
+        "fingerprint",
+    )
+    side.set_ranks({0: RANK_INFO})
+    good = RpcClient(secret=secret.encode())
+    strangers = [RpcClient(), RpcClient(secret=b"a guess")]
+    try:
+        address = side.server.address
+        before = stats(side, good)
+        attempts = [
+            handshake(side, "D", "a", "127.0.0.1:7001"),
+            transfer("x1"),
+            Abort(xfer_id="x1", reason=AbortReason.CLIENT_ABORT),
+            StatsRequest(),
+        ]
+        for client in strangers:
+            for request in attempts:
+                with pytest.raises((ConnectionError, RpcError)):
+                    client.call(address, request, 5)
+        after = stats(side, good)
+        for name in ("peers_decode", "parked_now", "tombstones", "transfers_live"):
+            assert after[name] == before[name] == 0, name
+        assert not any(k.startswith("aborts_") for k in after)
+        # the wrong secret fails authentication each time; without one the client
+        # stops at the server's preamble, which asks for one
+        assert after["rpc_auth_failures"] == len(attempts)
+        reply = good.call(address, handshake(side, "D", "a", "127.0.0.1:7001"), 5)
+        assert reply.code == Code.OK and reply.endpoints  # the secret opens it
+    finally:
+        good.close()
+        for client in strangers:
+            client.close()
         side.close()
