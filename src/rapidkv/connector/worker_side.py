@@ -428,8 +428,9 @@ class WorkerSide:
         that destination, so its next TransferKV makes it handshake anew (and
         this rank connect again) instead of failing for ever."""
         instance_id = peer.removesuffix(f".r{self.rank}")
-        with self._peers_lock:
-            generation = self._peers.get(instance_id)
+        # not under _peers_lock: the engine thread holds it while it waits for
+        # this thread to add or remove a peer (one dict read is atomic)
+        generation = self._peers.get(instance_id)
         if generation is None:
             return  # already dropped
         with self._lock:
