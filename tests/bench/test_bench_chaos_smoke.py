@@ -5,6 +5,7 @@ itself (P and D each killed and restarted, injected transfer failures)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import subprocess
 import sys
@@ -165,10 +166,38 @@ def test_every_answer_is_classified_as_the_bench_documents() -> None:
 
 
 @pytest.mark.unit
+def test_after_a_503_the_client_sends_one_request_per_backoff_until_it_is_answered() -> None:
+    from rapidkv.bench.chaos.driver import drive
+    from rapidkv.router.server import ThreadedServer
+
+    hows = [4] * 7 + [1] * 4  # 503 until D is "up" again
+    plans = [Plan(i, 2, 3, False, None, 0.0) for i in range(len(hows))]
+    with ThreadedServer(_fake_router()) as server:
+        outcomes, _ = asyncio.run(
+            drive(
+                server.url,
+                plans,
+                [[h, 100] for h in hows],
+                [[7, 8, 9]] * len(hows),
+                concurrency=4,
+                timeout_s=5.0,
+                backoff_s=0.2,
+            )
+        )
+    assert [o.kind for o in outcomes] == ["failed_clear"] * 7 + ["completed"] * 4
+    sent = [o.sent_s for o in outcomes]
+    assert max(sent[:4]) - min(sent[:4]) < 0.1  # not degraded yet: all at once
+    gaps = [b - a for a, b in itertools.pairwise(sent[3:8])]
+    assert all(g >= 0.19 for g in gaps), gaps  # then one at a time, a backoff apart
+    assert max(sent[8:]) - sent[7] < 0.15  # answered: at full concurrency again
+
+
+@pytest.mark.unit
 def test_errors_that_differ_only_by_address_id_or_number_count_together() -> None:
     a = "decode instance http://127.0.0.1:41235 did not answer: refused (xfer 0123456789abcdef01)"
     b = "decode instance http://127.0.0.1:5001 did not answer: refused (xfer fedcba9876543210aa)"
     assert normalize(a) == normalize(b) == "decode instance URL did not answer: refused (xfer ID)"
+    assert normalize("HTTP 503: 2 down, 1.5s") == "HTTP 503: N down, Ns"
 
 
 def _outcome(kind: str, error: str | None = None):

@@ -17,10 +17,10 @@ Its outcome (`Outcome.kind`):
   before any status;
 - `hung`: no end within the per-request timeout.
 
-Client behaviour while the router has no decode instance up: after a 503 every
-worker waits `backoff_s` before sending its next request (as a client honouring
-`Retry-After` would), so an outage costs about one request a second, not a
-stream of instant refusals.
+Client behaviour while the router has no decode instance up: after a 503 the
+client sends one request at a time, `backoff_s` after the last 503, until one
+gets an answer that is not a 503 (as a client honouring `Retry-After` would):
+an outage costs about one request a second, not a stream of instant refusals.
 """
 
 from __future__ import annotations
@@ -257,11 +257,37 @@ async def drive(
     timing = timing if timing is not None else Timing()
     results: list[Outcome | None] = [None] * len(plans)
     next_index = [0]
-    hold_until = [0.0]
+    hold_until = [0.0]  # after a 503: not before then
+    degraded = [False]  # a 503 was the last answer: one request at a time
+    probe = asyncio.Lock()
     t_run = time.monotonic()
     connector = aiohttp.TCPConnector(limit=0, force_close=True)
     client_timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
     async with aiohttp.ClientSession(connector=connector, timeout=client_timeout) as session:
+
+        async def send(i: int) -> Outcome:
+            plan = plans[i]
+            out = await run_one(
+                session,
+                url,
+                prompts[i],
+                plan,
+                expected[i],
+                abort_point(plan, timing),
+                timeout_s,
+                t_run,
+            )
+            if out.status == 503:
+                degraded[0] = True
+                hold_until[0] = time.monotonic() + backoff_s
+            elif out.status is not None:
+                degraded[0] = False
+            if out.kind == "completed" and plan.stream and out.ttft_s is not None:
+                tpot = None
+                if out.tokens > 1:
+                    tpot = (out.e2e_s - out.ttft_s) / (out.tokens - 1)
+                timing.add(plan.prompt_len, out.ttft_s, tpot)
+            return out
 
         async def worker() -> None:
             while next_index[0] < len(plans):
@@ -269,20 +295,13 @@ async def drive(
                 next_index[0] += 1
                 if before is not None:
                     await before(i)
-                while (wait := hold_until[0] - time.monotonic()) > 0:
-                    await asyncio.sleep(wait)
-                plan = plans[i]
-                abort = abort_point(plan, timing)
-                out = await run_one(
-                    session, url, prompts[i], plan, expected[i], abort, timeout_s, t_run
-                )
-                if out.status == 503:
-                    hold_until[0] = time.monotonic() + backoff_s
-                if out.kind == "completed" and plan.stream and out.ttft_s is not None:
-                    tpot = None
-                    if out.tokens > 1:
-                        tpot = (out.e2e_s - out.ttft_s) / (out.tokens - 1)
-                    timing.add(plan.prompt_len, out.ttft_s, tpot)
+                if degraded[0]:
+                    async with probe:
+                        while (wait := hold_until[0] - time.monotonic()) > 0:
+                            await asyncio.sleep(wait)
+                        out = await send(i)
+                else:
+                    out = await send(i)
                 results[i] = out
                 with contextlib.suppress(Exception):
                     on_done(out)

@@ -4,7 +4,8 @@ The run fails (exit status 1) on any hung request, leaked block, mismatch or
 unclear failure, on an instance that did not start again or never served a
 request with a real transfer after its restart, and on anything still running,
 queued or held (vLLM's running/waiting, live transfers, parked TransferKVs, D
-requests waiting for KV) after the quiesce. `acceptance` adds the issue's bound on `recovery_s`
+requests waiting for KV; the router's requests in flight and upstream requests
+outstanding) after the quiesce. `acceptance` adds the issue's bound on `recovery_s`
 (5 s after each restart, beyond the instance's own start-up); it is reported,
 and `--strict-recovery` makes it fatal too.
 """
@@ -25,12 +26,12 @@ RECOVERY_BOUND_S = 5.0
 
 _URL = re.compile(r"https?://[\w.\-]+(:\d+)?")
 _HEX = re.compile(r"\b[0-9a-f]{12,}\b")
-_NUM = re.compile(r"\d+(\.\d+)?")
+_NUM = re.compile(r"(?<!HTTP )\b\d+(\.\d+)?")  # an HTTP status stays
 
 
 def normalize(message: str) -> str:
     """An error message with what differs between occurrences (URLs, ids,
-    numbers) replaced, so that equal errors count together."""
+    numbers but HTTP statuses) replaced, so that equal errors count together."""
     text = _URL.sub("URL", message)
     text = _HEX.sub("ID", text)
     text = _NUM.sub("N", text)
@@ -94,6 +95,14 @@ def build_report(
         for key in ("running", "waiting", "transfers_live", "parked_now", "waiting_for_kv"):
             if q.get(key):
                 problems.append(f"{role}: {key} {q[key]:g} after the quiesce")
+    router = quiesce.get("router", {})
+    if "error" in router:
+        problems.append(f"router: not readable after the run: {router['error']}")
+    elif router.get("in_flight") or any(router.get("outstanding", {}).values()):
+        problems.append(
+            f"router: {router['in_flight']:g} requests in flight, outstanding upstream "
+            f"{router['outstanding']} after the quiesce"
+        )
     for role, q in quiesce["instances"].items():
         if "error" in q:
             problems.append(f"{role}: not readable after the run: {q['error']}")

@@ -371,7 +371,7 @@ class Chaos:
         run_s = time.monotonic() - t_start
         faults.join(opts.recovery_timeout_s + 300)
         say("quiesce")
-        quiesce = self.quiesce(pair)
+        quiesce = self.quiesce(pair, url)
         return {
             "outcomes": outcomes,
             "warmup": warmup,
@@ -382,14 +382,20 @@ class Chaos:
             "run_s": run_s,
         }
 
-    def quiesce(self, pair: Any) -> dict[str, Any]:
+    def quiesce(self, pair: Any, router_url: str) -> dict[str, Any]:
         keys = ("transfers_live", "parked_now", "waiting_for_kv", "held_blocks", "held_requests")
         t0 = time.monotonic()
         deadline = t0 + self.opts.quiesce_timeout_s
         read: dict[str, dict[str, Any]] = {}
+        router: dict[str, Any] = {}
 
         def settled() -> bool:
-            ok = True
+            try:
+                router.update(router_view(router_url))
+                ok = not router["in_flight"] and not any(router["outstanding"].values())
+            except Exception as e:
+                router["error"] = f"{type(e).__name__}: {e}"
+                ok = False
             for role in pair.servers:
                 try:
                     stats, engine = pair.stats(role), pair.engine(role)
@@ -417,4 +423,33 @@ class Chaos:
             "took_s": time.monotonic() - t0,
             "timeout_s": self.opts.quiesce_timeout_s,
             "instances": read,
+            "router": router,
         }
+
+
+def router_view(url: str) -> dict[str, Any]:
+    """The router's requests in flight, upstream requests outstanding per role,
+    and its request outcomes and upstream errors so far (its /metrics)."""
+    from rapidkv.harness import get_metrics
+
+    m = get_metrics(url)
+    out: dict[str, Any] = {
+        "in_flight": 0.0,
+        "outstanding": {},
+        "outcomes": {},
+        "upstream_errors": {},
+    }
+    for (name, labels), value in m.items():
+        lab = dict(labels)
+        if name == "rapidkv_router_requests_in_flight":
+            out["in_flight"] += value
+        elif name == "rapidkv_router_outstanding":
+            role = lab.get("role", "?")
+            out["outstanding"][role] = out["outstanding"].get(role, 0.0) + value
+        elif name == "rapidkv_router_requests_total" and value:
+            key = lab.get("outcome", "?")
+            out["outcomes"][key] = out["outcomes"].get(key, 0.0) + value
+        elif name == "rapidkv_router_upstream_errors_total" and value:
+            key = f"{lab.get('role')} {lab.get('kind')}"
+            out["upstream_errors"][key] = out["upstream_errors"].get(key, 0.0) + value
+    return out
