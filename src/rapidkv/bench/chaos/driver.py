@@ -55,6 +55,7 @@ class Outcome:
     e2e_s: float = math.nan
     ttft_s: float | None = None
     first_diff: int | None = None  # mismatch: first position that differs
+    finish_reason: str | None = None  # the answer's (an HTTP 200)
     abort_after_s: float | None = None
     abort_after_tokens: int | None = None
 
@@ -71,6 +72,7 @@ class _State:
     t_first: float | None = None
     t_last: float | None = None
     done: bool = False  # [DONE] arrived
+    finish_reason: str | None = None  # the last one a stream's events gave
     error_event: Any = None  # the SSE error event's payload
 
 
@@ -99,7 +101,9 @@ async def _exchange(
             if "error" in event:
                 st.error_event = event
                 continue
-            ids = (event.get("choices") or [{}])[0].get("token_ids") or []
+            choice = (event.get("choices") or [{}])[0]
+            ids = choice.get("token_ids") or []
+            st.finish_reason = choice.get("finish_reason") or st.finish_reason
             if ids:
                 now = time.monotonic()
                 st.t_first = st.t_first or now
@@ -134,7 +138,8 @@ def _compare(out: Outcome, tokens: Sequence[int], expected: Sequence[int]) -> No
         min(len(tokens), len(expected)),
     )
     out.error = (
-        f"got {len(tokens)} tokens, expected {len(expected)}; first difference at {out.first_diff}"
+        f"got {len(tokens)} tokens, expected {len(expected)}; first difference at "
+        f"{out.first_diff}; finish_reason {out.finish_reason}"
     )
 
 
@@ -212,11 +217,13 @@ async def run_one(
             out.kind = "failed_unclear"
             out.error = f"stream ended without [DONE] or an error event after {out.tokens} tokens"
         else:
+            out.finish_reason = st.finish_reason
             _compare(out, st.tokens, expected)
         return out
     try:
         data = json.loads(st.body)
         ids = data["choices"][0]["token_ids"]
+        out.finish_reason = data["choices"][0].get("finish_reason")
     except (ValueError, KeyError, IndexError, TypeError):
         message = _json_error(st.body)
         out.kind = "failed_clear" if message is not None else "failed_unclear"
