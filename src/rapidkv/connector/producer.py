@@ -59,6 +59,8 @@ class Produced:
     finished_at: float = 0.0
     aborted: bool = False
     released: bool = False
+    # Aborts answered once it settled (no write of it can land any more)
+    settle_waiters: list[Reply] = field(default_factory=list)
 
     def accept(self, window: Window, reply: Reply, block_size: int, mode: str) -> None:
         self.window = window

@@ -567,6 +567,9 @@ class SchedulerSide:
                     message=errors,
                 )
             )
+        for waiter in p.settle_waiters:  # Aborts waiting for the last write to settle
+            waiter.resolve(True)
+        p.settle_waiters.clear()
         p.window = None  # nothing more to send
         p.last_issued = True
         self._tombstone(p.xfer_id)
@@ -762,7 +765,7 @@ class SchedulerSide:
         if isinstance(msg, Handshake):
             return self._on_handshake(msg)
         if isinstance(msg, Abort):
-            return self._on_abort(msg)
+            return await self._on_abort(msg)
         if isinstance(msg, StatsRequest):
             return Stats(counters=self.stats())
         if isinstance(msg, TimelineRequest):
@@ -902,7 +905,14 @@ class SchedulerSide:
                     )
         return await reply.future
 
-    def _on_abort(self, msg: Abort) -> AbortReply:
+    async def _on_abort(self, msg: Abort) -> AbortReply:
+        """Stop the transfer; answer OK once no write of it can land any more
+        (`AbortReply`: D then frees the blocks, and vLLM hands them to the next
+        request at once). A transfer whose writes went out settles first (the
+        workers fail it at P's next step and wait for its writes in flight);
+        if it has not within `write_timeout_s` + 1 s, ERROR: writes may land."""
+        loop = asyncio.get_running_loop()
+        waiter: Reply | None = None
         with self._lock:
             self.counters[f"aborts_{msg.reason.value}"] += 1
             parked = self._parked.pop(msg.xfer_id, None)
@@ -914,7 +924,24 @@ class SchedulerSide:
             if p is not None and not p.released:
                 self._abort_produced(p, f"aborted by peer: {msg.reason.value}")
                 self._maybe_release(p)
+                if p.issued and len(p.settled_ranks) < self.tp_size:
+                    waiter = Reply(loop, loop.create_future())
+                    p.settle_waiters.append(waiter)
             self._tombstone(msg.xfer_id)
+        if waiter is not None:
+            try:
+                await asyncio.wait_for(waiter.future, self.config.write_timeout_s + 1.0)
+            except TimeoutError:
+                with self._lock:
+                    self.counters["aborts_unsettled"] += 1
+                log.warning(
+                    "rapidkv %s: aborted transfer %s has not settled; writes may still land",
+                    self.instance_id,
+                    msg.xfer_id,
+                )
+                return AbortReply(
+                    xfer_id=msg.xfer_id, code=Code.ERROR, message="writes still in flight"
+                )
         return AbortReply(xfer_id=msg.xfer_id, code=Code.OK)
 
     # -- observability ------------------------------------------------------------
