@@ -58,6 +58,8 @@ class Outcome:
     finish_reason: str | None = None  # the answer's (an HTTP 200)
     abort_after_s: float | None = None
     abort_after_tokens: int | None = None
+    got: list[int] | None = None  # mismatch: the tokens received
+    expected: list[int] | None = None  # mismatch: the reference's
 
     def row(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if v is not None}
@@ -133,6 +135,7 @@ def _compare(out: Outcome, tokens: Sequence[int], expected: Sequence[int]) -> No
         out.kind = "completed"
         return
     out.kind = "mismatch"
+    out.got, out.expected = list(tokens), list(expected)
     out.first_diff = next(
         (i for i, (a, b) in enumerate(zip(tokens, expected, strict=False)) if a != b),
         min(len(tokens), len(expected)),
