@@ -155,6 +155,32 @@ def test_stop_kills_whole_tree_even_if_it_ignores_sigterm(tmp_path: Path) -> Non
         mp.stop(grace=0.1)
 
 
+# Writes a file when it gets SIGTERM (as vLLM's API server starts a shutdown that
+# answers in-flight requests), then goes on.
+TERM_NOTED = """
+import signal, sys
+signal.signal(signal.SIGTERM, lambda *a: open(sys.argv[1], "w").close())
+open(sys.argv[1] + ".up", "w").close()
+while True:
+    signal.pause()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_stop_without_grace_kills_at_once_and_sends_no_sigterm(tmp_path: Path) -> None:
+    """`stop(grace=0)` is a crash: SIGKILL only, so no shutdown handler runs."""
+    noted = tmp_path / "sigterm"
+    mp = ManagedProcess(
+        [sys.executable, "-c", TERM_NOTED, str(noted)], _env(), tmp_path / "t.log", name="t"
+    )
+    try:
+        wait_until((tmp_path / "sigterm.up").exists, 30, what="the process to start")
+        assert mp.stop(grace=0) == -signal.SIGKILL
+        assert not noted.exists()
+    finally:
+        mp.stop(grace=0.1)
+
+
 @pytest.mark.timeout(60)
 def test_returncode_does_not_reap_and_log_is_kept(tmp_path: Path) -> None:
     mp = ManagedProcess(

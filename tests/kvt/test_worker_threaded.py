@@ -315,3 +315,75 @@ def test_a_write_the_transport_fails_names_its_peer_and_a_new_one_connects() -> 
         src.close()
         if again is not None:
             again.close()
+
+
+def faulty_pair(faults):
+    from rapidkv.kvt.faults import SendFaults
+
+    src_mem, src_layout = kv_memory(fill=True)
+    dst_mem, dst_layout = kv_memory(fill=False)
+    src_done: list[SendDone] = []
+    src = KvtWorker(
+        create_transport("tcp", "src"),
+        src_layout,
+        rank=0,
+        block_size=BLOCK,
+        on_send_done=src_done.append,
+        faults=SendFaults(**faults),
+    )
+    dst = KvtWorker(create_transport("tcp", "dst"), dst_layout, rank=0, block_size=BLOCK)
+    return src, dst, src.add_peer(dst.metadata, dst_layout), src_mem, dst_mem, src_done
+
+
+def test_an_injected_failure_sends_the_layers_before_its_layer_then_fails_like_a_write() -> None:
+    """`faults.fail_rate` 1: the transfer's layers up to the one its xfer_id
+    picks go out; that layer's write is never posted, and the transfer settles
+    with the injected error on both sides, as after a failed write."""
+    from rapidkv.kvt.faults import INJECTED, SendFaults
+
+    xfer_id = next(f"f{i}" for i in range(1000) if SendFaults(1.0).plan(f"f{i}", LAYERS)[0] == 2)
+    src, dst, peer, src_mem, dst_mem, src_done = faulty_pair({"fail_rate": 1.0})
+    try:
+        src.begin_step(1, [Task(xfer_id, peer, (3, 4), (10, 11), 0, 2 * BLOCK, True)])
+        for layer in range(LAYERS):
+            src.layer_done(layer)
+            time.sleep(0.05)
+        src.freeze_step()
+        done: list[SendDone] = []
+        wait_for(lambda: bool(done.extend(dst.poll_received()) or done), 10, "the SendDone")
+        assert [(d.xfer_id, d.ok, d.error) for d in done] == [(xfer_id, False, INJECTED)]
+        wait_for(lambda: len(src_done) == 1, 5, "the source to settle")
+        assert not src_done[0].ok and src.stats.injected_failures == 1 and not src.busy()
+        assert torch.equal(dst_mem[:2, [10, 11]], src_mem[:2, [3, 4]])  # layers 0, 1 landed
+        assert not dst_mem[2:, [10, 11]].any()
+    finally:
+        src.close()
+        dst.close()
+
+
+def test_held_sends_go_out_after_their_transfers_delay_in_order() -> None:
+    """`faults.send_delay_s`: each transfer's writes wait for the delay its
+    xfer_id gives (a share of the bound), then all land: the transfer settles ok."""
+    from rapidkv.kvt.faults import SendFaults
+
+    faults = SendFaults(send_delay_s=0.5)
+    xfer_id = next(f"d{i}" for i in range(1000) if faults.plan(f"d{i}", LAYERS)[1] > 0.3)
+    delay = faults.plan(xfer_id, LAYERS)[1]
+    assert faults.plan(xfer_id, LAYERS) == (None, delay)  # never failed at rate 0
+    src, dst, peer, src_mem, dst_mem, src_done = faulty_pair({"send_delay_s": 0.5})
+    try:
+        t0 = time.monotonic()
+        src.begin_step(1, [Task(xfer_id, peer, (5, 6), (20, 21), 0, 2 * BLOCK, True)])
+        for layer in range(LAYERS):
+            src.layer_done(layer)
+        src.freeze_step()
+        done: list[SendDone] = []
+        wait_for(lambda: bool(done.extend(dst.poll_received()) or done), 10, "the SendDone")
+        assert time.monotonic() - t0 >= delay - 0.01
+        assert [(d.xfer_id, d.ok) for d in done] == [(xfer_id, True)]
+        assert torch.equal(dst_mem[:, [20, 21]], src_mem[:, [5, 6]])
+        wait_for(lambda: len(src_done) == 1 and src_done[0].ok, 5, "the source to settle")
+        assert src.stats.injected_failures == 0
+    finally:
+        src.close()
+        dst.close()

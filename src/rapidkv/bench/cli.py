@@ -21,6 +21,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "TransferKV on a busy P: step vs bypass vs substep, per request state",
         "rapidkv.bench.transfer_kv",
     ),
+    "chaos": (
+        "a soak through the router: client aborts, injected transfer faults, P and D killed",
+        "rapidkv.bench.chaos",
+    ),
 }
 
 

@@ -45,6 +45,19 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # testing aid: the worker holds each bypass message this long before acting on
     # it (forces substeps to arrive after their step froze: rollback); 0 in production
     debug_bypass_delay_s: float = 0.0
+    # testing aid (`rapidkv bench chaos`), P's workers: fail this share of
+    # transfers at one of their layers, as a write the transport gave up on would
+    # (D recomputes, P frees), and hold each transfer's sends for a random time up
+    # to `debug_send_delay_s`; both decided from the xfer_id, so every TP rank
+    # agrees (kvt.faults); 0 in production
+    debug_fail_transfer_rate: float = 0.0
+    debug_send_delay_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.debug_fail_transfer_rate <= 1.0:
+            raise ValueError("debug_fail_transfer_rate must be between 0 and 1")
+        if self.debug_send_delay_s < 0:
+            raise ValueError("debug_send_delay_s must be >= 0")
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:

@@ -38,6 +38,7 @@ from rapidkv.connector.bypass import BypassMsg, BypassReceiver, Peer
 from rapidkv.connector.config import ConnectorConfig
 from rapidkv.connector.metadata import RankInfo, StepMeta, WorkerMeta, peer_name
 from rapidkv.kvt.coordinator import CoordinatorError
+from rapidkv.kvt.faults import SendFaults
 from rapidkv.kvt.layout import Layout, layer_layout_from_tensor
 from rapidkv.kvt.messages import SendDone
 from rapidkv.kvt.task import Task
@@ -94,6 +95,7 @@ class WorkerSide:
         self._first_layer_post: float | None = None
         self._last_layer_done = 0.0
         self._computes_prompt = False
+        self._injected_counted = 0  # kvt's injected failures already in _counters
 
     # -- start-up ---------------------------------------------------------------
 
@@ -122,6 +124,7 @@ class WorkerSide:
             write_timeout_s=self.config.write_timeout_s,
             hugepages=self.config.hugepages,
             bandwidth_cap_bps=self.config.bandwidth_cap_gbps * 1e9,
+            faults=SendFaults(self.config.debug_fail_transfer_rate, self.config.debug_send_delay_s),
         )
         self.bypass = BypassReceiver(self.rank, self._on_bypass, self.config.debug_bypass_delay_s)
         self.info = RankInfo(
@@ -313,6 +316,11 @@ class WorkerSide:
         return sending, recving, failed
 
     def worker_meta(self) -> WorkerMeta:
+        if self.kvt is not None and self.kvt.faults is not None:
+            injected = self.kvt.stats.injected_failures  # written by the kvt owner thread
+            if injected > self._injected_counted:
+                self._count("debug_injected_failures", injected - self._injected_counted)
+                self._injected_counted = injected
         with self._lock:
             meta = WorkerMeta(
                 self._acks, self._settled, dict(self._counters), list(self._broken.items())
@@ -390,9 +398,9 @@ class WorkerSide:
             self._require_kvt().remove_peer(peer_name(instance_id, self.rank))
             self._count("peers_dropped")
 
-    def _count(self, name: str) -> None:
+    def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
-            self._counters[name] += 1
+            self._counters[name] += n
 
     def _collect(self, dones: list[SendDone]) -> None:
         """Keep arrived SendDones until acted on, except a finished split load's

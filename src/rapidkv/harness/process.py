@@ -145,7 +145,8 @@ class ManagedProcess:
 
     def stop(self, grace: float = 10.0, kill_timeout: float = 15.0) -> int | None:
         """SIGTERM the tree, wait up to `grace` s, SIGKILL what is left; reap the leader.
-        With `grace` 0 the tree is SIGKILLed at once (no SIGTERM: a crash).
+        With `grace` <= 0 the tree gets SIGKILL only (no SIGTERM first), as in a
+        crash: no process of it gets to run a shutdown handler.
 
         Returns the leader's exit status. Raises `ProcessLeftBehind` if processes
         survive SIGKILL for `kill_timeout` s. Safe to call more than once.
@@ -153,8 +154,10 @@ class ManagedProcess:
         with self._lock:
             if self._stopped:
                 return self.exit_code
-            self._signal_all(signal.SIGTERM if grace > 0 else signal.SIGKILL)
             try:
+                if grace <= 0:
+                    raise TimeoutError
+                self._signal_all(signal.SIGTERM)
                 wait_until(lambda: not self.live_pids(), grace, what=f"{self.name} to exit")
             except TimeoutError:
 

@@ -139,3 +139,13 @@ def tree_affinity(pids: Sequence[int]) -> list[str]:
                         if line.startswith("Cpus_allowed_list:"):
                             seen.add(line.split(":", 1)[1].strip())
     return sorted(seen)
+
+
+def cpu_model(cpuinfo: Path = PROC / "cpuinfo") -> str | None:
+    """The first `model name` of /proc/cpuinfo (what benchmarks record), if any."""
+    with contextlib.suppress(OSError):
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            key, sep, value = line.partition(":")
+            if sep and key.strip() == "model name":
+                return value.strip()
+    return None

@@ -51,6 +51,10 @@ With `bandwidth_cap_bps` set, writes are confirmed as if they crossed one link
 of that bandwidth in posting order (a write of n bytes is confirmed no earlier
 than n / cap after the link freed up): a benchmark aid that gives transfers the
 wire time they have on real clusters. The bytes themselves land at memory speed.
+
+With `faults` (`kvt.faults.SendFaults`, a testing aid) some transfers fail at
+one of their layers and every transfer's sends are held back a while, decided
+per `xfer_id`; a failed one settles as after a write that failed.
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ import numpy as np
 
 from rapidkv.kvt.completions import CompletionTracker, Settled, Tracked
 from rapidkv.kvt.coordinator import Attach, Send, StepCoordinator
+from rapidkv.kvt.faults import INJECTED, SendFaults
 from rapidkv.kvt.layout import Layout, layer_descs
 from rapidkv.kvt.memory import advise_hugepages
 from rapidkv.kvt.messages import LayersLanded, SendDone, decode_notif, encode_notif
@@ -92,6 +97,7 @@ class KvtStats:
     substeps_rejected: int = 0
     received_ok: int = 0
     received_failed: int = 0
+    injected_failures: int = 0  # transfers failed by `faults`
 
 
 @dataclass
@@ -114,6 +120,7 @@ class _Write:
 
 
 LANDED_MEMORY = 4096  # transfers whose LayersLanded a receiving worker remembers
+FAULT_MEMORY = 4096  # transfers whose fault plan a sending worker remembers
 
 # (kind, t_event, t_post, nbytes): a write was handed to the transport at t_post
 PostedHook = Callable[[str, float, float, int], None]
@@ -157,6 +164,7 @@ class KvtWorker:
         realtime: bool = True,
         hugepages: bool = True,
         bandwidth_cap_bps: float = 0.0,
+        faults: SendFaults | None = None,
     ) -> None:
         self.transport = transport
         self.layout = layout
@@ -170,6 +178,10 @@ class KvtWorker:
         self.realtime = realtime
         self.bandwidth_cap_bps = bandwidth_cap_bps
         self._link_free_at = 0.0
+        self.faults = faults if faults else None
+        # owner thread only: xfer_id -> (layer that fails it or None, hold sends until)
+        self._fault_plans: dict[str, tuple[int | None, float]] = {}
+        self._deferred: list[tuple[float, _Job]] = []  # (post at, job), in arrival order
         self._awaiting = False
         self._next_notif_poll = 0.0  # owner thread only
         self.stats = KvtStats()
@@ -302,10 +314,14 @@ class KvtWorker:
     def _wait_s(self, poll_s: float) -> float:
         """How long the owner may sleep before it polls again (owner thread)."""
         if any(w.settles for w in self._writes.values()):
-            return poll_s
-        if self._writes:
-            return min(self.LAZY_POLL_S, self._notif_poll_s())
-        return self._notif_poll_s()
+            wait = poll_s
+        elif self._writes:
+            wait = min(self.LAZY_POLL_S, self._notif_poll_s())
+        else:
+            wait = self._notif_poll_s()
+        if self._deferred:
+            wait = min(wait, max(0.0, min(t for t, _ in self._deferred) - time.perf_counter()))
+        return wait
 
     def wait_received(self, timeout: float) -> bool:
         """Block until a SendDone is available or `timeout` passes."""
@@ -416,6 +432,8 @@ class KvtWorker:
                 log.exception("kvt owner thread: job failed")
             try:
                 t0 = time.perf_counter()
+                if self._deferred:
+                    self._post_deferred()
                 settled = self._poll_writes()
                 floor = (time.perf_counter() - t0) / self.POLL_DUTY
                 poll_s = max(
@@ -435,8 +453,56 @@ class KvtWorker:
             item()
 
     def _post(self, job: _Job) -> None:
+        if self._deferred:  # held sends that are due go first: a transfer's stay in order
+            self._post_deferred()
+        self._post_now(job)
+
+    def _post_deferred(self) -> None:
+        now = time.perf_counter()
+        due = [job for t, job in self._deferred if t <= now]
+        if due:
+            self._deferred = [(t, job) for t, job in self._deferred if t > now]
+            for job in due:
+                self._post_now(job)
+
+    def _faulted(
+        self, job: _Job, pieces: list[tuple[Tracked, int, int]]
+    ) -> list[tuple[Tracked, int, int]]:
+        """`pieces` less those `faults` hold back (deferred) or fail (settled
+        with INJECTED: the write that carries the failing layer is never posted)."""
+        assert self.faults is not None
+        now = time.perf_counter()
+        out: list[tuple[Tracked, int, int]] = []
+        failing: list[tuple[Tracked, int, int]] = []
+        for piece in pieces:
+            tracked, first, stop = piece
+            xfer_id = tracked.task.xfer_id
+            plan = self._fault_plans.get(xfer_id)
+            if plan is None:
+                layer, delay = self.faults.plan(xfer_id, len(self.layout.layers))
+                plan = self._fault_plans[xfer_id] = (layer, now + delay)
+                while len(self._fault_plans) > FAULT_MEMORY:
+                    del self._fault_plans[next(iter(self._fault_plans))]
+            layer, post_at = plan
+            if post_at > now:
+                self._deferred.append((post_at, _Job([piece], job.kind, job.t_event)))
+            elif layer is not None and first <= layer < stop:
+                failing.append(piece)
+            else:
+                out.append(piece)
+        if failing:
+            xfers = {t.task.xfer_id for t, _, _ in failing}
+            self.stats.injected_failures += len(xfers)
+            log.info("kvt rank %d: %s: %s", self.rank, INJECTED, sorted(xfers))
+            self._fail_pieces(failing, INJECTED)
+            out = [p for p in out if p[0].task.xfer_id not in xfers]
+        return out
+
+    def _post_now(self, job: _Job) -> None:
         with self._lock:
             pieces = [p for p in job.pieces if self._tracker.live(p[0])]
+        if self.faults is not None:
+            pieces = self._faulted(job, pieces)
         by_peer: dict[str, list[tuple[Tracked, int, int]]] = {}
         for piece in pieces:
             by_peer.setdefault(piece[0].task.peer, []).append(piece)
@@ -555,6 +621,7 @@ class KvtWorker:
                 self.stats.transfers_failed += 1
             log.debug("kvt rank %d: %s", self.rank, done)
             self._landed_sent.pop(done.xfer_id, None)
+            self._fault_plans.pop(done.xfer_id, None)
             self._notify(item.peer, done)
             if self.on_send_done is not None:
                 self.on_send_done(done)
