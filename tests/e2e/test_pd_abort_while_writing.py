@@ -84,4 +84,4 @@ def test_blocks_of_a_request_aborted_mid_transfer_are_not_written_after_the_abor
         assert again == y_ref, "D's prefix cache kept what P wrote into Y's blocks"
         s = rpc.call(p_control, StatsRequest(), 10).counters
         assert s["aborts_client_abort"] >= 1 and s["transfers_live"] == 0
-        assert s.get("aborts_unsettled", 0) == 0
+        assert s.get("aborts_unconfirmed", 0) == 0
