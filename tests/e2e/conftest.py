@@ -81,6 +81,8 @@ def workloads(tiny_model: Path, single_server_starter) -> dict[str, tuple[list, 
         out[name] = (prompts, complete_many(single.base_url, prompts, max_tokens))
     frozen = random_prompts(tiny_model, [900], seed=2212)
     out["frozen-p"] = (frozen, complete_many(single.base_url, frozen, MAX_TOKENS))
+    failing = random_prompts(tiny_model, [200, 500, 800], seed=2213)
+    out["failing"] = (failing, complete_many(single.base_url, failing, MAX_TOKENS))
     again = random_prompts(tiny_model, [330], seed=2211)
     out["router-restart"] = (again, complete_many(single.base_url, again, MAX_TOKENS))
     moved = random_prompts(tiny_model, [350, 420, 380], seed=2210)
