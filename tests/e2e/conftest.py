@@ -85,7 +85,7 @@ def workloads(tiny_model: Path, single_server_starter) -> dict[str, tuple[list, 
     out["failing"] = (failing, complete_many(single.base_url, failing, MAX_TOKENS))
     again = random_prompts(tiny_model, [330], seed=2211)
     out["router-restart"] = (again, complete_many(single.base_url, again, MAX_TOKENS))
-    moved = random_prompts(tiny_model, [350, 420, 380], seed=2210)
+    moved = random_prompts(tiny_model, [350, 420, 380, 460], seed=2210)
     out["moved-p"] = (moved, complete_many(single.base_url, moved, MAX_TOKENS))
     for seed, side in enumerate("pd"):
         restart = random_prompts(tiny_model, [300, 450, 200, 900], seed=2200 + seed)

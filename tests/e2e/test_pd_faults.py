@@ -6,6 +6,7 @@ leaves nothing behind."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import socket
@@ -120,7 +121,7 @@ def test_a_request_d_refuses_costs_p_nothing_within_a_second(
 
 @pytest.mark.parametrize("side", ["p", "d"])
 def test_an_instance_killed_mid_transfer_and_restarted_on_its_address_heals(
-    pd_pair: Pair, workloads: dict, side: str
+    pd_pair: Pair, workloads: dict, side: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     from rapidkv.router.config import Instance, RouterConfig
     from rapidkv.router.server import start_router
@@ -150,6 +151,10 @@ def test_an_instance_killed_mid_transfer_and_restarted_on_its_address_heals(
             answered = time.monotonic()
             assert failed.value.response.status_code == 502
             assert "did not answer" in failed.value.response.json()["error"]["message"]
+            assert any(
+                "decode instance" in r.getMessage() and "is down" in r.getMessage()
+                for r in caplog.records
+            ), "the router did not log why it stopped dispatching to D"
             assert wait_for(lambda: p_idle_at(pd_pair, before["p"]), 1.0), pd_pair.stats("p")
             assert time.monotonic() - answered < 1.5
             a_known_dead_d_costs_p_nothing(pd_pair, router.url, prompts[1])
@@ -221,7 +226,7 @@ def leave_when(pair: Pair, sock: socket.socket | None, when: str, p0: dict[str, 
 
 @pytest.mark.parametrize("phase", list(LEAVE_AT))
 def test_a_client_that_leaves_at_any_phase_leaves_nothing_behind(
-    pd_pair: Pair, tiny_model: Path, phase: str
+    pd_pair: Pair, tiny_model: Path, phase: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The router sees the client go (counted `client_abort`), cancels what it
     sent, tells P's connector (where P was asked), and within 2 s P and D hold
@@ -241,6 +246,7 @@ def test_a_client_that_leaves_at_any_phase_leaves_nothing_behind(
     )
     before = {"p": pd_pair.stats("p"), "d": pd_pair.stats("d")}
     body = {"prompt": ids, "max_tokens": 100, "temperature": 0.0, "ignore_eos": True}
+    caplog.set_level(logging.DEBUG, logger="rapidkv.router")
     with start_router(config) as router:
         sock = open_request(router.url, "/v1/completions", dict(body, stream=stream))
         try:
@@ -261,8 +267,9 @@ def test_a_client_that_leaves_at_any_phase_leaves_nothing_behind(
         assert router.router.outstanding("decode") == [0]
         assert_back_to_baseline(pd_pair, before)
     if when != "sent":  # P was asked: its connector was told (by the router, and
-        # by D too when D's request was waiting for the KV)
+        # by D too when D's request was waiting for the KV), and the router says why
         assert pd_pair.since(before, "p", "aborts_client_abort") >= 1
+        assert any("client_abort; stopping the prefill" in r.getMessage() for r in caplog.records)
 
 
 def test_a_p_frozen_past_ds_timeout_cannot_write_into_reused_blocks(
@@ -358,13 +365,15 @@ def test_a_router_killed_while_requests_run_leaves_nothing_and_a_new_one_serves(
         router.stop(grace=0)
 
 
-def test_p_restarted_with_its_control_plane_elsewhere_is_followed(
+def test_p_then_d_restarted_with_their_control_plane_elsewhere_are_followed(
     pd_pair: Pair, workloads: dict, server_pool: ServerPool
 ) -> None:
     """P comes back on its HTTP address with its control plane on another port,
     before the router saw it down: the first request's D asks the old address
     and recomputes (the client sees nothing); P's answer names the new address,
-    and the next request crosses with a real transfer."""
+    and the next request crosses with a real transfer. Then D comes back with
+    its control plane elsewhere: its first request after it is healthy crosses
+    with a real transfer (its Handshake tells P where it is)."""
     from rapidkv.router.config import Instance, RouterConfig
     from rapidkv.router.server import start_router
 
@@ -390,6 +399,17 @@ def test_p_restarted_with_its_control_plane_elsewhere_is_followed(
         assert complete_full(router.url, prompts[1], MAX_TOKENS).token_ids == expected[1]
         assert pd_pair.since({"d": d0}, "d", "recompute_fallbacks") == 1
         served_with_transfer(pd_pair, router.url, prompts[2], expected[2])
+        assert time.monotonic() - healthy < 5.0
+
+        # then D, likewise: P learns its new control address from its Handshake
+        pd_pair.d.stop(grace=0)
+        port = free_port()
+        pd_pair.d.spec = pd_pair.d.spec.replace(kv_transfer_config=connector_config(port))
+        pd_pair.d.launch()
+        pd_pair.d.wait_ready()
+        pd_pair.d_control = f"127.0.0.1:{port}"
+        healthy = time.monotonic()
+        served_with_transfer(pd_pair, router.url, prompts[3], expected[3])
         assert time.monotonic() - healthy < 5.0
 
 
