@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import hashlib
+import itertools
 import logging
 import secrets
 import threading
@@ -42,6 +43,7 @@ from rapidkv.connector.journal import Entry, JournalError, Resolution, SubstepJo
 from rapidkv.connector.metadata import RankInfo, StepMeta, WorkerMeta
 from rapidkv.connector.plan import Window
 from rapidkv.connector.producer import Produced, Reply
+from rapidkv.control.address import WILDCARD_HOSTS, parse_address
 from rapidkv.control.client import RpcClient
 from rapidkv.control.codes import Code
 from rapidkv.control.messages import (
@@ -108,9 +110,6 @@ class _KnownPeer:
     generation: int  # of its Peer entries in the workers
 
 
-WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]")
-
-
 @dataclass
 class _Parked:
     msg: TransferKV
@@ -164,6 +163,7 @@ class SchedulerSide:
         self._parked: dict[str, _Parked] = {}
         self._tombstones: OrderedDict[str, float] = OrderedDict()
         self._peers: dict[str, _KnownPeer] = {}  # D instances we may write to
+        self._generations = itertools.count(1)  # of the workers' Peer entries
         self._consumed: dict[str, Consumed] = {}  # req_id ->
         self._known_p: dict[str, concurrent.futures.Future] = {}  # P address -> handshake
         self._requests: dict[str, Any] = {}  # P requests, for num_computed_tokens
@@ -632,7 +632,8 @@ class SchedulerSide:
     # -- D side: talking to P -----------------------------------------------------
 
     def _handshake(self, address: str) -> Any:
-        """A future of P's HandshakeReply (cached per address while it succeeds)."""
+        """A future of P's HandshakeReply (cached per address while it succeeds;
+        caller holds the lock)."""
         fut = self._known_p.get(address)
         if fut is None or (fut.done() and fut.exception() is not None):
             assert self.spec is not None
@@ -713,9 +714,7 @@ class SchedulerSide:
                 # BUSY: too many of our transfers outstanding there. Ask again later.
                 with self._lock:
                     self.counters[f"transfer_kv_retries_{reply.code.name.lower()}"] += 1
-                timer = threading.Timer(backoff[0], send)
-                timer.daemon = True
-                timer.start()
+                _later(backoff[0], send)
                 backoff[0] = min(backoff[0] * 2, 1.0)
             elif reply.code != Code.OK:
                 failed(f"TransferKV answered {reply.code.name}: {reply.message}")
@@ -809,9 +808,7 @@ class SchedulerSide:
                 c.xfer_id,
                 why,
             )
-            timer = threading.Timer(backoff[0], send)
-            timer.daemon = True
-            timer.start()
+            _later(backoff[0], send)
             backoff[0] = min(backoff[0] * 2, 2.0)
 
         if not c.prefill_control:
@@ -863,13 +860,12 @@ class SchedulerSide:
                 # same id, new process: its new transport metadata replaces the old
                 # in the workers (a newer Peer entry), the old one's transfers fail now
                 self._forget_peer(hs.instance_id, "restarted", drop=False)
-            host = hs.control_address.rpartition(":")[0]
-            if host not in WILDCARD_HOSTS:
+            if parse_address(hs.control_address)[0] not in WILDCARD_HOSTS:
                 for other, info in list(self._peers.items()):
                     if info.control_address == hs.control_address:
                         self._forget_peer(other, f"{hs.instance_id} now at its address")
             self.counters["peers_added"] += 1
-            generation = int(self.counters["peers_added"])
+            generation = next(self._generations)
             self._peers[hs.instance_id] = _KnownPeer(
                 list(hs.endpoints), hs.incarnation, hs.control_address, generation
             )
@@ -1012,7 +1008,8 @@ class SchedulerSide:
             try:
                 await asyncio.wait_for(asyncio.shield(in_flight), self.config.write_timeout_s)
             except TimeoutError:
-                self.counters["aborts_unconfirmed"] += 1
+                with self._lock:
+                    self.counters["aborts_unconfirmed"] += 1
                 return AbortReply(
                     xfer_id=msg.xfer_id, code=Code.BUSY, message="writes of it may still land"
                 )
@@ -1093,8 +1090,7 @@ class SchedulerSide:
                 "held_blocks": float(sum(len(p.block_ids) for p in held)),
                 "peers_decode": float(len(self._peers)),
             }
-        # the engine thread adds to _known_p without the lock: list() copies at once
-        states = [_handshake_state(f) for f in list(self._known_p.values())]
+            states = [_handshake_state(f) for f in self._known_p.values()]
         for state in ("ready", "connecting", "failed"):
             out[f"peers_prefill_{state}"] = float(states.count(state))
         if self.kv_cache_manager is not None:
@@ -1111,6 +1107,13 @@ class SchedulerSide:
         self.client.close()
         if self._bypass is not None:
             self._bypass.close()
+
+
+def _later(delay_s: float, fn: Any) -> None:
+    """Run `fn` on a daemon timer thread after `delay_s` (a retry's backoff)."""
+    timer = threading.Timer(delay_s, fn)
+    timer.daemon = True
+    timer.start()
 
 
 def _handshake_state(fut: concurrent.futures.Future) -> str:

@@ -6,6 +6,8 @@ This is the form routers put in `kv_transfer_params` and handshakes carry.
 from __future__ import annotations
 
 MAX_ADDRESS = 300
+# hosts that name no host: a server bound there is reached at some other name
+WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})
 
 
 def format_address(host: str, port: int) -> str:

@@ -17,11 +17,9 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from rapidkv.control.address import format_address, parse_address
+from rapidkv.control.address import WILDCARD_HOSTS, format_address, parse_address
 from rapidkv.router.config import Instance
 from rapidkv.router.upstream import UPSTREAM_ERRORS, get, post_json
-
-WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
 
 
 class DiscoveryError(RuntimeError):
