@@ -93,7 +93,7 @@ from rapidkv.router.rewrite import (
     stitchable,
 )
 from rapidkv.router.split import head_body, prompt_ids, split_point, splittable
-from rapidkv.router.sse import FirstTokenDetector
+from rapidkv.router.sse import FirstTokenDetector, sse_error
 from rapidkv.router.stitch import (
     EventSplitter,
     FirstTokenStitch,
@@ -814,12 +814,6 @@ async def _wait_disconnect(receive: Receive) -> None:
     """Return when the client disconnects (call once the body has been read)."""
     while (await receive())["type"] != "http.disconnect":
         pass
-
-
-def sse_error(message: str) -> bytes:
-    """The end of a stream that failed: an error event (a 502, shaped as vLLM's),
-    then ``[DONE]``. The leading blank line ends an event D left half-sent."""
-    return b"\n\ndata: " + error_body(502, message) + b"\n\ndata: [DONE]\n\n"
 
 
 async def _send_error(send: Send, status: int, message: str, param: str | None = None) -> None:

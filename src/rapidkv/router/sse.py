@@ -1,6 +1,7 @@
 """Finding the first token in an OpenAI server-sent-event stream (for router-side TTFT).
 
-`split_events` is the framing (shared with `stitch.EventSplitter`).
+`split_events` is the framing (shared with `stitch.EventSplitter`); `sse_error`
+ends a stream that failed with an error event.
 `FirstTokenDetector` is fed the raw bytes of a streamed answer, chunk by chunk,
 as they are relayed; it never changes them. It reports the first event that
 carries generated output: a choice with non-empty ``token_ids`` or ``text``, a
@@ -18,7 +19,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from rapidkv.router.rewrite import error_body
+
 MAX_BUFFER = 1 << 20
+
+
+def sse_error(message: str) -> bytes:
+    """The end of a stream that failed: an error event (a 502, shaped as vLLM's),
+    then ``[DONE]``. The leading blank line ends an event D left half-sent."""
+    return b"\n\ndata: " + error_body(502, message) + b"\n\ndata: [DONE]\n\n"
 
 
 def split_events(buffer: bytes) -> tuple[list[bytes], bytes]:
