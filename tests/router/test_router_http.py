@@ -618,11 +618,13 @@ class StatsServer:
 
     def __init__(self, secret: bytes | None) -> None:
         self.counters: dict[str, float] = {"transfer_kv_sent": 0, "recompute_fallbacks": 0}
+        self.asked = 0
         self.server = RpcServer(self.handle, secret=secret)
         self.server.start()
 
     async def handle(self, request: Request) -> Stats | ErrorReply:
         if isinstance(request, StatsRequest):
+            self.asked += 1
             return Stats(counters=dict(self.counters))
         return ErrorReply(Code.ERROR, "unexpected")
 
@@ -645,7 +647,7 @@ def test_a_decode_whose_every_transfer_falls_back_shows_as_degraded(
             degraded = metric(router, "rapidkv_router_transfers_degraded", instance=d.url)
             return report["status"], report["decode"][0]["transfers"], degraded
 
-        time.sleep(0.2)  # read at least once: idle, nothing to judge
+        wait_until(lambda: stats.asked >= 2, 5, what="two readings")  # idle: nothing to judge
         assert state() == ("ok", "unknown", 0)
         stats.counters = {"transfer_kv_sent": 5, "recompute_fallbacks": 5}
         wait_until(lambda: state() == ("degraded", "degraded", 1), 5, what="degraded")
