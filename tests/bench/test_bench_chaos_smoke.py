@@ -206,9 +206,11 @@ def _outcome(kind: str, error: str | None = None):
     return Outcome(0, kind, False, None, error=error)
 
 
-def _report(outcomes, free=(100.0, 100.0), recovery=(1.0, 2.0)):
+def _report(outcomes, free=(100.0, 100.0), recovery=(1.0, 2.0), idle=True):
     inc = SimpleNamespace(baseline_free_blocks=100.0, final={"transfers_ok": 5.0})
     quiesce = {
+        "idle": idle,
+        "timeout_s": 90.0,
         "took_s": 0.1,
         "instances": {
             role: {"free_blocks": f, "running": 0.0, "stats": {"transfers_ok": 1.0}}
@@ -242,6 +244,7 @@ def test_the_verdict_fails_on_hung_leak_mismatch_or_unclear_failure_only() -> No
     for bad in ("hung", "mismatch", "failed_unclear"):
         assert not _report([*fine, _outcome(bad, "x")])["ok"], bad
     assert not _report(fine, free=(100.0, 99.0))["ok"]
+    assert not _report(fine, idle=False)["ok"]  # the quiesce timed out
     slow = _report(fine, recovery=(1.0, 6.0))
     assert slow["ok"] and not slow["acceptance"]["met"]
     assert not _report(fine, recovery=(1.0, None))["ok"]

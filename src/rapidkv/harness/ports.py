@@ -46,6 +46,8 @@ def free_port(host: str = LOOPBACK) -> int:
     lo, hi = ephemeral_range()
     choices = [(LOWEST, lo - 1), (hi + 1, 65535)]
     choices = [(a, b) for a, b in choices if a <= b]
+    if not choices:
+        raise RuntimeError(f"the ephemeral range {lo}-{hi} leaves no port from {LOWEST} up")
     weights = [b - a + 1 for a, b in choices]
     with _lock:
         for _ in range(256):

@@ -303,9 +303,10 @@ class VLLMServer:
                 get_watchdog(self.log_dir).disown(self.tmp_dir)
             self.tmp_dir = None
 
-    def restart(self) -> None:
-        """Stop, then start again from the same spec (a new port unless the spec fixes one)."""
-        self.stop()
+    def restart(self, grace: float = 10.0) -> None:
+        """Stop (`grace` as in `stop`: 0 kills at once), then start again from the
+        same spec (a new port unless the spec fixes one)."""
+        self.stop(grace=grace)
         self.launch()
         self.wait_ready()
 

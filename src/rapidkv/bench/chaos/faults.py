@@ -191,12 +191,9 @@ class FaultSchedule:
             except Exception as e:  # counters of the killed process are then missing
                 self.say(f"chaos: {role}: no Stats before the kill: {e}")
             r.killed_s = time.monotonic() - pair.t_run
-            server.stop(grace=0)
-            self.say(f"chaos: {role} killed (request {r.at_request}); starting it again")
-            t_launch = time.monotonic()
-            server.launch()
-            server.wait_ready()
-            r.startup_s = time.monotonic() - t_launch
+            self.say(f"chaos: killing {role} (request {r.at_request}); starting it again")
+            server.restart(grace=0)
+            r.startup_s = server.startup_s
             healthy = time.monotonic()
             r.healthy_s = healthy - pair.t_run
             pair.begin(role)

@@ -92,9 +92,19 @@ def build_report(
         if n is None or n > 0:
             problems.append(f"{role}: {'unknown' if n is None else int(n)} leaked block(s)")
     for role, q in quiesce["instances"].items():
-        for key in ("running", "waiting", "transfers_live", "parked_now", "waiting_for_kv"):
+        for key in (
+            "running",
+            "waiting",
+            "transfers_live",
+            "parked_now",
+            "waiting_for_kv",
+            "held_blocks",
+            "held_requests",
+        ):
             if q.get(key):
                 problems.append(f"{role}: {key} {q[key]:g} after the quiesce")
+    if not quiesce.get("idle", False):
+        problems.append(f"not idle within the quiesce timeout ({quiesce.get('timeout_s')}s)")
     router = quiesce.get("router", {})
     if "error" in router:
         problems.append(f"router: not readable after the run: {router['error']}")
@@ -113,7 +123,7 @@ def build_report(
         if w.kind not in ("completed", "mismatch"):
             problems.append(f"warm-up request failed: {w.kind} {w.error}")
 
-    recovery_ok = bool(restarts) and all(
+    recovery_ok = all(
         r.recovery_s is not None and r.recovery_s <= RECOVERY_BOUND_S for r in restarts
     )
     clear = error_table(outcomes, "failed_clear")

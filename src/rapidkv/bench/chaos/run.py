@@ -227,8 +227,8 @@ class Chaos:
         }
         specs = pd_specs(
             self.model,
-            kv_transfer_config(pc, **faults),
-            kv_transfer_config(dc, **faults),
+            kv_transfer_config(pc, **faults),  # P sends: the faults are its
+            kv_transfer_config(dc),
             self.opts.server_args,
         )
         # fixed ports: a restarted instance comes back on its address
@@ -391,6 +391,7 @@ class Chaos:
 
         def settled() -> bool:
             try:
+                router.clear()  # an earlier failed reading is not this one's
                 router.update(router_view(router_url))
                 ok = not router["in_flight"] and not any(router["outstanding"].values())
             except Exception as e:
