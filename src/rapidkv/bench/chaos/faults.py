@@ -65,12 +65,15 @@ class Restart:
     error: str | None = None
     done: threading.Event = field(default_factory=threading.Event, repr=False)
     healthy: threading.Event = field(default_factory=threading.Event, repr=False)
+    # the router dispatches to it again (seen once: later requests need not ask)
+    dispatched: threading.Event = field(default_factory=threading.Event, repr=False)
+    healthy_at: float = field(default=0.0, repr=False)  # monotonic
 
     def row(self) -> dict[str, Any]:
         return {
             k: v
             for k, v in self.__dict__.items()
-            if not isinstance(v, threading.Event) and v is not None
+            if not isinstance(v, threading.Event) and v is not None and k != "healthy_at"
         }
 
 
@@ -157,10 +160,13 @@ class FaultSchedule:
         dispatches to it (or `GATE_S` passed since it was healthy)."""
         r = self.restarts[role]
         await _wait(r.healthy)
-        if r.error is not None:
+        if r.error is not None or r.dispatched.is_set():
             return
-        deadline = time.monotonic() + GATE_S
-        while time.monotonic() < deadline and not await asyncio.to_thread(self._dispatching, role):
+        deadline = r.healthy_at + GATE_S
+        while time.monotonic() < deadline:
+            if await asyncio.to_thread(self._dispatching, role):
+                r.dispatched.set()
+                return
             await asyncio.sleep(0.1)
 
     def _dispatching(self, role: str) -> bool:
@@ -194,7 +200,7 @@ class FaultSchedule:
             self.say(f"chaos: killing {role} (request {r.at_request}); starting it again")
             server.restart(grace=0)
             r.startup_s = server.startup_s
-            healthy = time.monotonic()
+            healthy = r.healthy_at = time.monotonic()
             r.healthy_s = healthy - pair.t_run
             pair.begin(role)
             p_ok0 = pair.stats("prefill").get("transfers_ok", 0.0)
