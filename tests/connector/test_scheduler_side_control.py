@@ -240,7 +240,8 @@ def test_a_p_that_never_confirms_holds_the_blocks_until_the_fence_timeout() -> N
         while not reported(side, "req-1"):
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        assert side.counters["abort_fence_gave_up"] == 1  # within the timeout, not before 0.5 s
+        assert 1.0 <= time.monotonic() - t0 < 2.0  # held the whole fence timeout, then given up
+        assert side.stats()["abort_fence_gave_up"] == 1
         assert p.asked >= 3
     finally:
         side.close()

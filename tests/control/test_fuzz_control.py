@@ -733,7 +733,9 @@ def test_a_reply_sent_as_a_request_gets_an_error_reply_and_reaches_no_handler(
     raw.send(raw.session.seal(9, encode(reply)) + raw.session.seal(10, encode(StatsRequest())))
     got: list[tuple[int, Reply]] = []
     while len(got) < 2:
-        got += replies_in(raw.session, raw.sock.recv(65536))
+        chunk = raw.sock.recv(65536)
+        assert chunk, "the server closed the connection"
+        got += replies_in(raw.session, chunk)
     raw.close()
     by_id = dict(got)
     assert isinstance(by_id[9], ErrorReply) and by_id[9].code == Code.ERROR

@@ -4,6 +4,7 @@ block pool."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -45,12 +46,14 @@ def pd_pair(
     tiny_model: Path,
     workloads: dict,
     pd_pair_specs: tuple[list[ServerSpec], tuple[str, str]],
-) -> Pair:
+) -> Iterator[Pair]:
     """The P/D pair (after the reference outputs exist: at most 2 servers run),
     started again if another group took its cores since the last test."""
     specs, (p_control, d_control) = pd_pair_specs
     p, d = server_pool.get("pd", specs)
-    return Pair(tiny_model, p, d, p_control, d_control)
+    pair = Pair(tiny_model, p, d, p_control, d_control)
+    yield pair
+    pair.close()
 
 
 @pytest.fixture(scope="session")

@@ -90,6 +90,10 @@ class Pair:
         self.p_control, self.d_control = p_control, d_control
         self.rpc = RpcClient()
 
+    def close(self) -> None:
+        """Close the control-plane client (the servers belong to the pool)."""
+        self.rpc.close()
+
     def params(self, xfer_id: str, mode: str | None = None) -> tuple[dict, dict]:
         """`kv_transfer_params` for P and for D of one transfer (as the router sets);
         `mode` is the request's transfer_kv_mode (None: P's configured default)."""

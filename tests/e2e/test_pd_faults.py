@@ -148,7 +148,6 @@ def test_an_instance_killed_mid_transfer_and_restarted_on_its_address_heals(
         else:  # a clear error, and P, told by the router, holds nothing within 1 s
             with pytest.raises(httpx.HTTPStatusError) as failed:
                 inflight.result(60)
-            answered = time.monotonic()
             assert failed.value.response.status_code == 502
             assert "did not answer" in failed.value.response.json()["error"]["message"]
             assert any(
@@ -156,11 +155,12 @@ def test_an_instance_killed_mid_transfer_and_restarted_on_its_address_heals(
                 for r in caplog.records
             ), "the router did not log why it stopped dispatching to D"
             assert wait_for(lambda: p_idle_at(pd_pair, before["p"]), 1.0), pd_pair.stats("p")
-            assert time.monotonic() - answered < 1.5
             a_known_dead_d_costs_p_nothing(pd_pair, router.url, prompts[1])
         restarted.launch()
         restarted.wait_ready()
         assert restarted.base_url == url
+        # the baseline: the other side's from before, the new process's as it started
+        baseline = dict(before, **{side: pd_pair.stats(side)})
         healthy = time.monotonic()
         # the router probes a down instance's /health every second
         role = "prefill" if side == "p" else "decode"
@@ -175,7 +175,7 @@ def test_an_instance_killed_mid_transfer_and_restarted_on_its_address_heals(
         assert pd_pair.stats("p")["peers_decode"] == 1
     # the restarted process has its own pool: nothing parked, live or awaited,
     # the engines idle, free blocks steady
-    assert_back_to_baseline(pd_pair, {"p": pd_pair.stats("p"), "d": pd_pair.stats("d")})
+    assert_back_to_baseline(pd_pair, baseline)
 
 
 # -- a client that goes away at every phase of its request: nothing stays behind
@@ -324,7 +324,11 @@ def router_process(pair: Pair, port: int, log_dir: Path) -> ManagedProcess:
     ]  # fmt: skip
     proc = ManagedProcess(argv, dict(os.environ), log_dir / f"router-{port}.log", name="router")
     url = f"http://127.0.0.1:{port}"
-    wait_until(lambda: router_healthy(url), 30, what="the router to start")
+    try:
+        wait_until(lambda: router_healthy(url), 30, what="the router to start")
+    except BaseException:
+        proc.stop(grace=0)
+        raise
     return proc
 
 
@@ -430,6 +434,8 @@ def test_with_every_transfer_failing_outputs_stay_exact_and_the_router_says_degr
     p_cfg = kv_transfer_config(pc, debug_fail_transfer_rate=1.0)
     p, d = server_pool.get("pd-failing", pd_specs(tiny_model, p_cfg, connector_config(dc)))
     pair = Pair(tiny_model, p, d, f"127.0.0.1:{pc}", f"127.0.0.1:{dc}")
+    cleanup = contextlib.ExitStack()
+    cleanup.callback(pair.close)  # after the last Stats read below
     prompts, expected = workloads["failing"]
     before = {"p": pair.stats("p"), "d": pair.stats("d")}
     config = RouterConfig(
@@ -439,21 +445,26 @@ def test_with_every_transfer_failing_outputs_stay_exact_and_the_router_says_degr
         split_prefill=False,
         transfer_check_interval_s=0.2,
     )
-    with start_router(config) as router:
-        for ids, want in zip(prompts, expected, strict=True):
-            assert complete_full(router.url, ids, MAX_TOKENS).token_ids == want
-        assert pair.since(before, "d", "recompute_fallbacks") == len(prompts)
-        assert pair.since(before, "p", "debug_injected_failures") == len(prompts)
+    with cleanup:
+        with start_router(config) as router:
+            for ids, want in zip(prompts, expected, strict=True):
+                assert complete_full(router.url, ids, MAX_TOKENS).token_ids == want
+            assert pair.since(before, "d", "recompute_fallbacks") == len(prompts)
+            assert pair.since(before, "p", "debug_injected_failures") == len(prompts)
 
-        def health() -> dict:
-            return httpx.get(f"{router.url}/health", timeout=10).json()
+            def health() -> dict:
+                return httpx.get(f"{router.url}/health", timeout=10).json()
 
-        wait_until(lambda: health()["status"] == "degraded", 5, what="the router to say degraded")
-        assert health()["decode"][0]["transfers"] == "degraded"
-        assert (
-            metric_sum(
-                get_metrics(router.url), "rapidkv_router_transfers_degraded", instance=d.base_url
+            wait_until(
+                lambda: health()["status"] == "degraded", 5, what="the router to say degraded"
             )
-            == 1
-        )
-    assert_back_to_baseline(pair, before)
+            assert health()["decode"][0]["transfers"] == "degraded"
+            assert (
+                metric_sum(
+                    get_metrics(router.url),
+                    "rapidkv_router_transfers_degraded",
+                    instance=d.base_url,
+                )
+                == 1
+            )
+        assert_back_to_baseline(pair, before)

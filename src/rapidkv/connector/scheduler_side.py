@@ -788,7 +788,8 @@ class SchedulerSide:
                 return
             with self._lock:
                 self.counters["abort_retries"] += 1
-            if time.monotonic() + backoff[0] > deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 log.error(
                     "rapidkv %s: %s never confirmed the abort of %s (%s) within %gs; "
                     "its blocks are given up and a late write of it could land in them",
@@ -808,7 +809,7 @@ class SchedulerSide:
                 c.xfer_id,
                 why,
             )
-            _later(backoff[0], send)
+            _later(min(backoff[0], deadline - now), send)  # the last try at the deadline
             backoff[0] = min(backoff[0] * 2, 2.0)
 
         if not c.prefill_control:
