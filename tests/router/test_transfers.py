@@ -11,25 +11,36 @@ from rapidkv.router.transfers import STATES, TransferWatch
 pytestmark = pytest.mark.unit
 
 
-def reading(sent: float, fell_back: float) -> dict[str, float]:
-    return {"transfer_kv_sent": sent, "recompute_fallbacks": fell_back}
+def reading(ok: float, fell_back: float, sent: float = 0) -> dict[str, float]:
+    return {"transfer_kv_ok": ok, "recompute_fallbacks": fell_back, "transfer_kv_sent": sent}
 
 
 def test_every_transfer_falling_back_is_degraded_and_one_success_is_ok() -> None:
     watch = TransferWatch(2)
     assert watch.observe(0, reading(10, 0)) is None  # a first reading compares nothing
     assert watch.state(0) == "unknown"
-    assert watch.observe(0, reading(14, 4)) == "degraded"
-    assert watch.observe(0, reading(14, 4)) is None  # idle: the state stays
+    assert watch.observe(0, reading(10, 4)) == "degraded"
+    assert watch.observe(0, reading(10, 4)) is None  # idle: the state stays
     assert watch.state(0) == "degraded"
-    assert watch.observe(0, reading(20, 9)) == "ok"  # one of six crossed
+    assert watch.observe(0, reading(11, 9)) == "ok"  # one of six crossed
     assert watch.state(1) == "unknown"
+
+
+def test_transfers_in_flight_at_a_reading_do_not_make_a_failing_pair_look_ok() -> None:
+    """Sent before a reading, fallen back after it: only ends are compared."""
+    watch = TransferWatch(1)
+    watch.observe(0, reading(0, 0, sent=0))
+    assert watch.observe(0, reading(0, 0, sent=1)) is None  # in flight: nothing ended
+    assert watch.observe(0, reading(0, 1, sent=2)) == "degraded"
+    assert watch.observe(0, reading(0, 1, sent=2)) is None
+    assert watch.observe(0, reading(0, 2, sent=2)) is None  # the last one fell back too
+    assert watch.state(0) == "degraded"
 
 
 def test_a_restart_or_an_unreadable_instance_starts_over() -> None:
     watch = TransferWatch(1)
     watch.observe(0, reading(10, 0))
-    assert watch.observe(0, reading(12, 2)) == "degraded"
+    assert watch.observe(0, reading(10, 2)) == "degraded"
     assert watch.observe(0, reading(1, 1)) is None  # counters went down: restarted
     assert watch.state(0) == "degraded"
     assert watch.observe(0, reading(3, 1)) == "ok"
@@ -47,8 +58,9 @@ def test_the_state_follows_the_latest_window_with_transfers(readings: list) -> N
         if r is None:
             expected, last = "unknown", None
             continue
-        if last is not None and r[0] >= last[0] and r[1] >= last[1] and r[0] > last[0]:
-            expected = "degraded" if r[1] - last[1] >= r[0] - last[0] else "ok"
+        grew = last is not None and r[0] >= last[0] and r[1] >= last[1]
+        if grew and r != last:
+            expected = "ok" if r[0] > last[0] else "degraded"
         last = r
         assert watch.state(0) in STATES
     assert watch.state(0) == expected

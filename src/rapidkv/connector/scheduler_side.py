@@ -706,9 +706,11 @@ class SchedulerSide:
                 return
             # a split prefill's tail is computing now, waiting for the head: no retries
             retry = reply.code in (Code.NOT_FOUND, Code.BUSY) and not c.split
-            if reply.code == Code.OK and c.split:
+            if reply.code == Code.OK:
                 with self._lock:
-                    self._split_over(c.xfer_id, ok=True)
+                    self.counters["transfer_kv_ok"] += 1
+                    if c.split:
+                        self._split_over(c.xfer_id, ok=True)
             elif retry and time.monotonic() + backoff[0] < deadline:
                 # NOT_FOUND: P has not seen the request within its park TTL;
                 # BUSY: too many of our transfers outstanding there. Ask again later.
