@@ -37,7 +37,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from rapidkv.router.config import Instance, RouterConfig
+from rapidkv.router.config import ROLES, Instance, RouterConfig
 from rapidkv.router.proxy import Router
 from rapidkv.router.rewrite import Endpoint, error_body
 from rapidkv.router.upstream import UPSTREAM_ERRORS, get
@@ -69,16 +69,20 @@ def build_app(config: RouterConfig) -> Starlette:
 
     async def health(request: Request) -> Response:
         timeout = config.health_timeout_s
-        roles = {"prefill": config.prefill, "decode": config.decode}
-        checks = {
-            role: await asyncio.gather(*(_check_health(router.http, i, timeout) for i in insts))
-            for role, insts in roles.items()
-        }
-        for role, results in checks.items():
-            for i, result in enumerate(results):
-                result["dispatching"] = router.is_up(role, i)
+        members = config.members
+        results = await asyncio.gather(
+            *(_check_health(router.http, m.instance, timeout) for m in members)
+        )
+        checks: dict[str, list[dict[str, Any]]] = {}
+        for role in ROLES:  # an instance that may play both roles is listed under both
+            checks[role] = []
+            for i, index in enumerate(config.pool(role)):
+                result = dict(results[index], dispatching=router.is_up(role, i))
+                if members[index].label == "both":
+                    result["role"] = "both"
                 if role == "decode":
                     result["transfers"] = router.transfers(i)
+                checks[role].append(result)
         needed = ["decode"] if config.dispatch == "local" else ["prefill", "decode"]
         ok = all(any(c["healthy"] for c in checks[role]) for role in needed)
         degraded = any(c["transfers"] == "degraded" for c in checks["decode"])
@@ -88,7 +92,7 @@ def build_app(config: RouterConfig) -> Starlette:
 
     async def models(request: Request) -> Response:
         failures = []
-        for inst in config.decode:
+        for inst in config.role_instances("decode"):
             url, timeout = f"{inst.url}/v1/models", config.health_timeout_s
             try:
                 status, raw, content_type = await get(router.http, url, timeout, _auth(request))

@@ -10,7 +10,9 @@ Invariants:
 - `acquire` returns an eligible instance with the fewest outstanding requests
   among the eligible ones. Among
   several such instances it returns the first at or after a cursor that moves
-  past each pick, so equal loads are served round-robin.
+  past each pick, so equal loads are served round-robin. Each `turn` (e.g. a
+  role) has a cursor of its own, so picks for one role do not skip instances
+  of another; the counts are shared.
 """
 
 from __future__ import annotations
@@ -25,9 +27,9 @@ class LeastOutstanding:
         if n < 1:
             raise ValueError("need at least one instance")
         self._counts = [0] * n
-        self._cursor = 0
+        self._cursors: dict[str, int] = {}
 
-    def acquire(self, eligible: Collection[int] | None = None) -> int:
+    def acquire(self, eligible: Collection[int] | None = None, turn: str = "") -> int:
         """Pick an instance (among `eligible`, default all) and count one more
         request outstanding on it. ValueError if `eligible` is empty."""
         n = len(self._counts)
@@ -35,12 +37,13 @@ class LeastOutstanding:
         if not allowed:
             raise ValueError("no eligible instance")
         low = min(self._counts[i] for i in allowed)
+        cursor = self._cursors.get(turn, 0)
         for k in range(n):
-            i = (self._cursor + k) % n
+            i = (cursor + k) % n
             if self._counts[i] == low and i in allowed:
                 break
         self._counts[i] += 1
-        self._cursor = (i + 1) % n
+        self._cursors[turn] = (i + 1) % n
         return i
 
     def release(self, i: int) -> None:

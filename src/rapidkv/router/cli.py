@@ -28,6 +28,15 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     parser.add_argument(
         "--decode", action="append", default=[], metavar=inst, help="a decode instance (repeatable)"
     )
+    parser.add_argument(
+        "--instance",
+        action="append",
+        default=[],
+        metavar=inst,
+        help="an instance that may prefill or decode (its connector runs as kv_both): the "
+        "router chooses its role per request (repeatable; combines with --prefill/--decode, "
+        "which pin a role)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
     parser.add_argument("--port", type=int, default=8000, help="port (default %(default)s)")
     parser.add_argument(
@@ -88,6 +97,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         prefill=tuple(Instance.parse(text) for text in args.prefill),
         decode=tuple(Instance.parse(text) for text in args.decode),
+        instances=tuple(Instance.parse(text) for text in args.instance),
         host=args.host,
         port=args.port,
         dispatch=args.dispatch,

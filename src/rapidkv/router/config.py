@@ -5,9 +5,11 @@ Invariants (checked on construction, so a running router never meets a bad value
   trailing slash, query or fragment (OpenAI paths such as ``/v1/completions``
   are appended to it), and its control address, when given, parses as
   ``host:port``;
-- a `RouterConfig` has at least one decode instance, and at least one prefill
-  instance unless it dispatches `local`;
-- URLs are unique within each role (the least-outstanding choice counts per URL).
+- a `RouterConfig` has at least one instance that may decode, and at least
+  one that may prefill unless it dispatches `local`;
+- URLs are unique within each list (`prefill`, `decode`, `instances`); a URL
+  given in several lists is one `Member` with every role they give it, and at
+  most one control address.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from rapidkv.control.address import parse_address
 
 Dispatch = Literal["dual", "serial", "local"]
 DISPATCH_MODES: tuple[str, ...] = get_args(Dispatch)
+Role = Literal["prefill", "decode"]
+ROLES: tuple[Role, ...] = get_args(Role)
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,38 @@ class Instance:
 
 
 @dataclass(frozen=True)
+class Member:
+    """One instance of the fleet and the roles the router may give it: a
+    ``--prefill`` or ``--decode`` instance is pinned to that role, an
+    ``--instance`` (connector as ``kv_both``) takes either, per request."""
+
+    instance: Instance
+    roles: frozenset[Role]
+
+    @property
+    def label(self) -> str:
+        """``prefill``, ``decode`` or ``both`` (the ``role`` label of its metrics)."""
+        return "both" if len(self.roles) > 1 else next(iter(self.roles))
+
+
+def _members(lists: tuple[tuple[tuple[Instance, ...], frozenset[Role]], ...]) -> tuple[Member, ...]:
+    """Instances merged by URL, in order of first appearance."""
+    merged: dict[str, Member] = {}
+    for instances, roles in lists:
+        for inst in instances:
+            known = merged.get(inst.url)
+            if known is None:
+                merged[inst.url] = Member(inst, roles)
+                continue
+            a, b = known.instance.control, inst.control
+            if a is not None and b is not None and a != b:
+                raise ValueError(f"instance {inst.url} is given two control addresses: {a}, {b}")
+            inst = inst if a is None else known.instance
+            merged[inst.url] = Member(inst, known.roles | roles)
+    return tuple(merged.values())
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     """Everything `rapidkv router` needs. Timeouts are in seconds.
 
@@ -69,8 +105,10 @@ class RouterConfig:
     the whole request. `secret` authenticates control-plane messages (Abort).
     """
 
-    prefill: tuple[Instance, ...]
-    decode: tuple[Instance, ...]
+    prefill: tuple[Instance, ...] = ()
+    decode: tuple[Instance, ...] = ()
+    # instances that may prefill or decode (their connector runs as kv_both)
+    instances: tuple[Instance, ...] = ()
     host: str = "127.0.0.1"
     port: int = 8000
     dispatch: Dispatch = "dual"
@@ -98,18 +136,26 @@ class RouterConfig:
     max_body_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "prefill", tuple(self.prefill))
-        object.__setattr__(self, "decode", tuple(self.decode))
+        for name in ("prefill", "decode", "instances"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+            urls = [i.url for i in getattr(self, name)]
+            if len(set(urls)) != len(urls):
+                raise ValueError(f"{name} URLs must be unique: {urls}")
         if self.dispatch not in DISPATCH_MODES:
             raise ValueError(f"dispatch must be one of {DISPATCH_MODES}, not {self.dispatch!r}")
-        if not self.decode:
-            raise ValueError("a router needs at least one decode instance")
-        if not self.prefill and self.dispatch != "local":
+        both: frozenset[Role] = frozenset(ROLES)
+        members = _members(
+            (
+                (self.prefill, frozenset({"prefill"})),
+                (self.decode, frozenset({"decode"})),
+                (self.instances, both),
+            )
+        )
+        object.__setattr__(self, "_members", members)
+        if not self.pool("decode"):
+            raise ValueError("a router needs at least one instance that may decode")
+        if not self.pool("prefill") and self.dispatch != "local":
             raise ValueError(f"dispatch {self.dispatch!r} needs at least one prefill instance")
-        for role, instances in (("prefill", self.prefill), ("decode", self.decode)):
-            urls = [i.url for i in instances]
-            if len(set(urls)) != len(urls):
-                raise ValueError(f"{role} URLs must be unique: {urls}")
         if not self.host:
             raise ValueError("give the host to bind explicitly (0.0.0.0 for every interface)")
         if not 0 <= self.port < 65536:
@@ -120,6 +166,20 @@ class RouterConfig:
             raise ValueError(f"probe_interval_s must be > 0, not {self.probe_interval_s}")
         if self.secret is not None and not self.secret:
             raise ValueError("an empty shared secret authenticates nothing; use None")
+
+    @property
+    def members(self) -> tuple[Member, ...]:
+        """Every instance once (merged by URL), in configuration order: the
+        indices the router's health, balancing and placement use."""
+        return self._members  # type: ignore[attr-defined,no-any-return]
+
+    def pool(self, role: Role) -> tuple[int, ...]:
+        """Indices (into `members`) of the instances that may play `role`."""
+        return tuple(i for i, m in enumerate(self.members) if role in m.roles)
+
+    def role_instances(self, role: Role) -> tuple[Instance, ...]:
+        """The instances that may play `role`, in `pool` order."""
+        return tuple(self.members[i].instance for i in self.pool(role))
 
     def replace(self, **changes: object) -> RouterConfig:
         """A copy with `changes` applied (validated again)."""

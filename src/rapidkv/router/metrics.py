@@ -1,8 +1,10 @@
 """The router's Prometheus metrics, in a registry of their own (served at ``/metrics``).
 
 Names and labels (``endpoint`` is ``completions`` | ``chat``; ``dispatch`` is
-``dual`` | ``serial`` | ``local``; ``role`` is ``prefill`` | ``decode``;
-``instance`` is the instance's base URL):
+``dual`` | ``serial`` | ``local``; ``role`` is ``prefill`` | ``decode`` (the
+part an upstream request plays) or, on per-instance series, also ``both`` (an
+instance that may play either, ``--instance``); ``instance`` is the instance's
+base URL):
 
 - ``rapidkv_router_requests_total{endpoint,dispatch,outcome}``: requests by
   how they ended (`OUTCOMES`).
@@ -144,13 +146,14 @@ class RouterMetrics:
             self.e2e.labels(endpoint, config.dispatch)
             for outcome in OUTCOMES:
                 self.requests.labels(endpoint, config.dispatch, outcome)
-        for role, instances in (("prefill", config.prefill), ("decode", config.decode)):
-            for inst in instances:
-                self.outstanding.labels(role, inst.url).set(0)
-                self.instance_up.labels(role, inst.url).set(1)
-                if role == "decode":
-                    self.transfers_degraded.labels(inst.url).set(0)
+        for member in config.members:
+            url = member.instance.url
+            self.outstanding.labels(member.label, url).set(0)
+            self.instance_up.labels(member.label, url).set(1)
+            if "decode" in member.roles:
+                self.transfers_degraded.labels(url).set(0)
+            for role in member.roles:
                 for kind in UPSTREAM_ERROR_KINDS:
-                    self.upstream_errors.labels(role, inst.url, kind)
+                    self.upstream_errors.labels(role, url, kind)
         for outcome in ("ok", "failed"):
             self.control_aborts.labels(outcome)

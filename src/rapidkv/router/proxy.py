@@ -70,7 +70,7 @@ from starlette.types import Message, Receive, Scope, Send
 from rapidkv.control.messages import AbortReason
 from rapidkv.router.aborts import ControlAborter
 from rapidkv.router.balance import LeastOutstanding
-from rapidkv.router.config import Instance, RouterConfig
+from rapidkv.router.config import ROLES, Instance, Role, RouterConfig
 from rapidkv.router.discovery import (
     DiscoveryError,
     block_size_from_answer,
@@ -173,13 +173,12 @@ class Router:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.metrics = RouterMetrics(config)
-        self._instances = {"prefill": config.prefill, "decode": config.decode}
-        self._balancers = {
-            role: LeastOutstanding(len(instances))
-            for role, instances in self._instances.items()
-            if instances
-        }
-        self._health = {role: InstanceHealth(len(i)) for role, i in self._instances.items()}
+        # every instance once (`RouterConfig.members`); health and the
+        # outstanding counts are per instance, whatever role its requests play
+        self._members = config.members
+        self._pools = {role: config.pool(role) for role in ROLES}
+        self._balancer = LeastOutstanding(len(self._members))
+        self._health = InstanceHealth(len(self._members))
         self._aborter = ControlAborter(config.secret, config.abort_timeout_s, self.metrics)
         self._transfers = TransferWatcher(config, self.metrics)
         self._http: aiohttp.ClientSession | None = None
@@ -199,7 +198,7 @@ class Router:
     def discover_all(self) -> None:
         """Start asking every prefill instance configured without a control
         address for it (done again on first use if an instance was not up yet)."""
-        for inst in self.config.prefill if self.config.discover else ():
+        for inst in self.config.role_instances("prefill") if self.config.discover else ():
             if inst.control is None:
                 self._discovery_task(inst)
 
@@ -343,12 +342,34 @@ class Router:
     ) -> str:
         """Dispatch `ex`; return its outcome (see `metrics.OUTCOMES`)."""
         mode = self.config.dispatch
-        if not self._health["decode"].up():  # nothing can answer: P is not asked either
+        if not self._up("decode"):  # nothing can answer: P is not asked either
             await _send_error(send, 503, f"no decode instance is up: {self._down_reasons()}")
             return "unavailable"
-        if mode != "local" and not self._health["prefill"].up():
-            mode = "local"  # D computes the prompt itself
-            self.metrics.without_prefill.inc()
+        d_index, ex.decode = self._acquire("decode")
+        try:
+            return await self._route_to(ex, body, raw, receive, send, mode, d_index)
+        finally:
+            self._release(d_index)
+
+    async def _route_to(
+        self,
+        ex: Exchange,
+        body: dict[str, Any],
+        raw: bytes,
+        receive: Receive,
+        send: Send,
+        mode: str,
+        d_index: int,
+    ) -> str:
+        """Dispatch `ex`, whose decode instance is `d_index`; its outcome."""
+        assert ex.decode is not None
+        if mode != "local":
+            others = [i for i in self._pools["prefill"] if i != d_index]
+            if not others:
+                mode = "local"  # the decoder is the only instance that may prefill
+            elif not any(self._health.is_up(i) for i in others):
+                mode = "local"  # D computes the prompt itself
+                self.metrics.without_prefill.inc()
         stitching = (
             mode == "dual" and self.config.prefill_first_token and stitchable(body, ex.endpoint)
         )
@@ -360,14 +381,14 @@ class Router:
             if mode == "local":
                 d_content = raw
             else:
-                p_index, ex.prefill = self._acquire("prefill")
+                p_index, ex.prefill = self._acquire("prefill", exclude=d_index)
                 split, ids = 0, None
                 try:
                     ex.prefill = await self._with_control(ex.prefill, ex)
-                    if mode == "dual" and self._may_split(ex, body, p_index):
+                    if mode == "dual" and self._may_split(ex, body, p_index, d_index):
                         split, ids = await self._split_point(ex, body)
                 except BaseException:
-                    self._release("prefill", p_index)
+                    self._release(p_index)
                     raise
                 if split:
                     assert ids is not None
@@ -398,7 +419,6 @@ class Router:
                 d_content = encode(
                     decode_body(body, ex.xfer_id, ex.prefill, first_token=stitching, split=split)
                 )
-            d_index, ex.decode = self._acquire("decode")
             relay = asyncio.create_task(
                 self._relay(d_index, ex.decode, d_content, ex, send, stitch)
             )
@@ -435,11 +455,13 @@ class Router:
             return 0, None
         return split_point(len(ids), ex.prefill.block_size, self.config.split_fraction), ids
 
-    def _may_split(self, ex: Exchange, body: Body, p_index: int) -> bool:
+    def _may_split(self, ex: Exchange, body: Body, p_index: int, d_index: int) -> bool:
         """Split this request's prefill: enabled, possible for this request and
         P, not asked for in a `transfer_kv_mode` that sends P's KV after its step
-        (the client measures that mode), and nothing else in flight on P (but
-        this) or on any D."""
+        (the client measures that mode), and nothing else in flight on P or on
+        any instance that may decode (but this request's two parts)."""
+        mine = {p_index, d_index}
+        busy = self._balancer.outstanding
         p = ex.prefill
         return (
             self.config.split_prefill
@@ -448,8 +470,7 @@ class Router:
             and p.block_size is not None
             and splittable(body, ex.endpoint)
             and client_transfer_kv_mode(body) in (None, "substep")
-            and self.outstanding("prefill")[p_index] == 1
-            and not any(self.outstanding("decode"))
+            and all(busy(i) == (1 if i in mine else 0) for i in {p_index, *self._pools["decode"]})
         )
 
     def _prefill_done(self, ex: Exchange, task: asyncio.Task[bool]) -> None:
@@ -501,14 +522,14 @@ class Router:
                 kind = "stream" if answered else "connect"
                 self._upstream_error("prefill", inst, kind, ex, repr(e))
                 if not answered:
-                    self._mark_down("prefill", index, repr(e))
+                    self._mark_down(index, repr(e))
                 return False
             if resp.status >= 400:
                 detail = f"HTTP {resp.status}: {data[:500]!r}"
                 self._upstream_error("prefill", inst, "status", ex, detail)
                 return False
             if data:
-                self._learn_control(self._instances["prefill"][index], data)
+                self._learn_control(self._members[index].instance, data)
             log.debug(
                 "xfer %s: prefill on %s answered %d after %.3fs",
                 ex.xfer_id,
@@ -520,7 +541,7 @@ class Router:
         finally:
             if first is not None and not first.done():
                 first.set_result(None)
-            self._release("prefill", index)
+            self._release(index)
 
     async def _relay(
         self,
@@ -534,52 +555,49 @@ class Router:
         """D's request, its answer relayed to the client as it comes (P's first token
         stitched in front with `stitch`); returns the outcome."""
         try:
-            try:
-                resp = await self.http.post(
-                    inst.url + ex.path, data=content, headers=ex.upstream_headers
-                )
-            except UPSTREAM_ERRORS as e:
-                self._upstream_error("decode", inst, "connect", ex, repr(e))
-                self._mark_down("decode", index, repr(e))
-                await _send_error(send, 502, f"decode instance {inst.url} did not answer: {e!r}")
-                return "unreachable"
-            try:
-                ex.status = resp.status
-                await send(
-                    {
-                        "type": "http.response.start",
-                        "status": resp.status,
-                        "headers": _relayed_headers(resp.raw_headers, ex.xfer_id),
-                    }
-                )
-                content_type = resp.headers.get("content-type", "")
-                streaming = resp.status < 400 and content_type.startswith("text/event-stream")
-                try:
-                    if streaming and stitch is not None:
-                        failed = await self._relay_stitched(resp, stitch, inst, ex, send)
-                        if failed is not None:
-                            return failed
-                    else:
-                        await self._relay_raw(resp, streaming, ex, send)
-                except (*UPSTREAM_ERRORS, StreamError) as e:
-                    self._upstream_error("decode", inst, "stream", ex, repr(e))
-                    if not streaming:
-                        return "stream_error"  # its length was announced: the client sees it cut
-                    why = f"decode instance {inst.url} broke off the answer: {e!r}"
-                    await send({"type": "http.response.body", "body": sse_error(why)})
-                    return "stream_error"
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-            finally:
-                resp.release()  # back to the pool if read to its end, else closed (D aborts)
-            if resp.status >= 400:
-                self._upstream_error("decode", inst, "status", ex, f"HTTP {resp.status}")
-                return "upstream_error"
-            self.metrics.e2e.labels(ex.endpoint, self.config.dispatch).observe(
-                time.monotonic() - ex.t_start
+            resp = await self.http.post(
+                inst.url + ex.path, data=content, headers=ex.upstream_headers
             )
-            return "ok"
+        except UPSTREAM_ERRORS as e:
+            self._upstream_error("decode", inst, "connect", ex, repr(e))
+            self._mark_down(index, repr(e))
+            await _send_error(send, 502, f"decode instance {inst.url} did not answer: {e!r}")
+            return "unreachable"
+        try:
+            ex.status = resp.status
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": resp.status,
+                    "headers": _relayed_headers(resp.raw_headers, ex.xfer_id),
+                }
+            )
+            content_type = resp.headers.get("content-type", "")
+            streaming = resp.status < 400 and content_type.startswith("text/event-stream")
+            try:
+                if streaming and stitch is not None:
+                    failed = await self._relay_stitched(resp, stitch, inst, ex, send)
+                    if failed is not None:
+                        return failed
+                else:
+                    await self._relay_raw(resp, streaming, ex, send)
+            except (*UPSTREAM_ERRORS, StreamError) as e:
+                self._upstream_error("decode", inst, "stream", ex, repr(e))
+                if not streaming:
+                    return "stream_error"  # its length was announced: the client sees it cut
+                why = f"decode instance {inst.url} broke off the answer: {e!r}"
+                await send({"type": "http.response.body", "body": sse_error(why)})
+                return "stream_error"
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            self._release("decode", index)
+            resp.release()  # back to the pool if read to its end, else closed (D aborts)
+        if resp.status >= 400:
+            self._upstream_error("decode", inst, "status", ex, f"HTTP {resp.status}")
+            return "upstream_error"
+        self.metrics.e2e.labels(ex.endpoint, self.config.dispatch).observe(
+            time.monotonic() - ex.t_start
+        )
+        return "ok"
 
     async def _relay_raw(
         self, resp: aiohttp.ClientResponse, streaming: bool, ex: Exchange, send: Send
@@ -690,24 +708,25 @@ class Router:
         task.add_done_callback(self._background.discard)
         return task
 
-    def _mark_down(self, role: str, index: int, reason: str) -> None:
+    def _mark_down(self, index: int, reason: str) -> None:
         """A request to this instance got no answer: dispatch nothing more to it
         until its /health answers 200 (probed every `probe_interval_s`)."""
-        if not self._health[role].mark_down(index, reason):
+        if not self._health.mark_down(index, reason):
             return
-        inst = self._instances[role][index]
+        member = self._members[index]
         log.warning(
             "%s instance %s is down (%s); probing its /health every %gs",
-            role,
-            inst.url,
+            member.label,
+            member.instance.url,
             reason,
             self.config.probe_interval_s,
         )
-        self.metrics.instance_up.labels(role, inst.url).set(0)
-        self._spawn(self._probe(role, index))
+        self.metrics.instance_up.labels(member.label, member.instance.url).set(0)
+        self._spawn(self._probe(index))
 
-    async def _probe(self, role: str, index: int) -> bool:
-        inst = self._instances[role][index]
+    async def _probe(self, index: int) -> bool:
+        member = self._members[index]
+        inst = member.instance
         while True:
             await asyncio.sleep(self.config.probe_interval_s)
             try:
@@ -717,7 +736,7 @@ class Router:
             except UPSTREAM_ERRORS:
                 continue
             if status == 200:
-                if role == "prefill" and inst.control is None and self.config.discover:
+                if "prefill" in member.roles and inst.control is None and self.config.discover:
                     # a restarted instance may listen elsewhere: ask again before
                     # dispatching to it
                     self._discovery.pop(inst.url, None)
@@ -725,43 +744,49 @@ class Router:
                     try:
                         await self._discovery_task(inst)
                     except DiscoveryError as e:
-                        log.info("%s instance %s answers /health: %s", role, inst.url, e)
+                        log.info("%s instance %s answers /health: %s", member.label, inst.url, e)
                         continue
-                self._health[role].mark_up(index)
-                self.metrics.instance_up.labels(role, inst.url).set(1)
-                log.info("%s instance %s is up again", role, inst.url)
+                self._health.mark_up(index)
+                self.metrics.instance_up.labels(member.label, inst.url).set(1)
+                log.info("%s instance %s is up again", member.label, inst.url)
                 return True
 
     def transfers(self, index: int) -> str:
-        """Whether decode instance `index` transfers: ``ok``, ``degraded`` or
-        ``unknown`` (`transfers`)."""
+        """Whether the `index`-th instance that may decode transfers: ``ok``,
+        ``degraded`` or ``unknown`` (`transfers`)."""
         return self._transfers.state(index)
 
-    def is_up(self, role: str, index: int) -> bool:
-        """Whether the router dispatches to instance `index` of `role` now."""
-        return self._health[role].is_up(index)
+    def is_up(self, role: Role, index: int) -> bool:
+        """Whether the router dispatches to the `index`-th instance of `role` now."""
+        return self._health.is_up(self._pools[role][index])
+
+    def _up(self, role: Role) -> list[int]:
+        """The instances that may play `role` and are up."""
+        return [i for i in self._pools[role] if self._health.is_up(i)]
 
     def _down_reasons(self) -> str:
-        health = self._health["decode"]
-        downs = [(inst, health.down(i)) for i, inst in enumerate(self._instances["decode"])]
+        downs = [(self._members[i].instance, self._health.down(i)) for i in self._pools["decode"]]
         return "; ".join(f"{inst.url} ({why})" for inst, why in downs if why is not None)
 
-    def _acquire(self, role: str) -> tuple[int, Instance]:
+    def _acquire(self, role: Role, exclude: int | None = None) -> tuple[int, Instance]:
+        """An instance for a request of `role` (not `exclude`), counted outstanding."""
         # every instance down since the caller looked: try them all (the request fails
         # like any to a dead instance) rather than fail here
-        index = self._balancers[role].acquire(self._health[role].up() or None)
-        inst = self._instances[role][index]
-        self.metrics.outstanding.labels(role, inst.url).inc()
-        return index, inst
+        pool = [i for i in self._pools[role] if i != exclude]
+        up = [i for i in pool if self._health.is_up(i)]
+        index = self._balancer.acquire(up or pool, turn=role)
+        member = self._members[index]
+        self.metrics.outstanding.labels(member.label, member.instance.url).inc()
+        return index, member.instance
 
-    def _release(self, role: str, index: int) -> None:
-        self._balancers[role].release(index)
-        self.metrics.outstanding.labels(role, self._instances[role][index].url).dec()
+    def _release(self, index: int) -> None:
+        self._balancer.release(index)
+        member = self._members[index]
+        self.metrics.outstanding.labels(member.label, member.instance.url).dec()
 
-    def outstanding(self, role: str) -> list[int]:
-        """Requests in flight on each instance of `role`, in configuration order."""
-        balancer = self._balancers.get(role)
-        return [balancer.outstanding(i) for i in range(len(balancer))] if balancer else []
+    def outstanding(self, role: Role) -> list[int]:
+        """Requests in flight on each instance that may play `role`, in `pool` order."""
+        return [self._balancer.outstanding(i) for i in self._pools[role]]
 
     def _upstream_error(
         self, role: str, inst: Instance, kind: str, ex: Exchange, detail: str

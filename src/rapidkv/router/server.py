@@ -177,7 +177,9 @@ def _stop_quietly(signum: int, frame: FrameType | None) -> None:
 
 
 def describe(config: RouterConfig) -> str:
-    """One line: dispatch mode and instances."""
-    prefill = ", ".join(map(str, config.prefill)) or "-"
-    decode = ", ".join(map(str, config.decode))
-    return f"dispatch {config.dispatch}; prefill {prefill}; decode {decode}"
+    """One line: dispatch mode and instances, by the roles they may play."""
+    groups: dict[str, list[str]] = {}
+    for member in config.members:
+        groups.setdefault(member.label, []).append(str(member.instance))
+    listed = "; ".join(f"{label} {', '.join(urls)}" for label, urls in groups.items())
+    return f"dispatch {config.dispatch}; {listed}"

@@ -1,9 +1,10 @@
 """Reading each decode instance's connector counters over the control plane, so
 that a pair that is up but not transferring shows as degraded (`transfers`).
 
-Only decode instances configured with a control address (``--decode
-URL=HOST:PORT``) are read. A reading that fails (refused, timed out, wrong
-secret) makes that instance's state ``unknown``; it is logged once per change.
+Only instances that may decode and are configured with a control address
+(``--decode URL=HOST:PORT``, ``--instance URL=HOST:PORT``) are read. A reading
+that fails (refused, timed out, wrong secret) makes that instance's state
+``unknown``; it is logged once per change.
 """
 
 from __future__ import annotations
@@ -26,13 +27,14 @@ class TransferWatcher:
     def __init__(self, config: RouterConfig, metrics: RouterMetrics) -> None:
         self._config = config
         self._metrics = metrics
-        self._watch = TransferWatch(len(config.decode))
+        self._decoders = config.role_instances("decode")
+        self._watch = TransferWatch(len(self._decoders))
         self._client: RpcClient | None = None
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         """Start polling (on the serving loop), if there is anything to read."""
-        watched = [i.control for i in self._config.decode if i.control]
+        watched = [i.control for i in self._decoders if i.control]
         if watched and self._config.transfer_check_interval_s > 0:
             self._client = RpcClient(secret=self._config.secret)
             self._task = asyncio.create_task(self._run())
@@ -44,7 +46,7 @@ class TransferWatcher:
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self._config.transfer_check_interval_s)
-            for index, inst in enumerate(self._config.decode):
+            for index, inst in enumerate(self._decoders):
                 if inst.control:
                     self._observe(index, inst.url, await self._read(inst.control))
 
