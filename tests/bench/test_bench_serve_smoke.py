@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from rapidkv.bench.serve import Options
-from rapidkv.bench.serve_loads import Load
-from rapidkv.bench.serve_nixl_tuning import guarded_setaffinity, parse_cpus, patch_nixl_api
-from rapidkv.bench.serve_proxy import prefill_body
-from rapidkv.bench.serve_report import acceptance_report, stall_report, to_json
-from rapidkv.bench.serve_stats import (
+from rapidkv.bench.serve.loads import Load
+from rapidkv.bench.serve.nixl_tuning import guarded_setaffinity, parse_cpus, patch_nixl_api
+from rapidkv.bench.serve.proxy import prefill_body
+from rapidkv.bench.serve.report import acceptance_report, stall_report, to_json
+from rapidkv.bench.serve.run import Options
+from rapidkv.bench.serve.stats import (
     Reference,
     RequestResult,
     classify,
@@ -220,7 +220,8 @@ def test_paired_tpot_ratios_replace_the_unpaired_ones_as_targets() -> None:
 
 @pytest.mark.unit
 def test_progress_counts_the_paired_single_blocks_and_its_warm_up() -> None:
-    from rapidkv.bench.serve import register, total_units
+    from rapidkv.bench.serve import register
+    from rapidkv.bench.serve.run import total_units
 
     parser = argparse.ArgumentParser()
     register(parser)
@@ -331,7 +332,7 @@ def _fake_vllm(stall_on: int):
 
 @pytest.mark.unit
 def test_a_load_stops_sending_after_a_request_times_out() -> None:
-    from rapidkv.bench.serve_loads import SKIPPED, TIMEOUT, run_load
+    from rapidkv.bench.serve.loads import SKIPPED, TIMEOUT, run_load
     from rapidkv.router.server import ThreadedServer
 
     prompts = [[1], [2], [3], [4]]
@@ -346,7 +347,7 @@ def test_a_load_stops_sending_after_a_request_times_out() -> None:
 def test_a_load_runs_its_client_on_the_cpus_given_and_gives_them_back() -> None:
     import os
 
-    from rapidkv.bench.serve_loads import run_load
+    from rapidkv.bench.serve.loads import run_load
     from rapidkv.router.server import ThreadedServer
 
     before = os.sched_getaffinity(0)
@@ -366,7 +367,7 @@ def test_a_load_runs_its_client_on_the_cpus_given_and_gives_them_back() -> None:
 
 
 def test_the_client_and_fronts_share_core_0_except_with_the_stock_nixl_setup() -> None:
-    from rapidkv.bench.serve_configs import CONFIGS, helper_cpus
+    from rapidkv.bench.serve.configs import CONFIGS, helper_cpus
 
     for name in ("single", "dp2", "vllm-nixl", "rapidkv", "single-noop-connector"):
         assert helper_cpus(CONFIGS[name].group) == {0}, name
@@ -464,7 +465,7 @@ def test_bench_serve_runs_single_and_rapidkv_and_matches(tmp_path: Path) -> None
 
 @pytest.mark.unit
 def test_the_paired_ratio_interval_is_seeded_and_brackets_what_the_blocks_show() -> None:
-    from rapidkv.bench.serve_stats import paired_ratio_interval
+    from rapidkv.bench.serve.stats import paired_ratio_interval
 
     same = [([5.0 + i % 3, 5.5, 6.0], [5.0 + (i + 1) % 3, 5.5, 6.0]) for i in range(12)]
     lo, hi = paired_ratio_interval(same)

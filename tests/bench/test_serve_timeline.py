@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rapidkv.bench.serve_timeline import stages, summarize, table
+from rapidkv.bench.serve.timeline import stages, summarize, table
 
 
 def row(config: str = "rapidkv", **extra) -> dict:

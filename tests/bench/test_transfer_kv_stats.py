@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rapidkv.bench.transfer_kv import Options, clean
-from rapidkv.bench.transfer_kv_dest import as_values, rel_diff
-from rapidkv.bench.transfer_kv_noise import is_noisy, noisy_between
-from rapidkv.bench.transfer_kv_stats import (
+from rapidkv.bench.transfer_kv.dest import as_values, rel_diff
+from rapidkv.bench.transfer_kv.noise import is_noisy, noisy_between
+from rapidkv.bench.transfer_kv.run import Options, clean
+from rapidkv.bench.transfer_kv.stats import (
     MODES,
     STATES,
     DelaySampler,

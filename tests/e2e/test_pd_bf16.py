@@ -1,7 +1,7 @@
 """bf16, what users run: a P/D pair and the router on the tiny bf16 model.
 
 Outputs are compared with a single bf16 instance's, greedy, and each mismatch is
-classified as `rapidkv bench serve` does (`serve_stats.classify`): a near-tie
+classified as `rapidkv bench serve` does (`bench.serve.stats.classify`): a near-tie
 (the reference's top-2 logprob margin at the first divergence is at most
 `NEAR_TIE_MARGIN`) is reported, a hard mismatch fails the test.
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from rapidkv.bench.serve_stats import Reference, classify, margins_from_logprobs
+from rapidkv.bench.serve.stats import Reference, classify, margins_from_logprobs
 from rapidkv.connector.config import kv_transfer_config
 from rapidkv.control.client import RpcClient
 from rapidkv.control.messages import StatsRequest

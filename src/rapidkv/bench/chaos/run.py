@@ -244,7 +244,7 @@ class Chaos:
         return servers, {"prefill": f"127.0.0.1:{pc}", "decode": f"127.0.0.1:{dc}"}
 
     def start_router(self, servers: Sequence[Any], controls: dict[str, str]) -> Any:
-        from rapidkv.bench.serve_configs import HELPER_CPU, _router_argv, _start_front
+        from rapidkv.bench.serve.configs import HELPER_CPU, _router_argv, _start_front
 
         p, d = servers
         argv = _router_argv(
@@ -290,7 +290,7 @@ class Chaos:
         from rapidkv.bench.chaos.driver import drive
         from rapidkv.bench.chaos.faults import FaultSchedule, Instances
         from rapidkv.bench.chaos.workload import Timing
-        from rapidkv.bench.serve_configs import HELPER_CPU
+        from rapidkv.bench.serve.configs import HELPER_CPU
 
         full = self.reference()
         refs = [r[: p.max_tokens] for r, p in zip(full, self.plans, strict=False)]

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from rapidkv.bench.serve import ConfigRun, LoadRun, ModelRun, Options
+    from rapidkv.bench.serve.run import ConfigRun, LoadRun, ModelRun, Options
 
 NOISY_CORES = 0.2  # CPU used by processes not ours during a load, in cores, worth a warning
 OWN_GROUPS = ("single", "rapidkv")
@@ -24,7 +24,7 @@ that fails is reported in `failed_baselines`. A hard mismatch anywhere fails it.
 
 
 def build_report(runs: list[ModelRun], opts: Options, log_dir: Path) -> dict[str, Any]:
-    from rapidkv.bench.serve_configs import CONFIGS
+    from rapidkv.bench.serve.configs import CONFIGS
 
     several = len(runs) > 1
     configs: dict[str, Any] = {}
@@ -60,7 +60,7 @@ def build_report(runs: list[ModelRun], opts: Options, log_dir: Path) -> dict[str
 
 
 def config_report(mr: ModelRun, c: ConfigRun) -> dict[str, Any]:
-    from rapidkv.bench.serve_stats import load_summary, summarize
+    from rapidkv.bench.serve.stats import load_summary, summarize
 
     loads: dict[str, Any] = {}
     for load, runs in c.loads.items():
@@ -129,7 +129,7 @@ def paired_summary(mr: ModelRun, runs: list[LoadRun]) -> dict[str, Any]:
     """`single` on the same blocks as the configuration, in the same rounds, and
     the configuration's TPOT p50 over it (from those rounds only), with a 95 %
     bootstrap interval over the blocks: how far this run's ratio can be trusted."""
-    from rapidkv.bench.serve_stats import load_summary, paired_ratio_interval, summarize
+    from rapidkv.bench.serve.stats import load_summary, paired_ratio_interval, summarize
 
     single = [r for run in runs for r in run.paired_single or []]
     s = load_summary(single, mr.references, sum(run.paired_single_wall_s for run in runs), {})
@@ -247,8 +247,8 @@ def meta(runs: list[ModelRun], opts: Options, log_dir: Path) -> dict[str, Any]:
     import os
     from importlib import metadata
 
-    from rapidkv.bench.serve import PAIR_PAUSE_S
-    from rapidkv.bench.serve_stats import NEAR_TIE_MARGIN
+    from rapidkv.bench.serve.run import PAIR_PAUSE_S
+    from rapidkv.bench.serve.stats import NEAR_TIE_MARGIN
     from rapidkv.connector.config import ConnectorConfig
 
     def version(*dists: str) -> str | None:
@@ -289,7 +289,7 @@ def meta(runs: list[ModelRun], opts: Options, log_dir: Path) -> dict[str, Any]:
 
 
 def _git_describe() -> str | None:
-    root = Path(__file__).resolve().parents[3]
+    root = Path(__file__).resolve().parents[4]  # src/rapidkv/bench/serve/report.py
     try:
         out = subprocess.run(
             ["git", "describe", "--always", "--dirty"],

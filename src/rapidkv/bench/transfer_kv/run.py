@@ -1,34 +1,7 @@
-"""`rapidkv bench transfer-kv`: how fast a TransferKV takes effect on a busy P,
-per `transfer_kv_mode` (step, bypass, substep) and per state of the request
-when it arrives (prefill finished, last chunk in flight, an earlier chunk in
-flight).
+"""`rapidkv bench transfer-kv`: the run: its options, the phases (`Bench`, `Phase`),
+each sample and the JSON.
 
-One run, two phases (`uncapped`, then `capped`), each with a fresh P:
-
-1. P: vLLM with RapidKVConnector on the `small` model, pinned to core 0,
-   chunked prefill (`--max-num-batched-tokens 256`), prefix caching off (the
-   same prompt is recomputed every time). In `capped`, P's kvt confirms writes
-   as if they crossed a link of `bandwidth_cap_gbps`, chosen from the uncapped
-   step p50 so that one request's full transfer takes `--cap-fraction` of a step.
-2. A background load (`transfer_kv_load`) keeps P's steps full.
-3. This process, pinned to core 1, is the destination D (`transfer_kv_dest`): a
-   real kvt receiver over NIXL, handshaken with P over the control protocol.
-4. Each sample: P gets the prompt (`role: prefill`, `max_tokens` 1); after a
-   random delay (`DelaySampler`) D sends TransferKV with the sample's mode.
-   Modes are cycled; P's timeline says in which state the TransferKV arrived.
-   Sampling stops when every (mode, state) has `--samples` or the phase's
-   `--budget-s` is spent.
-5. Per sample: arrival (P's `transfer_kv` event), first byte (our memory
-   changed), last byte (our kvt got the SendDone), exposed (last byte - the
-   later of arrival and P's `last_chunk_end`). Checks: the reply is OK for
-   every token, the SendDone is ok, every 8-byte word of every destination
-   block of every layer was overwritten, and the full blocks equal (within
-   float tolerance: chunking changes summation order) those of the phase's
-   first transfer of the same prompt (`content_max_rel_diff`).
-6. JSON (`--json`), a table on stdout, a plot (`--plot`), per-sample JSONL
-   (`--trace`), progress on stderr. P is stopped after each phase, also on
-   errors, Ctrl-C and SIGTERM. Exit status 1 if a sample failed (the
-   acceptance points are reported, not enforced), 130 when interrupted.
+The method and its outputs are in the package's docstring (`rapidkv.bench.transfer_kv`).
 """
 
 from __future__ import annotations
@@ -44,7 +17,6 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -52,59 +24,6 @@ from typing import IO, Any
 MODELS = ("small", "tiny")
 DTYPES = {"float32": "float32", "bf16": "bfloat16"}
 PHASES = ("uncapped", "capped")
-
-
-def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
-    parser.description = (__doc__ or "").split("\n\n")[0]
-    parser.add_argument("--model", choices=MODELS, default="small", help="(%(default)s)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    parser.add_argument(
-        "--samples", type=int, default=None, help="per mode and state (default 20; 3 quick)"
-    )
-    parser.add_argument(
-        "--budget-s", type=float, default=None, help="per phase, seconds (default 900; 150 quick)"
-    )
-    parser.add_argument("--quick", action="store_true", help="a smoke: few samples")
-    parser.add_argument("--phases", default=",".join(PHASES), help="comma-separated")
-    parser.add_argument("--prompt-len", type=int, default=641, help="measured prompt, tokens")
-    parser.add_argument("--chunk", type=int, default=256, help="P's --max-num-batched-tokens")
-    parser.add_argument("--load-concurrency", type=int, default=2, help="background clients")
-    parser.add_argument(
-        "--load-len", default="600,900", help="background prompt lengths: min,max tokens"
-    )
-    parser.add_argument(
-        "--cap-fraction",
-        type=float,
-        default=0.3,
-        help="capped: one request's full transfer / uncapped step p50 (>= 0.2; the margin "
-        "absorbs step length drift between the phases)",
-    )
-    parser.add_argument(
-        "--cap-gbps", type=float, default=None, help="capped: this cap instead (GB/s)"
-    )
-    parser.add_argument(
-        "--uniform",
-        action="store_true",
-        help="TransferKV delay uniform over 0..1.5x the prefill time (default: stratified "
-        "towards the states still short of samples)",
-    )
-    parser.add_argument("--warmup", type=int, default=2, help="unrecorded samples per mode")
-    parser.add_argument("--poll-us", type=float, default=100.0, help="D's memory polling period")
-    parser.add_argument(
-        "--wait-quiet-s",
-        type=float,
-        default=600.0,
-        help="before each phase, wait up to this long for the two cores to be free of other "
-        "processes' work (0: do not wait)",
-    )
-    parser.add_argument("--p-cpu", type=int, default=0)
-    parser.add_argument("--d-cpu", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default=None, metavar="PATH", help="the JSON (- = stdout)")
-    parser.add_argument("--plot", type=Path, default=None, metavar="PATH", help="a PNG")
-    parser.add_argument("--trace", type=Path, default=None, metavar="PATH", help="samples, JSONL")
-    parser.add_argument("--log-dir", type=Path, default=None, help="P's logs (default: tmp)")
-    return run
 
 
 @dataclass(frozen=True)
@@ -187,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if trace:
             trace.close()
-    from rapidkv.bench.transfer_kv_plot import plot, table
+    from rapidkv.bench.transfer_kv.plot import plot, table
 
     # with `--json -` stdout carries the JSON only; the table goes to stderr
     shown = table(report, [p for p in PHASES if p in report])
@@ -259,7 +178,7 @@ class Bench:
         self.load_prompts = random_prompts(self.model_dir, lengths, seed=opts.seed + 2)
 
     def run(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        from rapidkv.bench.transfer_kv_stats import acceptance, choose_cap
+        from rapidkv.bench.transfer_kv.stats import acceptance, choose_cap
 
         o = self.opts
         report: dict[str, Any] = {"meta": self.meta()}
@@ -321,8 +240,8 @@ class Phase:
     def run(self) -> tuple[dict[str, Any], dict[Any, Any]]:
         import httpx
 
-        from rapidkv.bench.transfer_kv_dest import Destination
-        from rapidkv.bench.transfer_kv_load import BackgroundLoad
+        from rapidkv.bench.transfer_kv.dest import Destination
+        from rapidkv.bench.transfer_kv.load import BackgroundLoad
         from rapidkv.connector.config import kv_transfer_config
         from rapidkv.harness import ServerSpec, VLLMServer, free_port
 
@@ -375,7 +294,7 @@ class Phase:
 
     def wait_quiet(self) -> None:
         """Wait (up to --wait-quiet-s) until other processes leave both cores alone."""
-        from rapidkv.bench.transfer_kv_noise import NOISY_CORES, CpuNoise
+        from rapidkv.bench.transfer_kv.noise import NOISY_CORES, CpuNoise
 
         o = self.opts
         deadline = time.monotonic() + o.wait_quiet_s
@@ -395,8 +314,8 @@ class Phase:
                 said = True
 
     def noise_monitor(self, p: Any) -> Any:
-        """CPU others take from P's core and ours, in windows (see transfer_kv_noise)."""
-        from rapidkv.bench.transfer_kv_noise import NoiseMonitor
+        """CPU others take from P's core and ours, in windows (see `noise`)."""
+        from rapidkv.bench.transfer_kv.noise import NoiseMonitor
         from rapidkv.harness.procs import live_in_group
 
         o = self.opts
@@ -413,7 +332,7 @@ class Phase:
     def sample_all(self, load: Any) -> tuple[list[Any], float, float]:
         """Warm up, then sample until every (mode, state) has enough quiet
         samples or the budget is spent. Returns the samples and the window."""
-        from rapidkv.bench.transfer_kv_stats import MODES, STATES, DelaySampler, next_target
+        from rapidkv.bench.transfer_kv.stats import MODES, STATES, DelaySampler, next_target
 
         o = self.opts
         sampler = DelaySampler(guess_s=0.5, uniform=o.uniform, seed=o.seed)
@@ -478,7 +397,7 @@ class Phase:
     def one(self, tag: str, mode: str, sampler: Any, target: str) -> Any:
         """One sample: P's request, TransferKV after a delay aimed at `target`,
         then what happened."""
-        from rapidkv.bench.transfer_kv_stats import Sample
+        from rapidkv.bench.transfer_kv.stats import Sample
         from rapidkv.control.messages import TransferKV, prompt_hash
         from rapidkv.harness.client import complete_full
 
@@ -551,7 +470,7 @@ class Phase:
         return s
 
     def compare_content(self, s: Any) -> None:
-        from rapidkv.bench.transfer_kv_dest import rel_diff
+        from rapidkv.bench.transfer_kv.dest import rel_diff
 
         full = (len(self.bench.prompt) - 1) // self.dst.spec.block_size
         if not full or not s.written:
@@ -574,7 +493,7 @@ class Phase:
             except Exception as e:
                 if attempt == 2:
                     return [f"timeline: {type(e).__name__}: {e}"]
-        from rapidkv.bench.transfer_kv_stats import last_chunk_end
+        from rapidkv.bench.transfer_kv.stats import last_chunk_end
 
         self.add_steps(tl.steps)
         x = tl.xfers.get(s.xfer_id)
@@ -590,13 +509,13 @@ class Phase:
 
     @staticmethod
     def sorted_steps(steps: Any) -> list[Any]:
-        from rapidkv.bench.transfer_kv_stats import Step
+        from rapidkv.bench.transfer_kv.stats import Step
 
         out = [Step(st.step_id, st.begin, st.end, st.scheduled_tokens) for st in steps]
         return sorted(out, key=lambda st: st.begin)
 
     def add_steps(self, steps: Any) -> None:
-        from rapidkv.bench.transfer_kv_stats import Step
+        from rapidkv.bench.transfer_kv.stats import Step
 
         for st in steps:
             self.steps[st.step_id] = Step(st.step_id, st.begin, st.end, st.scheduled_tokens)
@@ -626,8 +545,8 @@ class Phase:
     def summarize(
         self, samples: list[Any], t0: float, t1: float, load: Any
     ) -> tuple[dict[str, Any], dict[Any, Any]]:
-        from rapidkv.bench.transfer_kv_noise import NOISY_CORES
-        from rapidkv.bench.transfer_kv_stats import sample_metrics, summarize_phase
+        from rapidkv.bench.transfer_kv.noise import NOISY_CORES
+        from rapidkv.bench.transfer_kv.stats import sample_metrics, summarize_phase
 
         steps = sorted(self.steps.values(), key=lambda s: s.begin)
         out = summarize_phase(samples, steps, t0, t1, self.monitor.noisy)

@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from rapidkv.bench.serve_plot import save_figure
-from rapidkv.bench.transfer_kv_stats import METRICS, MODES, STATES
+from rapidkv.bench.serve.plot import save_figure
+from rapidkv.bench.transfer_kv.stats import METRICS, MODES, STATES
 
 LABELS = {
     "first_byte_ms": "arrival -> first byte (ms)",

@@ -1,6 +1,6 @@
 """Where a rapidkv request's time to first token goes, from a `--trace` file.
 
-    python -m rapidkv.bench.serve_timeline requests.jsonl
+    python -m rapidkv.bench.serve.timeline requests.jsonl
 
 Each trace row of a rapidkv configuration carries, besides the client's token
 arrival times, the connectors' events for its `xfer_id` (`prefill_ms`,
@@ -90,7 +90,7 @@ def table(summary: dict[str, dict[str, float]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m rapidkv.bench.serve_timeline TRACE.jsonl", file=sys.stderr)
+        print("usage: python -m rapidkv.bench.serve.timeline TRACE.jsonl", file=sys.stderr)
         return 2
     rows = [json.loads(line) for line in Path(args[0]).read_text().splitlines() if line.strip()]
     print("median ms per stage (see the module docstring)")

@@ -3,7 +3,7 @@
 A *group* is what is started together: vLLM servers (pinned: P or the first
 instance on core 0, D or the second on core 1, `single` on core 1, where every
 decode runs) plus the HTTP front the client talks to (the rapidkv router, or the
-NIXL serial proxy `serve_proxy`), each front a process of its own. The fronts
+NIXL serial proxy in `proxy`), each front a process of its own. The fronts
 and, during loads, the client's event loop run on core 0 (`helper_cpus`), so
 that core 1 runs the decoding instance alone: left to float they were woken on
 the decoding core and took their time from every token relayed (not in the
@@ -14,7 +14,7 @@ configuration differs from another only by its front and by the
 `kv_transfer_params` the client adds to each request.
 
 Groups run one at a time, except `single`: when a configuration is `paired`
-with it, `single` stays up through the round beside the others (serve.py,
+with it, `single` stays up through the round beside the others (`rapidkv.bench.serve`,
 "Pairing"), idle but for the blocks it serves.
 
 Every group starts with prefix caching off (the same prompts are sent once per
@@ -39,7 +39,7 @@ TUNING = (
     "os.sched_setaffinity cannot move a thread off the instance's core, and on an AMX "
     "CPU every process asks for AMX tile data at start as rapidkv's connector does "
     "(else vLLM's bf16 attention kills the worker with SIGILL) "
-    "(rapidkv.bench.serve_nixl_tuning, loaded by sitecustomize)"
+    "(rapidkv.bench.serve.nixl_tuning, loaded by sitecustomize)"
 )
 
 SIGILL_CRASH = "a vLLM worker of {server} died of SIGILL (exit code -4)"
@@ -62,7 +62,7 @@ class Config:
     default: bool = True  # run when --configs is not given
     # measured in blocks that alternate with the same blocks on `single` (kept
     # running beside the group), for a TPOT ratio to `single` that this shared
-    # machine's drift does not decide (serve.py, "Pairing")
+    # machine's drift does not decide (`rapidkv.bench.serve`, "Pairing")
     paired: bool = False
 
 
@@ -384,7 +384,7 @@ def _group_plan(
 
         def proxy_front(g: RunningGroup) -> list[tuple[str, list[str]]]:
             p, d = g.servers["prefill"].base_url, g.servers["decode"].base_url
-            argv = [sys.executable, "-m", "rapidkv.bench.serve_proxy", "--prefill", p]
+            argv = [sys.executable, "-m", "rapidkv.bench.serve.proxy", "--prefill", p]
             return [("proxy", [*argv, "--decode", d, "--port", str(free_port())])]
 
         return specs, proxy_front
@@ -392,7 +392,7 @@ def _group_plan(
 
 
 def _tuning_env(directory: Path, cpu: int) -> dict[str, str]:
-    from rapidkv.bench.serve_nixl_tuning import CPUS_ENV, write_sitecustomize
+    from rapidkv.bench.serve.nixl_tuning import CPUS_ENV, write_sitecustomize
     from rapidkv.harness.server import SRC_DIR
 
     path = [str(write_sitecustomize(directory)), str(SRC_DIR), os.environ.get("PYTHONPATH", "")]

@@ -1,42 +1,7 @@
-"""`rapidkv bench serve`: rapidkv next to a single vLLM, vLLM's NIXL connectors and dp2.
+"""`rapidkv bench serve`: the run: its options, each model's rounds of server
+groups (`ModelRun`), the paired blocks and the progress line.
 
-For each model, the configurations (`serve_configs.CONFIGS`) are served one
-server group after another (never two groups serving at once: 2 cores), each
-group started, warmed up, measured under every load (`serve_loads`) and stopped;
-only `single` may stay up beside the others, idle between its blocks (Pairing).
-All of them get the same seeded prompt set (token ids, lengths uniform in
-[--min-len, --max-len]); prefix caching is off everywhere.
-
-Correctness: before anything is measured, the `single` instance serves every
-prompt once with `logprobs: 2` (the reference: greedy tokens and the
-top-2 margin at each position, `serve_stats.Reference`); every output of every
-configuration and load, `single`'s own included, is compared with it.
-
-Rounds (`--rounds N`): the whole sequence of groups is run N times, in reverse
-order every other round, each round starting every group afresh, so slow drift
-of this shared machine spreads over all configurations rather than landing on
-one. Configurations that share a group (every rapidkv one) are interleaved load
-by load. Samples of all rounds are pooled; per-round p50s are kept in the JSON.
-
-Pairing (`--pair-block N`, default 8): the TPOT target compares rapidkv's
-decode with `single`'s, a few per cent apart, on a shared machine whose speed
-drifts by more than that within a minute (the same command gave `single` TPOT
-p50s 20 % apart, half a minute apart). The configurations marked `paired`
-(`rapidkv` and the no-op connector) are therefore measured in blocks of N
-prompts, each followed by the same block, under the same load and seed, on
-`single`, which stays up beside every group of the round (idle, it costs ~1.5 %
-of a core: vLLM's engine and worker busy-wait on their queues only for 1 s
-after their last step, so every block waits `PAIR_PAUSE_S` for the other side
-to go quiet; block order alternates). Those `single` samples are the
-configuration's `paired_single`, and the acceptance's TPOT ratios use them;
-the unpaired ratios stay in the JSON as context.
-
-Output (`serve_report`): a summary table (stdout), a progress line (stderr),
-`--json PATH|-`, `--plot PATH` (`serve_plot`) and `--trace PATH` (one JSON
-line per request, with the rapidkv router's `xfer_id` to join server-side
-timelines). The exit status is 1 on a hard mismatch anywhere, or if `single`
-or a rapidkv configuration failed to start or had a failed request; a
-baseline that fails (dp2, vLLM's NIXL connectors) is reported, not fatal.
+The method and its outputs are in the package's docstring (`rapidkv.bench.serve`).
 """
 
 from __future__ import annotations
@@ -47,7 +12,6 @@ import shlex
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -58,72 +22,12 @@ DEFAULT_LOADS = "c1,c4,poisson8"
 QUICK_LOADS = "c1,c4"
 
 
-def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
-    from rapidkv.bench.serve_configs import CONFIGS
-
-    parser.description = (__doc__ or "").split("\n\n")[0]
-    parser.add_argument("--models", default="tiny", help=f"comma-separated, of {', '.join(MODELS)}")
-    parser.add_argument(
-        "--dtype", choices=sorted(DTYPES), default="float32", help="model dtype (%(default)s)"
-    )
-    parser.add_argument(
-        "--configs",
-        default=",".join(name for name, c in CONFIGS.items() if c.default),
-        help=f"comma-separated, of {', '.join(CONFIGS)} (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--loads",
-        default=None,
-        help=f"comma-separated cN (concurrency N) / poissonR (R req/s); default {DEFAULT_LOADS} "
-        f"({QUICK_LOADS} with --quick)",
-    )
-    parser.add_argument("--requests", type=int, default=None, help="prompts (default 64; 8 quick)")
-    parser.add_argument("--min-len", type=int, default=128, help="shortest prompt, tokens")
-    parser.add_argument("--max-len", type=int, default=900, help="longest prompt, tokens")
-    parser.add_argument("--max-tokens", type=int, default=16, help="output tokens per request")
-    parser.add_argument(
-        "--rounds",
-        type=int,
-        default=1,
-        help="run every group N times, in reverse order every other round (servers restarted)",
-    )
-    parser.add_argument(
-        "--pair-block",
-        type=int,
-        default=8,
-        help="prompts per block of a paired configuration, each followed by the same block "
-        "on `single` (0: no pairing; default %(default)s)",
-    )
-    parser.add_argument("--warmup", type=int, default=None, help="unmeasured requests (2; 1 quick)")
-    parser.add_argument("--quick", action="store_true", help="8 prompts, loads c1,c4, 1 warm-up")
-    parser.add_argument("--seed", type=int, default=0, help="prompts and Poisson arrivals")
-    parser.add_argument(
-        "--timeout", type=float, default=60.0, help="per request, seconds (%(default)s)"
-    )
-    parser.add_argument(
-        "--server-args",
-        default="",
-        help="extra vLLM arguments for every server, one string: --server-args='--flag value'",
-    )
-    parser.add_argument(
-        "--json", default=None, metavar="PATH", help="write the JSON here (- = stdout)"
-    )
-    parser.add_argument("--plot", type=Path, default=None, metavar="PATH", help="write a PNG here")
-    parser.add_argument(
-        "--trace", type=Path, default=None, metavar="PATH", help="per-request JSONL"
-    )
-    parser.add_argument(
-        "--log-dir", type=Path, default=None, help="server logs (default: a tmp dir)"
-    )
-    return run
-
-
 @dataclass(frozen=True)
 class Options:
     models: tuple[str, ...]
     dtype: str
     configs: tuple[str, ...]
-    loads: tuple[Any, ...]  # serve_loads.Load
+    loads: tuple[Any, ...]  # loads.Load
     requests: int
     min_len: int
     max_len: int
@@ -137,7 +41,7 @@ class Options:
 
     def paired(self, name: str) -> bool:
         """Whether configuration `name` is measured in blocks paired with `single`."""
-        from rapidkv.bench.serve_configs import CONFIGS
+        from rapidkv.bench.serve.configs import CONFIGS
 
         return self.pair_block > 0 and CONFIGS[name].paired
 
@@ -156,8 +60,8 @@ class Options:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Options:
-        from rapidkv.bench.serve_configs import CONFIGS
-        from rapidkv.bench.serve_loads import Load
+        from rapidkv.bench.serve.configs import CONFIGS
+        from rapidkv.bench.serve.loads import Load
 
         models = tuple(m for m in args.models.split(",") if m)
         configs = tuple(c for c in args.configs.split(",") if c)
@@ -211,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         progress.close()
         if trace:
             trace.close()
-    from rapidkv.bench.serve_report import build_report, print_report, to_json
+    from rapidkv.bench.serve.report import build_report, print_report, to_json
 
     report = build_report(runs, opts, log_dir)
     print_report(report, sys.stderr if args.json == "-" else sys.stdout)
@@ -220,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.json:
         Path(args.json).write_text(to_json(report, indent=1) + "\n")
     if args.plot:
-        from rapidkv.bench.serve_plot import plot
+        from rapidkv.bench.serve.plot import plot
 
         samples = {r.model: r.samples() for r in runs}
         title = f"rapidkv bench serve: {opts.requests} prompts, max_tokens {opts.max_tokens}"
@@ -243,7 +147,7 @@ PAIR_SEED_STRIDE = 7919  # block b of a load draws its Poisson arrivals from see
 @dataclass
 class LoadRun:
     round: int
-    results: list[Any] = field(default_factory=list)  # serve_stats.RequestResult
+    results: list[Any] = field(default_factory=list)  # stats.RequestResult
     wall_s: float = 0.0  # the configuration's blocks only
     cpu_s: dict[str, float] = field(default_factory=dict)
     prompt_tokens: dict[str, dict[str, float]] = field(default_factory=dict)  # server ->
@@ -283,13 +187,13 @@ class ModelRun:
         self.trace = trace
         self.model_dir = ensure_model(model, dtype=opts.dtype)
         self.prompts = random_prompts(self.model_dir, prompt_lengths(opts), seed=opts.seed)
-        self.references: list[Any] | None = None  # serve_stats.Reference per prompt
+        self.references: list[Any] | None = None  # stats.Reference per prompt
         self.reference_error: str | None = None
         self.configs = {name: ConfigRun(name) for name in opts.configs}
         self.single: Any = None  # RunningGroup: `single`, up for the round when pairing
 
     def run(self) -> ModelRun:
-        from rapidkv.bench.serve_configs import CONFIGS, GROUPS
+        from rapidkv.bench.serve.configs import CONFIGS, GROUPS
 
         wanted = {CONFIGS[c].group for c in self.opts.configs} | {"single"}
         order = [g for g in GROUPS if g in wanted]
@@ -317,7 +221,7 @@ class ModelRun:
     def skip_failed(self, group: str) -> list[str]:
         """The group's configurations but those that failed earlier (not measured
         again: their progress units are counted here)."""
-        from rapidkv.bench.serve_configs import CONFIGS
+        from rapidkv.bench.serve.configs import CONFIGS
 
         members = [c for c in self.opts.configs if CONFIGS[c].group == group]
         live = [c for c in members if not self.configs[c].error]
@@ -338,7 +242,7 @@ class ModelRun:
     def open_group(self, group_name: str, members: list[str], rnd: int) -> Any:
         """Start a group, take the reference on `single` if still missing, warm it
         up; the RunningGroup, or None (the members then carry the error)."""
-        from rapidkv.bench.serve_configs import CONFIGS, start_group
+        from rapidkv.bench.serve.configs import CONFIGS, start_group
 
         p = self.progress
         p.stage(f"{self.model} r{rnd}: starting {group_name}")
@@ -416,7 +320,7 @@ class ModelRun:
             self.configs[name].error = why[:4000]
 
     def take_reference(self, url: str) -> None:
-        from rapidkv.bench.serve_stats import Reference, margins_from_logprobs
+        from rapidkv.bench.serve.stats import Reference, margins_from_logprobs
         from rapidkv.harness import complete_many_full
 
         self.progress.stage(f"{self.model}: reference (single, logprobs=2)")
@@ -443,8 +347,8 @@ class ModelRun:
         self.progress.advance(len(self.prompts))
 
     def warm_up(self, name: str, url: str) -> None:
-        from rapidkv.bench.serve_configs import CONFIGS, helper_cpus
-        from rapidkv.bench.serve_loads import Load, run_load
+        from rapidkv.bench.serve.configs import CONFIGS, helper_cpus
+        from rapidkv.bench.serve.loads import Load, run_load
 
         n = self.opts.warmup
         if n == 0:
@@ -469,7 +373,7 @@ class ModelRun:
 
     def check_timeouts(self, name: str, load: str, results: list[Any]) -> None:
         """After a timed-out request, the configuration is not measured further."""
-        from rapidkv.bench.serve_loads import TIMEOUT
+        from rapidkv.bench.serve.loads import TIMEOUT
 
         if any(r.error and r.error.startswith(TIMEOUT) for r in results):
             why = (
@@ -482,8 +386,8 @@ class ModelRun:
     def measure(self, name: str, group: Any, load: Any, rnd: int) -> None:
         """One load on one configuration: all prompts at once, or, paired, in
         blocks each followed (in alternate order) by the same block on `single`."""
-        from rapidkv.bench.serve_configs import CONFIGS
-        from rapidkv.bench.serve_loads import TIMEOUT
+        from rapidkv.bench.serve.configs import CONFIGS
+        from rapidkv.bench.serve.loads import TIMEOUT
 
         self.progress.stage(f"{self.model} r{rnd}: {name} {load.name}")
         pair = self.single if self.opts.paired(name) else None
@@ -548,8 +452,8 @@ class ModelRun:
         """Prompts [lo, hi) under `load` on `group`'s front for `config`."""
         import dataclasses
 
-        from rapidkv.bench.serve_configs import helper_cpus
-        from rapidkv.bench.serve_loads import run_load
+        from rapidkv.bench.serve.configs import helper_cpus
+        from rapidkv.bench.serve.loads import run_load
 
         results, wall = run_load(
             group.url(config),
@@ -573,8 +477,8 @@ class ModelRun:
         timelines: dict[str, dict[str, dict[str, float]]],
         paired_with: str | None = None,
     ) -> None:
-        from rapidkv.bench.serve_report import to_json
-        from rapidkv.bench.serve_stats import classify
+        from rapidkv.bench.serve.report import to_json
+        from rapidkv.bench.serve.stats import classify
 
         assert self.trace is not None
         for r in results:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rapidkv.bench.serve_stats import RequestResult
+from rapidkv.bench.serve.stats import RequestResult
 
 XFER_HEADER = "x-rapidkv-xfer-id"
 TIMEOUT = "timeout: no complete answer within the request timeout"

@@ -1,0 +1,107 @@
+"""`rapidkv bench serve`: rapidkv next to a single vLLM, vLLM's NIXL connectors and dp2.
+
+For each model, the configurations (`configs.CONFIGS`) are served one
+server group after another (never two groups serving at once: 2 cores), each
+group started, warmed up, measured under every load (`loads`) and stopped;
+only `single` may stay up beside the others, idle between its blocks (Pairing).
+All of them get the same seeded prompt set (token ids, lengths uniform in
+[--min-len, --max-len]); prefix caching is off everywhere.
+
+Correctness: before anything is measured, the `single` instance serves every
+prompt once with `logprobs: 2` (the reference: greedy tokens and the
+top-2 margin at each position, `stats.Reference`); every output of every
+configuration and load, `single`'s own included, is compared with it.
+
+Rounds (`--rounds N`): the whole sequence of groups is run N times, in reverse
+order every other round, each round starting every group afresh, so slow drift
+of this shared machine spreads over all configurations rather than landing on
+one. Configurations that share a group (every rapidkv one) are interleaved load
+by load. Samples of all rounds are pooled; per-round p50s are kept in the JSON.
+
+Pairing (`--pair-block N`, default 8): the TPOT target compares rapidkv's
+decode with `single`'s, a few per cent apart, on a shared machine whose speed
+drifts by more than that within a minute (the same command gave `single` TPOT
+p50s 20 % apart, half a minute apart). The configurations marked `paired`
+(`rapidkv` and the no-op connector) are therefore measured in blocks of N
+prompts, each followed by the same block, under the same load and seed, on
+`single`, which stays up beside every group of the round (idle, it costs ~1.5 %
+of a core: vLLM's engine and worker busy-wait on their queues only for 1 s
+after their last step, so every block waits `PAIR_PAUSE_S` for the other side
+to go quiet; block order alternates). Those `single` samples are the
+configuration's `paired_single`, and the acceptance's TPOT ratios use them;
+the unpaired ratios stay in the JSON as context.
+
+Output (`report`): a summary table (stdout), a progress line (stderr),
+`--json PATH|-`, `--plot PATH` (`plot`) and `--trace PATH` (one JSON
+line per request, with the rapidkv router's `xfer_id` to join server-side
+timelines). The exit status is 1 on a hard mismatch anywhere, or if `single`
+or a rapidkv configuration failed to start or had a failed request; a
+baseline that fails (dp2, vLLM's NIXL connectors) is reported, not fatal.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+
+def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
+    from rapidkv.bench.serve.configs import CONFIGS
+    from rapidkv.bench.serve.run import DEFAULT_LOADS, DTYPES, MODELS, QUICK_LOADS, run
+
+    parser.description = (__doc__ or "").split("\n\n")[0]
+    parser.add_argument("--models", default="tiny", help=f"comma-separated, of {', '.join(MODELS)}")
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="float32", help="model dtype (%(default)s)"
+    )
+    parser.add_argument(
+        "--configs",
+        default=",".join(name for name, c in CONFIGS.items() if c.default),
+        help=f"comma-separated, of {', '.join(CONFIGS)} (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--loads",
+        default=None,
+        help=f"comma-separated cN (concurrency N) / poissonR (R req/s); default {DEFAULT_LOADS} "
+        f"({QUICK_LOADS} with --quick)",
+    )
+    parser.add_argument("--requests", type=int, default=None, help="prompts (default 64; 8 quick)")
+    parser.add_argument("--min-len", type=int, default=128, help="shortest prompt, tokens")
+    parser.add_argument("--max-len", type=int, default=900, help="longest prompt, tokens")
+    parser.add_argument("--max-tokens", type=int, default=16, help="output tokens per request")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every group N times, in reverse order every other round (servers restarted)",
+    )
+    parser.add_argument(
+        "--pair-block",
+        type=int,
+        default=8,
+        help="prompts per block of a paired configuration, each followed by the same block "
+        "on `single` (0: no pairing; default %(default)s)",
+    )
+    parser.add_argument("--warmup", type=int, default=None, help="unmeasured requests (2; 1 quick)")
+    parser.add_argument("--quick", action="store_true", help="8 prompts, loads c1,c4, 1 warm-up")
+    parser.add_argument("--seed", type=int, default=0, help="prompts and Poisson arrivals")
+    parser.add_argument(
+        "--timeout", type=float, default=60.0, help="per request, seconds (%(default)s)"
+    )
+    parser.add_argument(
+        "--server-args",
+        default="",
+        help="extra vLLM arguments for every server, one string: --server-args='--flag value'",
+    )
+    parser.add_argument(
+        "--json", default=None, metavar="PATH", help="write the JSON here (- = stdout)"
+    )
+    parser.add_argument("--plot", type=Path, default=None, metavar="PATH", help="write a PNG here")
+    parser.add_argument(
+        "--trace", type=Path, default=None, metavar="PATH", help="per-request JSONL"
+    )
+    parser.add_argument(
+        "--log-dir", type=Path, default=None, help="server logs (default: a tmp dir)"
+    )
+    return run
