@@ -45,14 +45,17 @@ def make_fake() -> Iterator[MakeFake]:
 @pytest.fixture
 def make_router() -> Iterator[MakeRouter]:
     """`make_router(prefill, decode, dispatch="dual", **config)` starts a router on a
-    free port; `prefill`/`decode` list `Instance`s, URLs, or servers (`.base_url`/`.url`).
+    free port; `prefill`/`decode` (and `instances=`, either role) list `Instance`s,
+    URLs, or servers (`.base_url`/`.url`).
     Control-address discovery is off unless asked for: these instances run no connector."""
     routers: list[RunningRouter] = []
 
     def make(prefill: list[object], decode: list[object], **config: object) -> RunningRouter:
+        instances = config.pop("instances", ())
         cfg = RouterConfig(
             prefill=tuple(_instance(x) for x in prefill),
             decode=tuple(_instance(x) for x in decode),
+            instances=tuple(_instance(x) for x in instances),  # type: ignore[attr-defined]
             port=0,
             **{"discover": False, **config},  # type: ignore[arg-type]
         )

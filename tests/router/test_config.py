@@ -130,3 +130,38 @@ def test_rapidkv_router_serves_until_sigterm(make_fake: MakeFake) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_instances_merge_by_url_into_members_with_the_roles_they_were_given() -> None:
+    p, d, both = Instance("http://p:1"), Instance("http://d:1", "d:7"), Instance("http://b:1")
+    config = RouterConfig(prefill=(p, Instance("http://d:1")), decode=(d,), instances=(both,))
+    assert [(m.instance, m.label) for m in config.members] == [
+        (p, "prefill"),
+        (d, "both"),  # given as --prefill and --decode: one instance, its control kept
+        (both, "both"),
+    ]
+    assert config.pool("prefill") == (0, 1, 2)
+    assert config.pool("decode") == (1, 2)
+    assert config.role_instances("decode") == (d, both)
+    with pytest.raises(ValueError, match="two control addresses"):
+        RouterConfig(prefill=(Instance("http://d:1", "d:8"),), decode=(d,))
+
+
+def test_a_fleet_of_instances_alone_is_a_valid_config_for_every_dispatch() -> None:
+    for dispatch in ("dual", "serial", "local"):
+        config = RouterConfig(instances=(Instance("http://a:1"),), dispatch=dispatch)
+        assert config.pool("prefill") == config.pool("decode") == (0,)
+    with pytest.raises(ValueError, match="unique"):
+        RouterConfig(instances=(Instance("http://a:1"), Instance("http://a:1")))
+
+
+def test_instance_flags_reach_the_config() -> None:
+    args = parse(
+        ["--instance", "http://a:1=a:7", "--instance", "http://b:1", "--decode", "http://c:1"]
+    )
+    config = config_from_args(args)
+    assert [(str(m.instance), m.label) for m in config.members] == [
+        ("http://c:1", "decode"),
+        ("http://a:1=a:7", "both"),
+        ("http://b:1", "both"),
+    ]

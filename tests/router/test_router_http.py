@@ -707,3 +707,46 @@ def test_metrics_count_and_time_requests(
     assert metric_sum(m, "rapidkv_router_e2e_seconds_count") == 2
     assert metric_sum(m, "rapidkv_router_requests_in_flight") == 0
     assert metric_sum(m, "rapidkv_router_outstanding", role="decode") == 0
+
+
+# ------------------------------------------------------------------ a fleet of instances
+
+
+def test_instances_of_a_fleet_take_either_role_and_never_both_for_one_request(
+    make_fake: MakeFake, make_router: MakeRouter, http: httpx.Client
+) -> None:
+    """Two `--instance`s: each request is decoded on one and prefilled on the
+    other, and with equal loads the decoder alternates."""
+    a = [make_fake(f"A{i}", "decode") for i in range(2)]
+    router = make_router([], [], instances=a, split_prefill=False)
+    url = f"{router.url}/v1/completions"
+    served = []
+    for _ in range(4):
+        resp = http.post(url, json=COMPLETION)
+        assert resp.status_code == 200
+        xfer = resp.headers["x-rapidkv-xfer-id"]
+        decoder = resp.json()["served_by"]
+        served.append(decoder)
+        other = a[1] if decoder == "A0" else a[0]
+        mine = a[0] if decoder == "A0" else a[1]
+        assert mine.by_id(xfer).kv_transfer_params["rapidkv"]["role"] == "decode"
+        wait_until(lambda: other.by_id(xfer) is not None, 10, what="the prefill part")  # noqa: B023
+        assert other.by_id(xfer).kv_transfer_params["rapidkv"]["role"] == "prefill"
+    assert served == ["A0", "A1", "A0", "A1"]
+    wait_until(lambda: router.router.outstanding("prefill") == [0, 0], 10, what="P released")
+    assert router.router.outstanding("decode") == [0, 0]
+    health = http.get(f"{router.url}/health").json()
+    assert [c["role"] for c in health["prefill"] + health["decode"]] == ["both"] * 4
+    assert metric(router, "rapidkv_router_outstanding", role="both") == 0
+
+
+def test_a_fleet_of_one_serves_every_request_locally(
+    make_fake: MakeFake, make_router: MakeRouter, http: httpx.Client
+) -> None:
+    a = make_fake("A0", "decode")
+    router = make_router([], [], instances=[a])
+    resp = http.post(f"{router.url}/v1/completions", json=COMPLETION)
+    assert resp.status_code == 200
+    seen = the_one(a)
+    assert seen.body == COMPLETION  # the client's request, untouched
+    assert metric(router, "rapidkv_router_without_prefill_total") == 0
