@@ -1,0 +1,69 @@
+"""placement: where a request runs (local, PD or split), from measured costs.
+
+A pure core (no I/O, no clock, no asyncio), to be driven by the router:
+
+- `model`: per-instance cost lines (prefill per token, decode step per batch
+  size, KV transfer per token), learned from observations, with priors from
+  this machine's benchmarks (`Models`, `Priors`, `LinearCost`).
+- `state`: what the router tracks of each instance's queues (`FleetState`,
+  snapshots as `InstanceLoad`); its events take timestamps and return the
+  observations the models learn from.
+- `policy`: `decide(fleet, models, request, slo)` -> `Decision`: the lowest
+  predicted TTFT among options whose predicted TPOT meets the SLO.
+
+The router's loop, once wired:
+
+    fleet, models = FleetState(n), Models(n)
+    d = decide(fleet, models, Request(prompt_tokens, max_tokens, splittable), slo)
+    fleet.on_dispatch(xfer_id, d.placement, prompt_tokens, time.monotonic())
+    response.headers["x-rapidkv-placement"] = d.header_value()
+    ...
+    for obs in fleet.on_first_token(xfer_id, time.monotonic()):  # likewise
+        models.learn(obs)                  # on_prefill_done, on_finish
+"""
+
+from rapidkv.router.placement.model import (
+    DecodeObservation,
+    LinearCost,
+    Models,
+    Observation,
+    PrefillObservation,
+    Priors,
+    TransferObservation,
+)
+from rapidkv.router.placement.policy import (
+    SLO,
+    Decision,
+    NoPlacement,
+    Option,
+    Policy,
+    Reason,
+    Request,
+    decide,
+    options,
+)
+from rapidkv.router.placement.state import FleetState, InstanceLoad, Kind, Placement, Role
+
+__all__ = [
+    "SLO",
+    "Decision",
+    "DecodeObservation",
+    "FleetState",
+    "InstanceLoad",
+    "Kind",
+    "LinearCost",
+    "Models",
+    "NoPlacement",
+    "Observation",
+    "Option",
+    "Placement",
+    "Policy",
+    "PrefillObservation",
+    "Priors",
+    "Reason",
+    "Request",
+    "Role",
+    "TransferObservation",
+    "decide",
+    "options",
+]

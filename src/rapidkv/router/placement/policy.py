@@ -1,0 +1,337 @@
+"""Placing one request: the option with the lowest predicted TTFT that keeps TPOT.
+
+`decide(fleet, models, request, slo, policy)` is a pure function of its
+arguments (no I/O, no clock, nothing mutated): the same inputs give the same
+`Decision`.
+
+Options (`options`), for a request of ``P`` prompt tokens, over the instances
+that are healthy and not draining:
+
+- ``local`` on ``j`` (role ``any``): ``j`` computes the prompt and decodes;
+- ``pd`` from ``i`` to ``j != i`` (``i`` of role ``any`` / ``prefill``,
+  ``j`` of role ``any`` / ``decode``): ``i`` computes the prompt, its KV goes
+  to ``j``;
+- ``split`` from ``i`` to ``j`` (same roles, the request `splittable` and
+  ``i``'s block size known): ``i`` computes a head of ``H`` tokens (whole
+  blocks, `split.split_point`), ``j`` the tail ``T = P - H`` at the same time.
+  ``H`` balances the two halves' predicted finish times, or is
+  `Policy.split_fraction` of the prompt when that is set.
+
+If no instance qualifies by role, a ``local`` on an available ``decode``
+instance is the only option (as today's router sends a request to D alone when
+no P is up); its reason is ``role-fallback``. With no available instance that
+can decode, `NoPlacement`.
+
+Predictions, with per instance ``k``: ``b_k`` its decodes (`InstanceLoad.decodes`),
+``W_k`` its queued prefill work (`Models.prefill_queue_ms`), ``Q_k = W_k + n_k
+step_k(b_k)`` the time until its queued prefills are done (each of its ``n_k``
+queued prefills a forward that also runs the step of its decodes), ``pf``,
+``step``, ``xfer`` the `Models` costs:
+
+- TTFT, the later of the prompt's last KV being ready on the decoder and the
+  decoder's own queue, then one decoder step with this request in the batch:
+
+  - local: ``Q_j + pf_j(P) + step_j(b_j + 1)``
+  - pd: ``max(Q_i + pf_i(P) + xfer_ij(P), Q_j) + step_j(b_j + 1)``
+  - split: ``max(Q_i + pf_i(H) + xfer_ij(H), Q_j + pf_j(T)) + step_j(b_j + 1)``
+
+- TPOT, of the decodes of every instance the option touches, the worst: on an
+  instance with ``b_k`` decodes and ``e`` (1 on the decoder, else 0) added,
+  ``step_k(b_k + e) + (W_k + S_k) / L``. ``S_k`` is the stall this request's
+  prefill work inflicts on ``k``'s decodes (a CPU forward that computes a
+  prompt holds back every decode in it): ``pf`` of what ``k`` computes, and for
+  a split's decoder the whole time its tail forward lasts, waiting for the head
+  included (``max(...) - Q_j``). ``L = max(output_tokens, min_horizon_tokens)``
+  is the stretch of output the stalls are spread over. An instance with no
+  decodes before this request harms nobody's TPOT: the new request's own
+  decode starts after its prefill and the queue ahead of it, so its TPOT is
+  ``step_j(1)``; a prefill-only instance does not count.
+
+Choice: among the options whose TPOT is within `SLO.tpot_ms`, the lowest TTFT;
+options within `Policy.tie_ms` of it are tied, and ties go to ``local``, then
+``pd``, then ``split`` (the fewer crossings), then the lower TTFT, the fewer
+outstanding requests, the lower indices. `tie_ms` defaults to 5 ms, about one
+decode step: a crossing must save more than that to be taken, which keeps the
+predictions' noise and the costs no model sees (a text prompt's ``/tokenize``
+before a split) from sending short prompts across (on an idle fleet, with the
+priors and 16-token blocks, prompts under about 190 tokens stay local).
+If no option meets the TPOT SLO: the one with the lowest TPOT (the least
+violation), then the lowest TTFT.
+
+Reasons: ``only-option`` (one option, and it meets TPOT), ``lowest-ttft``
+(the best TTFT of all, within `tie_ms`), ``tpot-slo`` (a lower TTFT was passed
+over for TPOT), ``no-option-meets-tpot``, ``role-fallback``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from rapidkv.router.placement.model import Models
+from rapidkv.router.placement.state import FleetState, InstanceLoad, Kind, Placement
+from rapidkv.router.split import split_point
+
+Reason = Literal["lowest-ttft", "tpot-slo", "only-option", "no-option-meets-tpot", "role-fallback"]
+KIND_RANK: dict[str, int] = {"local": 0, "pd": 1, "split": 2}  # ties: fewer crossings first
+
+
+class NoPlacement(ValueError):
+    """No available instance can decode the request."""
+
+
+@dataclass(frozen=True)
+class SLO:
+    """The latency targets, in ms: time to first token, time per output token after it."""
+
+    ttft_ms: float = 1000.0
+    tpot_ms: float = 100.0
+
+    def __post_init__(self) -> None:
+        if not (self.ttft_ms > 0 and self.tpot_ms > 0):
+            raise ValueError(f"SLOs must be > 0 ms: {self}")
+
+
+@dataclass(frozen=True)
+class Request:
+    """What placement knows of a request: its prompt's tokens, the output it
+    expects (`max_tokens`, or a guess), whether it may be split (`split.splittable`)."""
+
+    prompt_tokens: int
+    output_tokens: int = 16
+    splittable: bool = False
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens < 1 or self.output_tokens < 1:
+            raise ValueError(f"a request has at least one prompt and one output token: {self}")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How `decide` chooses. `split_fraction` None: the head balances the halves."""
+
+    pd: bool = True
+    split: bool = True
+    split_fraction: float | None = None
+    tie_ms: float = 5.0
+    min_horizon_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        if self.split_fraction is not None and not 0 < self.split_fraction < 1:
+            raise ValueError(f"split_fraction must be in (0, 1), not {self.split_fraction}")
+        if self.tie_ms < 0 or self.min_horizon_tokens < 1:
+            raise ValueError(f"need tie_ms >= 0 and min_horizon_tokens >= 1: {self}")
+
+
+@dataclass(frozen=True)
+class Option:
+    """One placement with its predicted TTFT and TPOT (ms)."""
+
+    placement: Placement
+    ttft_ms: float
+    tpot_ms: float
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The chosen `Option` and why (`Reason`)."""
+
+    placement: Placement
+    ttft_ms: float
+    tpot_ms: float
+    reason: Reason
+    meets_ttft: bool
+    meets_tpot: bool
+
+    @property
+    def kind(self) -> Kind:
+        return self.placement.kind
+
+    @property
+    def prefill(self) -> int:
+        """The instance computing the prompt (a split's head; the decoder when local)."""
+        return self.placement.prefill
+
+    @property
+    def decode(self) -> int:
+        return self.placement.decode
+
+    @property
+    def head_tokens(self) -> int:
+        return self.placement.head_tokens
+
+    def header_value(self) -> str:
+        """``x-rapidkv-placement``: ``kind=pd;prefill=1;decode=0;reason=lowest-ttft;...``
+        (``head=H`` after ``decode`` for a split; predictions last, in ms)."""
+        p = self.placement
+        head = f";head={p.head_tokens}" if p.kind == "split" else ""
+        return (
+            f"kind={p.kind};prefill={p.prefill};decode={p.decode}{head};reason={self.reason}"
+            f";ttft_ms={self.ttft_ms:.1f};tpot_ms={self.tpot_ms:.1f}"
+        )
+
+
+def options(
+    fleet: FleetState | Sequence[InstanceLoad],
+    models: Models,
+    request: Request,
+    policy: Policy = Policy(),
+) -> list[Option]:
+    """Every option `decide` chooses among (see the module docstring), predicted."""
+    loads = _loads(fleet, models)
+    up = [k for k, load in enumerate(loads) if load.available]
+    prefillers = [k for k in up if loads[k].role != "decode"]
+    decoders = [k for k in up if loads[k].role != "prefill"]
+    p = _Predictor(loads, models, request, policy)
+    out = [p.local(j) for j in up if loads[j].role == "any"]
+    for i in prefillers:
+        for j in decoders:
+            if i == j:
+                continue
+            if policy.pd:
+                out.append(p.pd(i, j))
+            if policy.split and request.splittable:
+                head = p.head(i, j)
+                if head:
+                    out.append(p.split(i, j, head))
+    if not out:
+        out = [p.local(j) for j in decoders]
+    return out
+
+
+def decide(
+    fleet: FleetState | Sequence[InstanceLoad],
+    models: Models,
+    request: Request,
+    slo: SLO = SLO(),
+    policy: Policy = Policy(),
+) -> Decision:
+    """Where to run `request` (see the module docstring). `NoPlacement` if no
+    available instance can decode it."""
+    loads = _loads(fleet, models)
+    opts = options(loads, models, request, policy)
+    if not opts:
+        states = ", ".join(
+            f"{k}: {load.role}" + ("" if load.healthy else " down") + (" draining" * load.draining)
+            for k, load in enumerate(loads)
+        )
+        raise NoPlacement(f"no available instance can decode ({states})")
+
+    def rank(o: Option) -> tuple:
+        pl = o.placement
+        busy = sum(loads[k].outstanding for k in {pl.prefill, pl.decode})
+        return (KIND_RANK[pl.kind], o.ttft_ms, busy, pl.prefill, pl.decode, pl.head_tokens)
+
+    meets = [o for o in opts if o.tpot_ms <= slo.tpot_ms]
+    reason: Reason
+    if meets:
+        best = min(o.ttft_ms for o in meets)
+        chosen = min((o for o in meets if o.ttft_ms <= best + policy.tie_ms), key=rank)
+        if len(opts) == 1:
+            reason = "only-option"
+        elif chosen.ttft_ms <= min(o.ttft_ms for o in opts) + policy.tie_ms:
+            reason = "lowest-ttft"
+        else:
+            reason = "tpot-slo"
+    else:
+        chosen = min(opts, key=lambda o: (o.tpot_ms, o.ttft_ms, rank(o)))
+        reason = "no-option-meets-tpot"
+    pl = chosen.placement
+    if pl.kind == "local" and loads[pl.decode].role == "decode":
+        reason = "role-fallback"
+    return Decision(
+        placement=pl,
+        ttft_ms=chosen.ttft_ms,
+        tpot_ms=chosen.tpot_ms,
+        reason=reason,
+        meets_ttft=chosen.ttft_ms <= slo.ttft_ms,
+        meets_tpot=chosen.tpot_ms <= slo.tpot_ms,
+    )
+
+
+def _loads(fleet: FleetState | Sequence[InstanceLoad], models: Models) -> tuple[InstanceLoad, ...]:
+    loads = fleet.view() if isinstance(fleet, FleetState) else tuple(fleet)
+    if len(loads) != models.n:
+        raise ValueError(f"{len(loads)} instances in the fleet, {models.n} in the models")
+    return loads
+
+
+class _Predictor:
+    """The formulas of the module docstring, for one request on one fleet snapshot."""
+
+    def __init__(
+        self, loads: tuple[InstanceLoad, ...], models: Models, request: Request, policy: Policy
+    ) -> None:
+        self.loads = loads
+        self.m = models
+        self.tokens = request.prompt_tokens
+        self.horizon = max(request.output_tokens, policy.min_horizon_tokens)
+        self.fraction = policy.split_fraction
+        self.work = [  # W_k: queued prefill work beyond steps
+            models.prefill_queue_ms(k, load.waiting_prefills, load.waiting_prefill_tokens)
+            for k, load in enumerate(loads)
+        ]
+        self.queue = [  # Q_k: until the queued prefills are done, their steps included
+            self.work[k] + load.waiting_prefills * models.step_ms(k, load.decodes)
+            for k, load in enumerate(loads)
+        ]
+
+    def first_step(self, j: int) -> float:
+        return self.m.step_ms(j, self.loads[j].decodes + 1)
+
+    def tpot(self, k: int, added: int, stall_ms: float) -> float | None:
+        """TPOT of `k`'s decodes with `added` more and `stall_ms` more prefill
+        work; None when `k` has no decode to slow down."""
+        b = self.loads[k].decodes
+        if b + added == 0:
+            return None
+        step = self.m.step_ms(k, b + added)
+        if b == 0:
+            return step
+        return step + (self.work[k] + stall_ms) / self.horizon
+
+    def local(self, j: int) -> Option:
+        pf = self.m.prefill_ms(j, self.tokens)
+        ttft = self.queue[j] + pf + self.first_step(j)
+        tpot = self.tpot(j, 1, pf)
+        assert tpot is not None
+        return Option(Placement("local", j, j), ttft, tpot)
+
+    def pd(self, i: int, j: int) -> Option:
+        pf = self.m.prefill_ms(i, self.tokens)
+        ready = self.queue[i] + pf + self.m.transfer_ms(i, j, self.tokens)
+        ttft = max(ready, self.queue[j]) + self.first_step(j)
+        return Option(Placement("pd", i, j), ttft, self._worst(self.tpot(j, 1, 0.0), i, pf))
+
+    def split(self, i: int, j: int, head: int) -> Option:
+        pf_head = self.m.prefill_ms(i, head)
+        head_ready = self.queue[i] + pf_head + self.m.transfer_ms(i, j, head)
+        tail_done = self.queue[j] + self.m.prefill_ms(j, self.tokens - head)
+        end = max(head_ready, tail_done)
+        ttft = end + self.first_step(j)
+        tpot = self._worst(self.tpot(j, 1, end - self.queue[j]), i, pf_head)
+        return Option(Placement("split", i, j, head), ttft, tpot)
+
+    def head(self, i: int, j: int) -> int:
+        """The head `i` computes in a split with `j`: whole blocks of `i`, leaving
+        `j` at least one token; 0 when no block fits or `i`'s block size is unknown."""
+        block = self.loads[i].block_size
+        if block is None or self.tokens < 2:
+            return 0
+        fraction = self.fraction
+        if fraction is None:  # Q_i + pf_i(H) + xfer_ij(H) = Q_j + pf_j(P - H), solved for H
+            pi, pj = self.m.prefill[i], self.m.prefill[j]
+            xf = self.m.transfer_cost(i, j)
+            slope = pi.slope + xf.slope + pj.slope
+            if slope <= 0:
+                fraction = 0.5
+            else:
+                balance = self.queue[j] + pj.intercept + pj.slope * self.tokens
+                balance -= self.queue[i] + pi.intercept + xf.intercept
+                fraction = min(max(balance / slope / (self.tokens - 1), 0.0), 1.0)
+        return split_point(self.tokens, block, fraction)
+
+    def _worst(self, decoder_tpot: float | None, i: int, pf: float) -> float:
+        values = [t for t in (decoder_tpot, self.tpot(i, 0, pf)) if t is not None]
+        return max(values)

@@ -1,0 +1,409 @@
+"""What the router knows of each instance's queues, and the observations they yield.
+
+`FleetState` is pure bookkeeping, like `balance.LeastOutstanding`: no I/O, no
+clock, no lock (the router calls it from its one event loop). Every event takes
+its time as an argument, in seconds of one monotonic clock (`time.monotonic()`);
+the observations it returns are in milliseconds.
+
+Theory of operation
+-------------------
+A request is dispatched (`on_dispatch`) with a `Placement`:
+
+- ``local``: instance ``j`` computes the whole prompt and decodes;
+- ``pd``: ``i`` computes the whole prompt, its KV goes to ``j``, which decodes;
+- ``split``: ``i`` computes the first `head_tokens` tokens, ``j`` the rest at
+  the same time and decodes (`router.split`).
+
+Its prefill work is queued on the instance(s) computing it, and it counts as a
+decode on ``j`` from dispatch on (it will decode there; prefill work queued
+after it stalls it). Then, for each request, in this order per side:
+
+- `on_prefill_done`, for ``pd`` and ``split`` only: P's request is over (its
+  one-token answer, or a failure). P's work leaves ``i``'s queue;
+- `on_first_token`: D's first token (D's own, not P's stitched one). The
+  prefill work on ``j`` (local prompt, split tail) leaves ``j``'s queue, and the
+  request starts decoding there;
+- `on_finish`: D's answer is over, whatever the outcome.
+
+A request is forgotten once D's answer is over and, for ``pd`` / ``split``, P's
+too (P's request may outlive D's in dual dispatch). A request that never got
+its first token leaves its remaining work with it.
+
+Measures (what the observations say):
+
+- a prefill's service time on an instance is from the later of its dispatch and
+  the end of that instance's previous prefill, to its own end (P's answer, or
+  D's first token for a local prompt): right for one prefill at a time, an
+  approximation when vLLM batches several;
+- a transfer is from P's answer to D's first token (`Models.learn` takes D's
+  step out); none when D's first token comes first;
+- a decode step is the request's time from first token to finish, minus the
+  prefill service time its instance spent in that window, over its output
+  tokens after the first; its batch is the mean number of requests decoding on
+  the instance over that window (from a running time integral).
+A split tail's time on D (spent partly waiting for the head) counts as D busy
+but yields no prefill observation; a failed answer (``ok=False``) yields none.
+
+Invariants (`check` verifies them; the tests call it after every event):
+- each instance's counters (`InstanceLoad`) are the sums over the requests
+  tracked now, so they are never negative and are all 0 once every request is
+  over;
+- an instance's flags (healthy, draining, role, block size) change only through
+  their setters, never through request events.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from rapidkv.router.placement.model import (
+    DecodeObservation,
+    Observation,
+    PrefillObservation,
+    TransferObservation,
+)
+
+Role = Literal["any", "prefill", "decode"]
+ROLES: tuple[str, ...] = get_args(Role)
+Kind = Literal["local", "pd", "split"]
+KINDS: tuple[str, ...] = get_args(Kind)
+
+
+@dataclass(frozen=True)
+class InstanceLoad:
+    """A snapshot of one instance, what the policy decides from.
+
+    - `role`: ``any``; ``prefill`` (only computes prompts whose KV goes
+      elsewhere: a PD prefill, a split head); ``decode`` (only decodes, a split
+      tail included, as rapidkv's D computes it);
+    - `decodes`: requests dispatched to decode here and not finished (started
+      decoding or not);
+    - `waiting_prefills` / `waiting_prefill_tokens`: prefill work dispatched
+      here and not done, as parts and tokens (a split counts its head on P and
+      its tail on D);
+    - `outstanding`: requests with any part still in flight here;
+    - `block_size`: its KV block size when known (a split's head is whole blocks).
+    """
+
+    role: Role = "any"
+    healthy: bool = True
+    draining: bool = False
+    decodes: int = 0
+    waiting_prefills: int = 0
+    waiting_prefill_tokens: int = 0
+    outstanding: int = 0
+    block_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, not {self.role!r}")
+        counts = (self.decodes, self.waiting_prefills, self.waiting_prefill_tokens)
+        if min(*counts, self.outstanding) < 0:
+            raise ValueError(f"negative load: {self}")
+        if self.block_size is not None and self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, not {self.block_size}")
+
+    @property
+    def available(self) -> bool:
+        """Healthy and not draining: new requests may be placed here."""
+        return self.healthy and not self.draining
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one request runs: `prefill` computes the prompt (its head for a
+    split; the tail is computed on `decode`), `decode` decodes.
+
+    ``local``: ``prefill == decode``, no head; ``pd``: ``prefill != decode``,
+    no head; ``split``: ``prefill != decode`` and ``0 < head_tokens``.
+    """
+
+    kind: Kind
+    prefill: int
+    decode: int
+    head_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, not {self.kind!r}")
+        if min(self.prefill, self.decode) < 0:
+            raise ValueError(f"instance indices are >= 0: {self}")
+        if (self.kind == "local") != (self.prefill == self.decode):
+            raise ValueError(f"a local placement, and only one, has prefill == decode: {self}")
+        if (self.kind == "split") != (self.head_tokens > 0):
+            raise ValueError(f"a split, and only a split, has a head: {self}")
+
+    def work(self, prompt_tokens: int) -> dict[int, int]:
+        """Prompt tokens each instance computes (a split's tail on `decode`)."""
+        if self.kind == "split":
+            if not 0 < self.head_tokens < prompt_tokens:
+                raise ValueError(
+                    f"a split head of {self.head_tokens} tokens must leave the decoder "
+                    f"some of the {prompt_tokens} prompt tokens"
+                )
+            return {self.prefill: self.head_tokens, self.decode: prompt_tokens - self.head_tokens}
+        return {self.prefill: prompt_tokens}
+
+
+@dataclass
+class _Instance:
+    role: Role = "any"
+    healthy: bool = True
+    draining: bool = False
+    block_size: int | None = None
+    decodes: int = 0
+    decoding: int = 0  # first token seen, not finished
+    waiting_prefills: int = 0
+    waiting_tokens: int = 0
+    outstanding: int = 0
+    last_prefill_end_s: float | None = None
+    decode_area: float = 0.0  # integral of `decoding` over time, request-seconds
+    area_s: float | None = None  # when `decode_area` was last brought up to date
+    prefill_busy_ms: float = 0.0  # prefill service time spent here, all in all
+
+    def advance(self, now_s: float) -> None:
+        if self.area_s is not None and now_s > self.area_s:
+            self.decode_area += self.decoding * (now_s - self.area_s)
+        if self.area_s is None or now_s > self.area_s:
+            self.area_s = now_s
+
+    def prefill_ended(self, dispatched_s: float, now_s: float) -> float:
+        """The service time (ms) of a prefill dispatched at `dispatched_s` that ended now."""
+        start = dispatched_s
+        if self.last_prefill_end_s is not None:
+            start = max(start, self.last_prefill_end_s)
+        ms = max(now_s - start, 0.0) * 1000
+        if self.last_prefill_end_s is None or now_s > self.last_prefill_end_s:
+            self.last_prefill_end_s = now_s
+        self.prefill_busy_ms += ms
+        return ms
+
+
+@dataclass
+class _Request:
+    placement: Placement
+    prompt_tokens: int
+    dispatched_s: float
+    pending: dict[int, int]  # instance -> prefill tokens not done there
+    prefill_over: bool  # P's part over (always for local)
+    prefill_done_s: float | None = None  # P's successful answer
+    first_token_s: float | None = None
+    area_at_first: float = 0.0
+    busy_at_first: float = 0.0
+    decode_over: bool = False
+
+
+class FleetState:
+    """Queues of instances ``0..n-1`` (see the module docstring)."""
+
+    def __init__(self, n: int, roles: tuple[Role, ...] | None = None) -> None:
+        if n < 1:
+            raise ValueError("need at least one instance")
+        if roles is not None and len(roles) != n:
+            raise ValueError(f"{len(roles)} roles for {n} instances")
+        self._inst = [_Instance() for _ in range(n)]
+        for i, role in enumerate(roles or ()):
+            self.set_role(i, role)
+        self._requests: dict[str, _Request] = {}
+
+    def __len__(self) -> int:
+        return len(self._inst)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests tracked now (dispatched, some part not over)."""
+        return len(self._requests)
+
+    def tracked(self) -> dict[str, Placement]:
+        """The requests tracked now, by id, with their placements."""
+        return {rid: r.placement for rid, r in self._requests.items()}
+
+    def view(self) -> tuple[InstanceLoad, ...]:
+        """Every instance's `InstanceLoad`, by index."""
+        return tuple(
+            InstanceLoad(
+                role=s.role,
+                healthy=s.healthy,
+                draining=s.draining,
+                decodes=s.decodes,
+                waiting_prefills=s.waiting_prefills,
+                waiting_prefill_tokens=s.waiting_tokens,
+                outstanding=s.outstanding,
+                block_size=s.block_size,
+            )
+            for s in self._inst
+        )
+
+    # instance flags
+
+    def set_healthy(self, i: int, healthy: bool) -> None:
+        self._at(i).healthy = healthy
+
+    def set_draining(self, i: int, draining: bool) -> None:
+        self._at(i).draining = draining
+
+    def set_role(self, i: int, role: Role) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, not {role!r}")
+        self._at(i).role = role
+
+    def set_block_size(self, i: int, block_size: int | None) -> None:
+        if block_size is not None and block_size < 1:
+            raise ValueError(f"block_size must be >= 1, not {block_size}")
+        self._at(i).block_size = block_size
+
+    # request events
+
+    def on_dispatch(
+        self, request_id: str, placement: Placement, prompt_tokens: int, now_s: float
+    ) -> None:
+        """`request_id` was sent where `placement` says. ValueError for an id
+        already in flight, a placement outside the fleet or an empty prompt."""
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} is already in flight")
+        if prompt_tokens < 1:
+            raise ValueError(f"request {request_id!r}: a prompt has at least one token")
+        self._at(placement.prefill)
+        self._at(placement.decode)
+        pending = placement.work(prompt_tokens)
+        for i, tokens in pending.items():
+            s = self._inst[i]
+            s.waiting_prefills += 1
+            s.waiting_tokens += tokens
+        for i in {placement.prefill, placement.decode}:
+            self._inst[i].outstanding += 1
+        self._inst[placement.decode].decodes += 1
+        self._requests[request_id] = _Request(
+            placement=placement,
+            prompt_tokens=prompt_tokens,
+            dispatched_s=now_s,
+            pending=pending,
+            prefill_over=placement.kind == "local",
+        )
+
+    def on_prefill_done(self, request_id: str, now_s: float, ok: bool = True) -> list[Observation]:
+        """P's request for `request_id` (``pd`` / ``split``) is over: answered
+        (`ok`) or failed. A repeated call changes nothing. KeyError for an id
+        not tracked (never dispatched, or over on both sides), ValueError for a
+        local request (it has no P)."""
+        r = self._get(request_id)
+        p = r.placement
+        if p.kind == "local":
+            raise ValueError(f"request {request_id!r} is local: it has no prefill answer")
+        if r.prefill_over:
+            return []
+        r.prefill_over = True
+        out: list[Observation] = []
+        s = self._inst[p.prefill]
+        s.outstanding -= 1
+        tokens = self._take(r, p.prefill)
+        if tokens:
+            ms = s.prefill_ended(r.dispatched_s, now_s)
+            if ok:
+                r.prefill_done_s = now_s
+                out.append(PrefillObservation(p.prefill, tokens, ms, s.decoding))
+        self._forget_if_over(request_id, r)
+        return out
+
+    def on_first_token(self, request_id: str, now_s: float) -> list[Observation]:
+        """D's first token for `request_id`. A repeated call, or one after
+        `on_finish`, changes nothing; KeyError for an id not tracked."""
+        r = self._get(request_id)
+        if r.first_token_s is not None or r.decode_over:
+            return []
+        p = r.placement
+        j = self._inst[p.decode]
+        out: list[Observation] = []
+        tokens = self._take(r, p.decode)
+        if tokens:  # local prompt or split tail: j's prefill work is done
+            ms = j.prefill_ended(r.dispatched_s, now_s)
+            if p.kind == "local":
+                out.append(PrefillObservation(p.decode, tokens, ms, j.decoding))
+        elif p.kind == "pd" and r.prefill_done_s is not None:
+            gap = max(now_s - r.prefill_done_s, 0.0) * 1000
+            out.append(TransferObservation(p.prefill, p.decode, r.prompt_tokens, gap, j.decoding))
+        j.advance(now_s)
+        j.decoding += 1
+        r.first_token_s = now_s
+        r.area_at_first = j.decode_area
+        r.busy_at_first = j.prefill_busy_ms
+        return out
+
+    def on_finish(
+        self, request_id: str, now_s: float, output_tokens: int = 0, ok: bool = True
+    ) -> list[Observation]:
+        """D's answer for `request_id` is over, after `output_tokens` tokens;
+        `ok` False for an error or a broken stream (no observation then). A
+        repeated call changes nothing; KeyError for an id not tracked."""
+        r = self._get(request_id)
+        if r.decode_over:
+            return []
+        r.decode_over = True
+        p = r.placement
+        j = self._inst[p.decode]
+        out: list[Observation] = []
+        self._take(r, p.decode)  # work left on D: it never got to its first token
+        if r.first_token_s is not None:
+            j.advance(now_s)
+            window_s = now_s - r.first_token_s
+            if ok and output_tokens >= 2 and window_s > 0:
+                batch = (j.decode_area - r.area_at_first) / window_s
+                busy_ms = j.prefill_busy_ms - r.busy_at_first
+                step_ms = (window_s * 1000 - busy_ms) / (output_tokens - 1)
+                if step_ms > 0:
+                    out.append(DecodeObservation(p.decode, batch, step_ms))
+            j.decoding -= 1
+        j.decodes -= 1
+        j.outstanding -= 1
+        self._forget_if_over(request_id, r)
+        return out
+
+    # checks
+
+    def check(self) -> None:
+        """AssertionError unless every counter is the sum over tracked requests."""
+        n = len(self._inst)
+        decodes, decoding, waiting, tokens, outstanding = ([0] * n for _ in range(5))
+        for r in self._requests.values():
+            p = r.placement
+            for i, t in r.pending.items():
+                waiting[i] += 1
+                tokens[i] += t
+            if not r.decode_over:
+                decodes[p.decode] += 1
+                outstanding[p.decode] += 1
+                if r.first_token_s is not None:
+                    decoding[p.decode] += 1
+            if p.kind != "local" and not r.prefill_over:
+                outstanding[p.prefill] += 1
+        for i, s in enumerate(self._inst):
+            got = (s.decodes, s.decoding, s.waiting_prefills, s.waiting_tokens, s.outstanding)
+            want = (decodes[i], decoding[i], waiting[i], tokens[i], outstanding[i])
+            assert got == want, f"instance {i}: counters {got}, tracked requests say {want}"
+
+    # helpers
+
+    def _take(self, r: _Request, i: int) -> int:
+        """Remove `r`'s pending prefill work on `i`; the tokens it had (0 for none)."""
+        tokens = r.pending.pop(i, 0)
+        if tokens:
+            s = self._inst[i]
+            s.waiting_prefills -= 1
+            s.waiting_tokens -= tokens
+        return tokens
+
+    def _forget_if_over(self, request_id: str, r: _Request) -> None:
+        if r.decode_over and r.prefill_over:
+            del self._requests[request_id]
+
+    def _get(self, request_id: str) -> _Request:
+        try:
+            return self._requests[request_id]
+        except KeyError:
+            raise KeyError(f"request {request_id!r} is not in flight") from None
+
+    def _at(self, i: int) -> _Instance:
+        if not 0 <= i < len(self._inst):
+            raise IndexError(f"instance {i} out of range 0..{len(self._inst) - 1}")
+        return self._inst[i]
