@@ -165,3 +165,15 @@ def test_instance_flags_reach_the_config() -> None:
         ("http://a:1=a:7", "both"),
         ("http://b:1", "both"),
     ]
+
+
+def test_adaptive_placement_needs_dual_dispatch_and_positive_slos() -> None:
+    fleet = (Instance("http://a:1"), Instance("http://b:1"))
+    assert RouterConfig(instances=fleet, placement="adaptive").placement == "adaptive"
+    with pytest.raises(ValueError, match="dual"):
+        RouterConfig(instances=fleet, placement="adaptive", dispatch="serial")
+    with pytest.raises(ValueError, match="SLO"):
+        RouterConfig(instances=fleet, tpot_slo_ms=0)
+    args = parse(["--instance", "http://a:1", "--placement", "adaptive", "--tpot-slo-ms", "20"])
+    config = config_from_args(args)
+    assert (config.placement, config.tpot_slo_ms, config.ttft_slo_ms) == ("adaptive", 20, 1000)

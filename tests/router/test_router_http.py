@@ -750,3 +750,32 @@ def test_a_fleet_of_one_serves_every_request_locally(
     seen = the_one(a)
     assert seen.body == COMPLETION  # the client's request, untouched
     assert metric(router, "rapidkv_router_without_prefill_total") == 0
+
+
+def test_adaptive_placement_keeps_a_short_prompt_local_and_says_so(
+    make_fake: MakeFake, make_router: MakeRouter, http: httpx.Client
+) -> None:
+    """An idle fleet of two: a short prompt does not cross. The answer's
+    x-rapidkv-placement header and the placements metric say where it ran."""
+    a = [make_fake(f"A{i}", "decode") for i in range(2)]
+    router = make_router([], [], instances=a, placement="adaptive")
+    resp = http.post(f"{router.url}/v1/completions", json=COMPLETION)
+    assert resp.status_code == 200
+    placement = dict(kv.split("=") for kv in resp.headers["x-rapidkv-placement"].split(";"))
+    assert placement["kind"] == "local" and placement["prefill"] == placement["decode"]
+    served = a[int(placement["decode"])]
+    assert the_one(served).body == COMPLETION  # untouched: no P part
+    assert served.name == resp.json()["served_by"]
+    assert not a[1 - int(placement["decode"])].requests()
+    assert metric(router, "rapidkv_router_placements_total", kind="local") == 1
+    assert metric(router, "rapidkv_router_placements_total", kind="pd") == 0
+
+
+def test_fixed_placement_names_the_instances_in_the_header(
+    pd: tuple[FakeVLLM, FakeVLLM], make_router: MakeRouter, http: httpx.Client
+) -> None:
+    p, d = pd
+    router = make_router([p], [d], split_prefill=False)
+    resp = http.post(f"{router.url}/v1/completions", json=COMPLETION)
+    assert resp.headers["x-rapidkv-placement"] == "kind=pd;prefill=0;decode=1;reason=fixed"
+    assert metric(router, "rapidkv_router_placements_total", kind="pd", reason="fixed") == 1

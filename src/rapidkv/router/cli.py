@@ -8,7 +8,13 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from rapidkv.router.config import DISPATCH_MODES, Instance, RouterConfig, read_secret
+from rapidkv.router.config import (
+    DISPATCH_MODES,
+    PLACEMENTS,
+    Instance,
+    RouterConfig,
+    read_secret,
+)
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -44,6 +50,26 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         choices=DISPATCH_MODES,
         default="dual",
         help="dual: P and D at once; serial: P, then D; local: D only (default %(default)s)",
+    )
+    parser.add_argument(
+        "--placement",
+        choices=PLACEMENTS,
+        default="fixed",
+        help="fixed: the decoder by least outstanding requests, the prefill instance among "
+        "the others; adaptive: local, PD or split per request, for the lowest predicted TTFT "
+        "that keeps the decoder's TPOT within --tpot-slo-ms (dual dispatch; default "
+        "%(default)s)",
+    )
+    parser.add_argument(
+        "--ttft-slo-ms", type=float, default=1000.0, metavar="MS", help="(default %(default)s)"
+    )
+    parser.add_argument(
+        "--tpot-slo-ms",
+        type=float,
+        default=100.0,
+        metavar="MS",
+        help="adaptive placement: the TPOT no placement may push a decoder's requests past "
+        "(default %(default)s)",
     )
     parser.add_argument(
         "--secret-file",
@@ -101,6 +127,9 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         host=args.host,
         port=args.port,
         dispatch=args.dispatch,
+        placement=args.placement,
+        ttft_slo_ms=args.ttft_slo_ms,
+        tpot_slo_ms=args.tpot_slo_ms,
         secret=read_secret(args.secret_file) if args.secret_file is not None else None,
         upstream_read_timeout_s=args.upstream_timeout,
         discover=args.discover,

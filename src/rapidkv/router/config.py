@@ -24,6 +24,8 @@ from rapidkv.control.address import parse_address
 
 Dispatch = Literal["dual", "serial", "local"]
 DISPATCH_MODES: tuple[str, ...] = get_args(Dispatch)
+Placement = Literal["fixed", "adaptive"]
+PLACEMENTS: tuple[str, ...] = get_args(Placement)
 Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, ...] = get_args(Role)
 
@@ -112,6 +114,12 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     dispatch: Dispatch = "dual"
+    # fixed: the decoder by least outstanding, P among the others (split while
+    # idle); adaptive: `placer` picks local / PD / split per request, for the
+    # lowest predicted TTFT within the TPOT SLO (dual dispatch only)
+    placement: Placement = "fixed"
+    ttft_slo_ms: float = 1000.0
+    tpot_slo_ms: float = 100.0
     # ask prefill instances configured without a control address for it
     discover: bool = True
     # dual dispatch: P's first token opens the client's stream when it may (see `stitch`)
@@ -143,6 +151,12 @@ class RouterConfig:
                 raise ValueError(f"{name} URLs must be unique: {urls}")
         if self.dispatch not in DISPATCH_MODES:
             raise ValueError(f"dispatch must be one of {DISPATCH_MODES}, not {self.dispatch!r}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, not {self.placement!r}")
+        if self.placement == "adaptive" and self.dispatch != "dual":
+            raise ValueError("adaptive placement needs dual dispatch")
+        if not (self.ttft_slo_ms > 0 and self.tpot_slo_ms > 0):
+            raise ValueError("the TTFT and TPOT SLOs must be > 0 ms")
         both: frozenset[Role] = frozenset(ROLES)
         members = _members(
             (

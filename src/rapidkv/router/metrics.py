@@ -32,6 +32,12 @@ base URL):
 - ``rapidkv_router_transfers_degraded{instance}``: 1 while every TransferKV a
   decode instance sent since the previous check fell back to recompute (a pair
   that is up but not transferring; `transfers`), else 0.
+- ``rapidkv_router_placements_total{kind,reason}``: requests by where they
+  ran: ``kind`` ``local`` (one instance), ``pd`` (prompt on one, decode on
+  another), ``split`` (the prompt's head on one, the rest and the decode on
+  another); ``reason`` ``fixed`` (``--placement fixed``) or the adaptive
+  policy's (`placement.policy.Reason`). The same is in each answer's
+  ``x-rapidkv-placement`` header.
 - ``rapidkv_router_without_prefill_total``: dual or serial requests served by D
   alone because no prefill instance was up.
 - ``rapidkv_router_control_aborts_total{outcome}``: control-plane Aborts sent to
@@ -46,6 +52,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from rapidkv.router.config import RouterConfig
+from rapidkv.router.placement.policy import REASONS
+from rapidkv.router.placement.state import KINDS
 from rapidkv.router.rewrite import ENDPOINTS
 
 OUTCOMES = (
@@ -133,12 +141,23 @@ class RouterMetrics:
             "Dual-dispatch requests whose prompt P and D computed in two parts at once",
             registry=r,
         )
+        self.placements = Counter(
+            "rapidkv_router_placements",
+            "Requests by where they ran (kind: local, pd, split) and why (reason: fixed, or "
+            "the adaptive policy's)",
+            ["kind", "reason"],
+            registry=r,
+        )
         self.first_token = Counter(
             "rapidkv_router_first_token",
             "Streamed dual-dispatch answers by the source of their first token",
             ["source"],
             registry=r,
         )
+        reasons = ("fixed",) if config.placement == "fixed" else REASONS
+        for kind in KINDS:
+            for reason in reasons:
+                self.placements.labels(kind, reason)
         for source in FIRST_TOKEN_SOURCES:
             self.first_token.labels(source)
         for endpoint in ENDPOINTS:

@@ -62,7 +62,7 @@ import logging
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 from starlette.types import Message, Receive, Scope, Send
@@ -79,6 +79,8 @@ from rapidkv.router.discovery import (
 )
 from rapidkv.router.health import InstanceHealth
 from rapidkv.router.metrics import RouterMetrics
+from rapidkv.router.placement import SLO, NoPlacement, Placement, Policy
+from rapidkv.router.placer import Placer
 from rapidkv.router.rewrite import (
     BadRequest,
     Body,
@@ -129,6 +131,7 @@ NOT_RELAYED = frozenset(
 # Request headers passed from the client to P and D.
 PASSED_ON = (b"authorization", b"accept-encoding")
 XFER_HEADER = b"x-rapidkv-xfer-id"
+PLACEMENT_HEADER = b"x-rapidkv-placement"  # where the request ran (`placement.Decision`)
 # a stitch's resolved state -> where the client's first token came from
 FIRST_TOKEN_SOURCE = {"matched": "prefill", "decode_first": "decode", "mismatched": "continuation"}
 DISCOVERY_RETRY_S = 10.0  # a failed control-address probe is repeated at most this often
@@ -161,6 +164,9 @@ class Exchange:
     prefill: Instance | None = None
     decode: Instance | None = None
     status: int | None = None  # D's status
+    placement: str | None = None  # the x-rapidkv-placement header's value
+    output_events: int = 0  # streamed output events relayed (about the tokens)
+    estimated_tokens: int = 0  # the prompt's length as placement estimated it
 
     @property
     def path(self) -> str:
@@ -179,6 +185,15 @@ class Router:
         self._pools = {role: config.pool(role) for role in ROLES}
         self._balancer = LeastOutstanding(len(self._members))
         self._health = InstanceHealth(len(self._members))
+        self._placer = (
+            Placer(
+                self._members,
+                SLO(config.ttft_slo_ms, config.tpot_slo_ms),
+                Policy(split=config.split_prefill),
+            )
+            if config.placement == "adaptive"
+            else None
+        )
         self._aborter = ControlAborter(config.secret, config.abort_timeout_s, self.metrics)
         self._transfers = TransferWatcher(config, self.metrics)
         self._http: aiohttp.ClientSession | None = None
@@ -212,7 +227,17 @@ class Router:
                 return task
         task = asyncio.create_task(discover_control(self.http, inst, self.config.connect_timeout_s))
         self._discovery[inst.url] = (task, time.monotonic())
+        if self._placer is not None:
+            task.add_done_callback(lambda t: self._discovered(inst.url, t))
         return task
+
+    def _discovered(self, url: str, task: asyncio.Future[tuple[str, int | None]]) -> None:
+        """Placement learns a prefill instance's block size (split heads are whole blocks)."""
+        if task.cancelled() or task.exception() is not None or self._placer is None:
+            return
+        for index, member in enumerate(self._members):
+            if member.instance.url == url:
+                self._placer.set_block_size(index, task.result()[1])
 
     async def _with_control(self, inst: Instance, ex: Exchange) -> Instance:
         """`inst` with its control address (and block size, for split prefills)
@@ -345,11 +370,39 @@ class Router:
         if not self._up("decode"):  # nothing can answer: P is not asked either
             await _send_error(send, 503, f"no decode instance is up: {self._down_reasons()}")
             return "unavailable"
-        d_index, ex.decode = self._acquire("decode")
+        # fixed: P by least outstanding, split while idle
+        p_index: int | Literal["least"] | None = "least"
+        split: float | Literal["auto"] | None = "auto"
+        if self._placer is not None:
+            splits = self.config.split_prefill and splittable(body, ex.endpoint)
+            splits = splits and client_transfer_kv_mode(body) in (None, "substep")
+            try:
+                decision, ex.estimated_tokens = self._placer.decide(body, ex.endpoint, splits)
+            except NoPlacement as e:
+                await _send_error(send, 503, f"no instance can take the request: {e}")
+                return "unavailable"
+            ex.placement = decision.header_value()
+            self.metrics.placements.labels(decision.kind, decision.reason).inc()
+            d_index = self._take(decision.decode)
+            p_index = None if decision.kind == "local" else decision.prefill
+            split = None
+            if decision.kind == "split":
+                ex.estimated_tokens = max(ex.estimated_tokens, decision.head_tokens + 1)
+                split = decision.head_tokens / ex.estimated_tokens
+        else:
+            d_index = self._acquire("decode")
+        ex.decode = self._members[d_index].instance
+        outcome = "error"
+        counted = _CountingSend(send, ex)
         try:
-            return await self._route_to(ex, body, raw, receive, send, mode, d_index)
+            outcome = await self._route_to(
+                ex, body, raw, receive, counted, mode, d_index, p_index, split
+            )
+            return outcome
         finally:
             self._release(d_index)
+            if self._placer is not None:
+                self._placer.finished(ex.xfer_id, ex.output_events, ok=outcome == "ok")
 
     async def _route_to(
         self,
@@ -360,10 +413,18 @@ class Router:
         send: Send,
         mode: str,
         d_index: int,
+        p_choice: int | Literal["least"] | None,
+        split: float | Literal["auto"] | None,
     ) -> str:
-        """Dispatch `ex`, whose decode instance is `d_index`; its outcome."""
+        """Dispatch `ex`, whose decode instance is `d_index`, its prompt computed
+        on `p_choice` (an index; None: locally on D; ``least``: the least busy of
+        the other instances that may prefill). `split`: ``auto`` (split while P
+        and D are idle), None (never), or the head's share of the prompt.
+        Returns the outcome."""
         assert ex.decode is not None
-        if mode != "local":
+        if mode != "local" and p_choice is None:
+            mode = "local"
+        elif mode != "local" and p_choice == "least":
             others = [i for i in self._pools["prefill"] if i != d_index]
             if not others:
                 mode = "local"  # the decoder is the only instance that may prefill
@@ -380,17 +441,26 @@ class Router:
         try:
             if mode == "local":
                 d_content = raw
+                self._dispatched(ex, "local", d_index, d_index)
             else:
-                p_index, ex.prefill = self._acquire("prefill", exclude=d_index)
-                split, ids = 0, None
+                if isinstance(p_choice, int):
+                    p_index = self._take(p_choice)
+                else:
+                    p_index = self._acquire("prefill", exclude=d_index)
+                ex.prefill = self._members[p_index].instance
+                head, ids = 0, None
                 try:
                     ex.prefill = await self._with_control(ex.prefill, ex)
-                    if mode == "dual" and self._may_split(ex, body, p_index, d_index):
-                        split, ids = await self._split_point(ex, body)
+                    if split == "auto":
+                        if mode == "dual" and self._may_split(ex, body, p_index, d_index):
+                            head, ids = await self._split_point(ex, body)
+                    elif split is not None and self._can_split(ex, body):
+                        head, ids = await self._split_point(ex, body, split)
                 except BaseException:
                     self._release(p_index)
                     raise
-                if split:
+                self._dispatched(ex, "split" if head else "pd", p_index, d_index, head)
+                if head:
                     assert ids is not None
                     stitching = False  # P's token ends the head, not the prompt
                     self.metrics.split_prefills.inc()
@@ -404,8 +474,8 @@ class Router:
                         asyncio.get_running_loop().create_future(),
                     )
                 p_content = encode(
-                    head_body(body, ex.xfer_id, ids, split)
-                    if split and ids is not None
+                    head_body(body, ex.xfer_id, ids, head)
+                    if head and ids is not None
                     else prefill_body(body, ex.endpoint, ex.xfer_id, first_token=stitching)
                 )
                 first = stitch.first if stitch is not None else None
@@ -417,7 +487,7 @@ class Router:
                         self._stop_prefill(ex, prefill, AbortReason.CLIENT_ABORT)
                         return "client_abort"
                 d_content = encode(
-                    decode_body(body, ex.xfer_id, ex.prefill, first_token=stitching, split=split)
+                    decode_body(body, ex.xfer_id, ex.prefill, first_token=stitching, split=head)
                 )
             relay = asyncio.create_task(
                 self._relay(d_index, ex.decode, d_content, ex, send, stitch)
@@ -441,8 +511,11 @@ class Router:
             if relay is not None and not relay.done():
                 relay.cancel()
 
-    async def _split_point(self, ex: Exchange, body: Body) -> tuple[int, list[int] | None]:
-        """The head P computes (0: no split) and the prompt's token ids."""
+    async def _split_point(
+        self, ex: Exchange, body: Body, fraction: float | None = None
+    ) -> tuple[int, list[int] | None]:
+        """The head P computes (0: no split), about `fraction` of the prompt
+        (default `split_fraction`), and the prompt's token ids."""
         assert ex.prefill is not None and ex.prefill.block_size is not None
         ids = await prompt_ids(
             self.http,
@@ -453,7 +526,8 @@ class Router:
         )
         if not ids:
             return 0, None
-        return split_point(len(ids), ex.prefill.block_size, self.config.split_fraction), ids
+        fraction = self.config.split_fraction if fraction is None else fraction
+        return split_point(len(ids), ex.prefill.block_size, fraction), ids
 
     def _may_split(self, ex: Exchange, body: Body, p_index: int, d_index: int) -> bool:
         """Split this request's prefill: enabled, possible for this request and
@@ -462,22 +536,46 @@ class Router:
         any instance that may decode (but this request's two parts)."""
         mine = {p_index, d_index}
         busy = self._balancer.outstanding
-        p = ex.prefill
         return (
             self.config.split_prefill
-            and p is not None
+            and self._can_split(ex, body)
+            and all(busy(i) == (1 if i in mine else 0) for i in {p_index, *self._pools["decode"]})
+        )
+
+    def _can_split(self, ex: Exchange, body: Body) -> bool:
+        """This request's prompt may be split between its P and D: P's control
+        address and block size are known, the request is a single-prompt
+        completion, not in a `transfer_kv_mode` that sends P's KV after its step
+        (the client measures that mode)."""
+        p = ex.prefill
+        return (
+            p is not None
             and p.control is not None
             and p.block_size is not None
             and splittable(body, ex.endpoint)
             and client_transfer_kv_mode(body) in (None, "substep")
-            and all(busy(i) == (1 if i in mine else 0) for i in {p_index, *self._pools["decode"]})
         )
+
+    def _dispatched(
+        self, ex: Exchange, kind: str, p_index: int, d_index: int, head: int = 0
+    ) -> None:
+        """Where `ex` really went: its header value (fixed placement) and the
+        placement state (adaptive; a split that could not be made is PD)."""
+        if self._placer is None:
+            ex.placement = f"kind={kind};prefill={p_index};decode={d_index};reason=fixed"
+            self.metrics.placements.labels(kind, "fixed").inc()
+            return
+        placement = Placement(kind, p_index, d_index, head)  # type: ignore[arg-type]
+        self._placer.dispatched(ex.xfer_id, placement, max(ex.estimated_tokens, head + 1))
 
     def _prefill_done(self, ex: Exchange, task: asyncio.Task[bool]) -> None:
         """P's request failed: tell P's connector, so that D's TransferKV is
         answered at once (GONE: D recomputes) rather than after P's park TTL; a
         split prefill's tail stops waiting for the head."""
-        if task.cancelled() or (task.exception() is None and task.result()):
+        ok = not task.cancelled() and task.exception() is None and task.result()
+        if self._placer is not None:
+            self._placer.prefill_done(ex.xfer_id, ok)
+        if ok or task.cancelled():
             return
         if ex.prefill is not None and ex.prefill.control is not None:
             self._aborter.abort(ex.prefill.control, ex.xfer_id, AbortReason.PREFILL_FAILED)
@@ -569,7 +667,7 @@ class Router:
                 {
                     "type": "http.response.start",
                     "status": resp.status,
-                    "headers": _relayed_headers(resp.raw_headers, ex.xfer_id),
+                    "headers": _relayed_headers(resp.raw_headers, ex),
                 }
             )
             content_type = resp.headers.get("content-type", "")
@@ -607,6 +705,7 @@ class Router:
         async for chunk in resp.content.iter_any():
             if detector is not None and detector.feed(chunk):
                 self._first_token_sent(ex)
+                self._decode_first_token(ex)
                 if self.config.dispatch == "dual":
                     self.metrics.first_token.labels("decode").inc()
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -649,6 +748,7 @@ class Router:
                 if source is not None and not counted:
                     counted = True
                     self.metrics.first_token.labels(source).inc()
+                    self._decode_first_token(ex)
                 if out:
                     if stitch.state != "waiting" and not opened:
                         opened = True
@@ -695,6 +795,11 @@ class Router:
                     )
         return None
 
+    def _decode_first_token(self, ex: Exchange) -> None:
+        """D's own first output event arrived (placement learns from it)."""
+        if self._placer is not None:
+            self._placer.first_token(ex.xfer_id)
+
     def _first_token_sent(self, ex: Exchange) -> None:
         self.metrics.ttft.labels(ex.endpoint, self.config.dispatch).observe(
             time.monotonic() - ex.t_start
@@ -722,6 +827,8 @@ class Router:
             self.config.probe_interval_s,
         )
         self.metrics.instance_up.labels(member.label, member.instance.url).set(0)
+        if self._placer is not None:
+            self._placer.set_healthy(index, False)
         self._spawn(self._probe(index))
 
     async def _probe(self, index: int) -> bool:
@@ -748,6 +855,8 @@ class Router:
                         continue
                 self._health.mark_up(index)
                 self.metrics.instance_up.labels(member.label, inst.url).set(1)
+                if self._placer is not None:
+                    self._placer.set_healthy(index, True)
                 log.info("%s instance %s is up again", member.label, inst.url)
                 return True
 
@@ -768,16 +877,23 @@ class Router:
         downs = [(self._members[i].instance, self._health.down(i)) for i in self._pools["decode"]]
         return "; ".join(f"{inst.url} ({why})" for inst, why in downs if why is not None)
 
-    def _acquire(self, role: Role, exclude: int | None = None) -> tuple[int, Instance]:
-        """An instance for a request of `role` (not `exclude`), counted outstanding."""
+    def _acquire(self, role: Role, exclude: int | None = None) -> int:
+        """An instance for a request of `role` (not `exclude`), least outstanding
+        (ties in turn), counted outstanding."""
         # every instance down since the caller looked: try them all (the request fails
         # like any to a dead instance) rather than fail here
         pool = [i for i in self._pools[role] if i != exclude]
         up = [i for i in pool if self._health.is_up(i)]
-        index = self._balancer.acquire(up or pool, turn=role)
+        return self._counted(self._balancer.acquire(up or pool, turn=role))
+
+    def _take(self, index: int) -> int:
+        """Instance `index` (placement chose it), counted outstanding."""
+        return self._counted(self._balancer.acquire((index,), turn="placed"))
+
+    def _counted(self, index: int) -> int:
         member = self._members[index]
         self.metrics.outstanding.labels(member.label, member.instance.url).inc()
-        return index, member.instance
+        return index
 
     def _release(self, index: int) -> None:
         self._balancer.release(index)
@@ -870,8 +986,30 @@ def _upstream_headers(scope: Scope) -> dict[str, str]:
 
 
 def _relayed_headers(
-    raw: tuple[tuple[bytes, bytes], ...], xfer_id: str
+    raw: tuple[tuple[bytes, bytes], ...], ex: Exchange
 ) -> list[tuple[bytes, bytes]]:
     out = [(k, v) for k, v in raw if k.lower() not in NOT_RELAYED]
-    out.append((XFER_HEADER, xfer_id.encode()))
+    out.append((XFER_HEADER, ex.xfer_id.encode()))
+    if ex.placement is not None:
+        out.append((PLACEMENT_HEADER, ex.placement.encode()))
     return out
+
+
+class _CountingSend:
+    """The client's `send`, counting the streamed output events relayed through
+    it (``data: {`` at an event's start: about one per token) into `ex`."""
+
+    MARK = b"data: {"
+
+    def __init__(self, send: Send, ex: Exchange) -> None:
+        self._send = send
+        self._ex = ex
+        self._tail = b""
+
+    async def __call__(self, message: Message) -> None:
+        body = message.get("body") if message["type"] == "http.response.body" else None
+        if body:
+            data = self._tail + body
+            self._ex.output_events += data.count(self.MARK)  # the tail is too short to hold one
+            self._tail = data[-(len(self.MARK) - 1) :]
+        await self._send(message)

@@ -67,13 +67,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from rapidkv.router.placement.model import Models
 from rapidkv.router.placement.state import FleetState, InstanceLoad, Kind, Placement
 from rapidkv.router.split import split_point
 
 Reason = Literal["lowest-ttft", "tpot-slo", "only-option", "no-option-meets-tpot", "role-fallback"]
+REASONS: tuple[str, ...] = get_args(Reason)
 KIND_RANK: dict[str, int] = {"local": 0, "pd": 1, "split": 2}  # ties: fewer crossings first
 
 

@@ -1,0 +1,125 @@
+"""The router's adaptive placement: the pure `placement` core fed from what the
+router sees, one instance index per `RouterConfig.members` entry.
+
+`Placer` keeps a `FleetState` and learned `Models`; the router calls it on its
+one event loop (no locks):
+
+- `decide` for each request (``--placement adaptive``), then `dispatched`
+  with the placement it really used;
+- `prefill_done` when P's part is over, `first_token` when D's own first
+  output event is relayed (streamed answers: a non-streamed one has no first
+  token the router can see, and teaches the models nothing), `finished` when
+  D's answer is over; each feeds the observations it yields to the models;
+- `set_healthy` and `set_block_size` as the router learns them.
+
+A request's prompt length is estimated before it is tokenized: token ids are
+counted, text is taken as `CHARS_PER_TOKEN` characters a token (the policy
+needs magnitudes, not counts). Its output length is its ``max_tokens`` (or
+``max_completion_tokens``), `DEFAULT_OUTPUT_TOKENS` without one.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+from rapidkv.router.config import Member
+from rapidkv.router.placement import (
+    SLO,
+    Decision,
+    FleetState,
+    Models,
+    Placement,
+    Policy,
+    Request,
+    decide,
+)
+from rapidkv.router.placement.state import Role
+from rapidkv.router.rewrite import Body, Endpoint, token_ids
+
+log = logging.getLogger(__name__)
+
+CHARS_PER_TOKEN = 4
+DEFAULT_OUTPUT_TOKENS = 16
+
+
+def estimate_prompt_tokens(body: Body, endpoint: Endpoint) -> int:
+    """About how many tokens the request's prompt has (at least 1)."""
+    if endpoint == "completions":
+        prompt = body.get("prompt")
+        ids = token_ids(prompt)
+        if ids is not None:
+            return len(ids)
+        text = prompt if isinstance(prompt, str) else str(prompt)
+    else:
+        text = "".join(_message_text(m) for m in body.get("messages") or ())
+    return max(1, math.ceil(len(text) / CHARS_PER_TOKEN))
+
+
+def requested_output_tokens(body: Body) -> int:
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return DEFAULT_OUTPUT_TOKENS
+
+
+def _message_text(message: Any) -> str:
+    content = message.get("content") if isinstance(message, dict) else None
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return ""
+
+
+def _role(member: Member) -> Role:
+    return "any" if member.label == "both" else member.label  # type: ignore[return-value]
+
+
+class Placer:
+    """Adaptive placement over the router's members."""
+
+    def __init__(self, members: tuple[Member, ...], slo: SLO, policy: Policy) -> None:
+        self.slo = slo
+        self.policy = policy
+        self.fleet = FleetState(len(members), tuple(_role(m) for m in members))
+        self.models = Models(len(members))
+
+    def decide(self, body: Body, endpoint: Endpoint, splittable: bool) -> tuple[Decision, int]:
+        """The decision for this request and its estimated prompt tokens
+        (`placement.NoPlacement` if no available instance can decode it)."""
+        tokens = estimate_prompt_tokens(body, endpoint)
+        request = Request(tokens, requested_output_tokens(body), splittable)
+        return decide(self.fleet, self.models, request, self.slo, self.policy), tokens
+
+    def dispatched(self, xfer_id: str, placement: Placement, prompt_tokens: int) -> None:
+        self.fleet.on_dispatch(xfer_id, placement, prompt_tokens, time.monotonic())
+
+    def prefill_done(self, xfer_id: str, ok: bool) -> None:
+        self._learn(self.fleet.on_prefill_done, xfer_id, ok=ok)
+
+    def first_token(self, xfer_id: str) -> None:
+        self._learn(self.fleet.on_first_token, xfer_id)
+
+    def finished(self, xfer_id: str, output_tokens: int, ok: bool) -> None:
+        self._learn(self.fleet.on_finish, xfer_id, output_tokens=output_tokens, ok=ok)
+
+    def set_healthy(self, index: int, healthy: bool) -> None:
+        self.fleet.set_healthy(index, healthy)
+
+    def set_block_size(self, index: int, block_size: int | None) -> None:
+        self.fleet.set_block_size(index, block_size)
+
+    def _learn(self, event: Any, xfer_id: str, **kwargs: Any) -> None:
+        if xfer_id not in self.fleet.tracked():
+            return
+        try:
+            observations = event(xfer_id, time.monotonic(), **kwargs)
+        except ValueError:  # out of order for this request: a router bug, not the client's
+            log.exception("xfer %s: placement bookkeeping refused an event", xfer_id)
+            return
+        for obs in observations:
+            self.models.learn(obs)
