@@ -11,6 +11,7 @@ import httpx
 import pytest
 from pd_harness import (
     BLOCK,
+    FLEET_LENGTHS,
     LATE_LENGTHS,
     LATE_ROUNDS,
     LENGTHS,
@@ -93,6 +94,8 @@ def workloads(tiny_model: Path, single_server_starter) -> dict[str, tuple[list, 
     for seed, side in enumerate("pd"):
         restart = random_prompts(tiny_model, [300, 450, 200, 900], seed=2200 + seed)
         out[f"restart-{side}"] = (restart, complete_many(single.base_url, restart, MAX_TOKENS))
+    fleet = random_prompts(tiny_model, FLEET_LENGTHS, seed=2300)
+    out["fleet"] = (fleet, complete_many(single.base_url, fleet, MAX_TOKENS, concurrency=4))
     split_fail = random_prompts(tiny_model, [600, 700], seed=2100)
     out["split_fail"] = (split_fail, complete_many(single.base_url, split_fail, MAX_TOKENS))
     # text prompts (the router tokenizes them on P): random ids, detokenized

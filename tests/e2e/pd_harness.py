@@ -66,6 +66,9 @@ LATE_SLOTS = 8  # = D's max_num_seqs: D admits nothing while these decode
 # frees) reach P at a later point of P's prefills each round
 LATE_DECODE_TOKENS = [10, 40, 70, 100]
 LATE_LENGTHS = [300, 450, 250, 500, 380, 420, 260, 480]
+# a mixed load for adaptive placement: short prompts first (local), then long
+# ones (split when the fleet is idle), then all of them at once
+FLEET_LENGTHS = [40, 900, 60, 850, 30, 900, 800, 50, 700, 880, 650, 45, 900, 760, 35, 820]
 
 
 def connector_config(control_port: int) -> dict:

@@ -628,3 +628,23 @@ def test_queue_counters_follow_any_event_order_and_drain_to_zero(
         fleet.check()
     assert fleet.in_flight == 0
     assert fleet.view() == tuple(InstanceLoad() for _ in range(n))
+
+
+def test_no_split_touches_an_instance_with_a_split_in_flight() -> None:
+    """A split's decoder holds its engine until the head arrives: a second split
+    in the other direction would deadlock both engines until their timeouts."""
+    fleet = FleetState(2)
+    for i in range(2):
+        fleet.set_block_size(i, 16)
+    models = Models(2)
+    long = Request(900, 16, splittable=True)
+    first = decide(fleet, models, long)
+    assert first.kind == "split"
+    fleet.on_dispatch("a", first.placement, 900, 0.0)
+    assert [load.splits for load in fleet.view()] == [1, 1]
+    assert decide(fleet, models, long).kind != "split"
+    fleet.on_prefill_done("a", 0.05)
+    assert decide(fleet, models, long).kind != "split"  # the tail is still computing
+    fleet.on_first_token("a", 0.1)
+    assert [load.splits for load in fleet.view()] == [0, 0]
+    assert decide(fleet, models, long).kind == "split"

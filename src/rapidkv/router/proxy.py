@@ -231,6 +231,14 @@ class Router:
             task.add_done_callback(lambda t: self._discovered(inst.url, t))
         return task
 
+    async def _discovery_settled(self) -> None:
+        """Wait for the discoveries in flight (at start-up: placement needs the
+        block sizes to consider splits); their failures are dealt with where
+        an instance is used."""
+        pending = [task for task, _ in self._discovery.values() if not task.done()]
+        if pending:
+            await asyncio.wait([asyncio.shield(t) for t in pending])
+
     def _discovered(self, url: str, task: asyncio.Future[tuple[str, int | None]]) -> None:
         """Placement learns a prefill instance's block size (split heads are whole blocks)."""
         if task.cancelled() or task.exception() is not None or self._placer is None:
@@ -374,6 +382,7 @@ class Router:
         p_index: int | Literal["least"] | None = "least"
         split: float | Literal["auto"] | None = "auto"
         if self._placer is not None:
+            await self._discovery_settled()
             splits = self.config.split_prefill and splittable(body, ex.endpoint)
             splits = splits and client_transfer_kv_mode(body) in (None, "substep")
             try:

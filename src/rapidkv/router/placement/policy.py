@@ -15,7 +15,11 @@ that are healthy and not draining:
   ``i``'s block size known): ``i`` computes a head of ``H`` tokens (whole
   blocks, `split.split_point`), ``j`` the tail ``T = P - H`` at the same time.
   ``H`` balances the two halves' predicted finish times, or is
-  `Policy.split_fraction` of the prompt when that is set.
+  `Policy.split_fraction` of the prompt when that is set. Only between two
+  instances with no split of their own in flight (`InstanceLoad.splits`): a
+  split's decoder holds its engine until the head arrives, so two splits in
+  opposite directions would each wait for a head the other engine cannot
+  compute.
 
 If no instance qualifies by role, a ``local`` on an available ``decode``
 instance is the only option (as today's router sends a request to D alone when
@@ -192,7 +196,7 @@ def options(
                 continue
             if policy.pd:
                 out.append(p.pd(i, j))
-            if policy.split and request.splittable:
+            if policy.split and request.splittable and not (loads[i].splits or loads[j].splits):
                 head = p.head(i, j)
                 if head:
                     out.append(p.split(i, j, head))

@@ -83,6 +83,8 @@ class InstanceLoad:
       here and not done, as parts and tokens (a split counts its head on P and
       its tail on D);
     - `outstanding`: requests with any part still in flight here;
+    - `splits`: split requests in flight with a part here whose split is not
+      over (the head's answer or the tail's first token still to come);
     - `block_size`: its KV block size when known (a split's head is whole blocks).
     """
 
@@ -94,12 +96,13 @@ class InstanceLoad:
     waiting_prefill_tokens: int = 0
     outstanding: int = 0
     block_size: int | None = None
+    splits: int = 0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, not {self.role!r}")
         counts = (self.decodes, self.waiting_prefills, self.waiting_prefill_tokens)
-        if min(*counts, self.outstanding) < 0:
+        if min(*counts, self.outstanding, self.splits) < 0:
             raise ValueError(f"negative load: {self}")
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, not {self.block_size}")
@@ -221,6 +224,13 @@ class FleetState:
 
     def view(self) -> tuple[InstanceLoad, ...]:
         """Every instance's `InstanceLoad`, by index."""
+        splits = [0] * len(self._inst)
+        for r in self._requests.values():
+            p = r.placement
+            tail_pending = r.first_token_s is None and not r.decode_over
+            if p.kind == "split" and (not r.prefill_over or tail_pending):
+                splits[p.prefill] += 1
+                splits[p.decode] += 1
         return tuple(
             InstanceLoad(
                 role=s.role,
@@ -231,8 +241,9 @@ class FleetState:
                 waiting_prefill_tokens=s.waiting_tokens,
                 outstanding=s.outstanding,
                 block_size=s.block_size,
+                splits=splits[i],
             )
-            for s in self._inst
+            for i, s in enumerate(self._inst)
         )
 
     # instance flags
