@@ -202,7 +202,7 @@ def d_side(**config: float) -> SchedulerSide:
 
 
 def reported(side: SchedulerSide, req_id: str) -> bool:
-    return req_id in side._pending.recv_failed
+    return req_id in side.shared.pending.recv_failed
 
 
 @pytest.mark.parametrize("codes", [[], [Code.BUSY, Code.ERROR], [Code.GONE], [Code.NOT_FOUND]])

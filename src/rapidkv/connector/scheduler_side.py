@@ -30,11 +30,10 @@ import concurrent.futures
 import hashlib
 import itertools
 import logging
-import secrets
 import threading
 import time
-from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 from rapidkv.connector.bypass import BypassMsg, BypassSender, Peer
@@ -43,6 +42,7 @@ from rapidkv.connector.journal import Entry, JournalError, Resolution, SubstepJo
 from rapidkv.connector.metadata import RankInfo, StepMeta, WorkerMeta
 from rapidkv.connector.plan import Window
 from rapidkv.connector.producer import Produced, Reply
+from rapidkv.connector.shared_state import SharedState
 from rapidkv.control.address import WILDCARD_HOSTS, parse_address
 from rapidkv.control.client import RpcClient
 from rapidkv.control.codes import Code
@@ -57,17 +57,14 @@ from rapidkv.control.messages import (
     RankEndpoint,
     Stats,
     StatsRequest,
-    StepTiming,
     Timeline,
     TimelineRequest,
     TransferKV,
     TransferKVReply,
-    XferTimeline,
     answer_handshake,
     prompt_hash,
 )
 from rapidkv.control.server import RpcServer
-from rapidkv.kvt.task import Task
 
 log = logging.getLogger(__name__)
 
@@ -116,25 +113,8 @@ class _Parked:
     reply: Reply
 
 
-@dataclass
-class _Pending:
-    """What goes to the workers with the next step's metadata."""
-
-    new_peers: list[Peer] = field(default_factory=list)
-    drop_peers: list[tuple[str, int]] = field(default_factory=list)
-    fail: list[tuple[str, str]] = field(default_factory=list)
-    release: list[str] = field(default_factory=list)
-    expect: dict[str, str] = field(default_factory=dict)
-    recv_failed: list[str] = field(default_factory=list)
-    split_recv: dict[str, list[int]] = field(default_factory=dict)
-    rank_full: dict[int, list[Task]] = field(default_factory=dict)
-
-
 # what a rolled-back substep restores on its Produced: (sent_upto, issued, last_issued)
 Undo = tuple[int, bool, bool]
-
-TIMELINE_MEMORY = 4096  # transfers whose events P remembers
-STEP_MEMORY = 4096  # engine steps whose timing P remembers
 
 
 class SchedulerSide:
@@ -148,16 +128,13 @@ class SchedulerSide:
     ) -> None:
         self.config = config
         self.instance_id = instance_id
-        # drawn per process start: peers tell a restarted instance from the old one
-        self.incarnation = secrets.token_hex(8)
         self.block_size = block_size
         self.tp_size = tp_size
         self.fingerprint = fingerprint
-        self.counters: Counter[str] = Counter()
-        # re-entrant: a future that is already done runs its callback (which takes
-        # the lock) inside add_done_callback, on the thread that holds it
-        self._lock = threading.RLock()
-        self._step_id = 0
+        self.shared = SharedState(config, instance_id, block_size, tp_size)
+        self.incarnation = self.shared.incarnation
+        self.counters = self.shared.counters
+        self._lock = self.shared.lock
         self._produced: dict[str, Produced] = {}  # xfer_id ->
         self._p_by_req: dict[str, str] = {}  # req_id -> xfer_id
         self._parked: dict[str, _Parked] = {}
@@ -167,32 +144,41 @@ class SchedulerSide:
         self._consumed: dict[str, Consumed] = {}  # req_id ->
         self._known_p: dict[str, concurrent.futures.Future] = {}  # P address -> handshake
         self._requests: dict[str, Any] = {}  # P requests, for num_computed_tokens
-        self._pending = _Pending()
         self._freeing: set[str] = set()  # released P requests whose blocks vLLM still holds
-        # bypass / substep (transfer_kv_mode): the step between build_meta and its
-        # output, substeps attached to it awaiting every rank's ack
-        self._bypass: BypassSender | None = None
+        # substeps attached to the step in flight, awaiting every rank's ack
         self._journal: SubstepJournal[Undo] = SubstepJournal(tp_size)
-        self._step_in_flight: int | None = None
-        self._step_began = 0.0
-        self._step_tokens = 0
-        self._steps: list[StepTiming] = []
-        self._timelines: OrderedDict[str, XferTimeline] = OrderedDict()
-        self.spec: KVSpec | None = None
-        self.endpoints: list[RankEndpoint] = []
-        self.kv_cache_manager: Any = None
         self.client = RpcClient(secret=config.secret)
         self.server = RpcServer(
             self._handle, config.control_host, config.control_port, secret=config.secret
         )
         self.server.start()
+        self.shared.control_address = self.server.address
         log.info("rapidkv %s: control plane on %s", instance_id, self.server.address)
+
+    @property
+    def spec(self) -> KVSpec | None:
+        """This instance's KV spec, once `set_ranks` ran."""
+        return self.shared.spec
+
+    @property
+    def endpoints(self) -> list[RankEndpoint]:
+        """This instance's ranks as a peer reaches them, once `set_ranks` ran."""
+        return self.shared.endpoints
+
+    @property
+    def kv_cache_manager(self) -> Any:
+        """vLLM's KV cache manager (bound by `bind_kv_cache_manager`)."""
+        return self.shared.kv_cache_manager
+
+    @kv_cache_manager.setter
+    def kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        self.shared.kv_cache_manager = kv_cache_manager
 
     # -- start-up ---------------------------------------------------------------
 
     def set_ranks(self, infos: dict[int, RankInfo]) -> None:
         first = infos[min(infos)]
-        self.spec = KVSpec(
+        self.shared.spec = KVSpec(
             block_size=self.block_size,
             kernel_blocks_per_block=first.kernel_blocks_per_block,
             dtype=first.dtype,
@@ -202,7 +188,7 @@ class SchedulerSide:
             tp_size=self.tp_size,
             model_fingerprint=self.fingerprint,
         )
-        self.endpoints = [
+        self.shared.endpoints = [
             RankEndpoint(
                 rank=r,
                 transport=i.transport,
@@ -212,7 +198,7 @@ class SchedulerSide:
             )
             for r, i in sorted(infos.items())
         ]
-        self._bypass = BypassSender({r: i.bypass_address for r, i in infos.items()})
+        self.shared.bypass = BypassSender({r: i.bypass_address for r, i in infos.items()})
 
     # -- request lifecycle (engine thread) ---------------------------------------
 
@@ -231,7 +217,7 @@ class SchedulerSide:
                 )
                 self._produced[xfer_id] = p
                 self._p_by_req[request.request_id] = xfer_id
-                self._event(xfer_id, "admitted")
+                self.shared.timeline.event(xfer_id, "admitted")
                 self._requests[request.request_id] = request
                 parked = self._parked.pop(xfer_id, None)
                 if parked is not None:
@@ -249,7 +235,7 @@ class SchedulerSide:
                     ours.get("transfer_kv_mode"),
                     split,
                 )
-                self._event(xfer_id, "d_admitted")
+                self.shared.timeline.event(xfer_id, "d_admitted")
 
     def matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
         """D: tokens to load from P. Side-effect free apart from remembering the
@@ -296,17 +282,17 @@ class SchedulerSide:
         with self._lock:
             if c.split:
                 self.counters["split_prefills"] += 1
-                self._pending.split_recv[c.xfer_id] = block_ids[first_block:]
+                self.shared.pending.split_recv[c.xfer_id] = block_ids[first_block:]
             else:
-                self._pending.expect[c.xfer_id] = c.req_id
+                self.shared.pending.expect[c.xfer_id] = c.req_id
         with self._lock:
             self.counters["transfer_kv_sent"] += 1
-            self._event(c.xfer_id, "d_transfer_kv_sent")
+            self.shared.timeline.event(c.xfer_id, "d_transfer_kv_sent")
         self._send_transfer_kv(c, msg)
 
     def build_meta(self, so: Any) -> StepMeta:
-        self._step_id += 1
-        meta = StepMeta(self._step_id)
+        self.shared.step_id += 1
+        meta = StepMeta(self.shared.step_id)
         now = time.monotonic()
         scheduled = so.num_scheduled_tokens
         with self._lock:
@@ -330,34 +316,25 @@ class SchedulerSide:
             for p in list(self._produced.values()):
                 n = scheduled.get(p.req_id)
                 if n is not None:
-                    p.block_ids = tuple(self.kv_cache_manager.get_block_ids(p.req_id)[0])
+                    p.block_ids = tuple(self.shared.kv_cache_manager.get_block_ids(p.req_id)[0])
                     request = self._requests.get(p.req_id)
                     p.computed = request.num_computed_tokens if request else p.computed
                     p.in_flight_end = min(p.computed + n, p.prompt_len)
-                    p.scheduled_step = self._step_id
+                    p.scheduled_step = self.shared.step_id
                     meta.computes_prompt |= p.computed < p.prompt_len
                     if p.computed < p.prompt_len - 1 <= p.in_flight_end:
-                        p.last_chunk_step = self._step_id
-                        self._event(p.xfer_id, "last_chunk_begin", now)
+                        p.last_chunk_step = self.shared.step_id
+                        self.shared.timeline.event(p.xfer_id, "last_chunk_begin", now)
                 full, step = p.next_tasks(self.block_size, scheduled=n is not None)
                 if full is not None:
                     meta.full_tasks.append(full)
                 if step is not None:
                     meta.step_tasks.append(step)
-            pending, self._pending = self._pending, _Pending()
-            bypass_seq = self._bypass.sent if self._bypass is not None else 0
-            self._step_in_flight = self._step_id
-            self._step_began = now
-            self._step_tokens = so.total_num_scheduled_tokens
-        meta.rank_full_tasks = pending.rank_full
+            pending = self.shared.take_pending()
+            bypass_seq = self.shared.bypass.sent if self.shared.bypass is not None else 0
+            self.shared.begin_step(now, so.total_num_scheduled_tokens)
+        pending.fill(meta)
         meta.bypass_seq = bypass_seq
-        meta.new_peers = pending.new_peers
-        meta.drop_peers = pending.drop_peers
-        meta.fail_xfers = pending.fail
-        meta.release = pending.release
-        meta.expect_recv = pending.expect
-        meta.recv_failed = pending.recv_failed
-        meta.split_recv = pending.split_recv
         return meta
 
     def request_finished(
@@ -379,7 +356,7 @@ class SchedulerSide:
             if xfer_id is None:
                 return False, None
             p = self._produced[xfer_id]
-            self._event(xfer_id, "finished")
+            self.shared.timeline.event(xfer_id, "finished")
             p.finished = True
             p.finished_at = time.monotonic()
             p.computed = min(request.num_computed_tokens, p.prompt_len)
@@ -423,7 +400,7 @@ class SchedulerSide:
                 c = self._consumed.get(req_id)
                 if c is not None:
                     c.state = "done"
-                    self._event(c.xfer_id, "d_kv_received")
+                    self.shared.timeline.event(c.xfer_id, "d_kv_received")
             if meta is not None:
                 self.counters.update(meta.counters)
                 for instance_id, generation in meta.broken_peers:
@@ -477,7 +454,7 @@ class SchedulerSide:
         )
         mode = self._mode(msg)
         p.accept(window, reply, self.block_size, mode)
-        self._event(p.xfer_id, "accepted")
+        self.shared.timeline.event(p.xfer_id, "accepted")
         if mode != "step":
             self._send_now(p, substep=mode == "substep")
 
@@ -489,47 +466,44 @@ class SchedulerSide:
         request whose last chunk the step in flight computes gets that step's
         part attached to the step (what earlier steps computed goes now). Anything
         else waits for the next step, as in `step` mode."""
-        if self._bypass is None or p.aborted or p.window is None:
+        if self.shared.bypass is None or p.aborted or p.window is None:
             return
         if p.finished:
             full, _ = p.next_tasks(self.block_size, scheduled=False)
             if full is not None:
-                self._bypass.send(BypassMsg(kind="full", tasks=[full]))
+                self.shared.bypass.send(BypassMsg(kind="full", tasks=[full]))
                 self.counters["bypass_full_sends"] += 1
-                self._event(p.xfer_id, "bypass_sent")
+                self.shared.timeline.event(p.xfer_id, "bypass_sent")
             return
-        step_id = self._step_in_flight
+        step_id = self.shared.step_in_flight
         in_flight = step_id is not None and p.scheduled_step == step_id
         if not substep or not in_flight or p.in_flight_end < p.window.num_tokens:
             return
         issued_before = p.issued
         full, step = p.next_tasks(self.block_size, scheduled=True)
         if full is not None:
-            self._bypass.send(BypassMsg(kind="full", tasks=[full]))
+            self.shared.bypass.send(BypassMsg(kind="full", tasks=[full]))
             self.counters["bypass_full_sends"] += 1
         if step is None:
             return
         assert step_id is not None
         undo = (step.seen_tokens, issued_before or full is not None, False)
         substep_id = self._journal.open_substep(step_id, [Entry(p.xfer_id, (step,), undo)])
-        self._bypass.send(
+        self.shared.bypass.send(
             BypassMsg(kind="substep", tasks=[step], step_id=step_id, substep_id=substep_id)
         )
         self.counters["substeps_opened"] += 1
-        self._event(p.xfer_id, "substep_sent")
+        self.shared.timeline.event(p.xfer_id, "substep_sent")
 
     def _step_done(self) -> None:
         """The step in flight returned: what it computed is final."""
-        now = time.monotonic()
-        step_id, self._step_in_flight = self._step_in_flight, None
-        if step_id is None:
+        ended = self.shared.end_step()
+        if ended is None:
             return
-        self._steps.append(StepTiming(step_id, self._step_began, now, self._step_tokens))
-        if len(self._steps) > STEP_MEMORY:
-            del self._steps[: len(self._steps) - STEP_MEMORY]
+        step_id, now = ended
         for p in self._produced.values():
             if p.last_chunk_step == step_id:
-                self._event(p.xfer_id, "last_chunk_end", now)
+                self.shared.timeline.event(p.xfer_id, "last_chunk_end", now)
             if p.scheduled_step == step_id:
                 p.scheduled_step = None
                 p.computed = max(p.computed, p.in_flight_end)
@@ -547,7 +521,7 @@ class SchedulerSide:
         for entry, ranks in r.resend:
             self.counters["substeps_resent"] += 1
             for rank in ranks:
-                self._pending.rank_full.setdefault(rank, []).extend(entry.tasks)
+                self.shared.pending.rank_full.setdefault(rank, []).extend(entry.tasks)
 
     def _outstanding(self, dst_instance: str) -> int:
         """Transfers to `dst_instance` accepted and not yet settled, or parked."""
@@ -559,7 +533,7 @@ class SchedulerSide:
         return live + sum(1 for x in self._parked.values() if x.msg.dst_instance == dst_instance)
 
     def _settle(self, p: Produced) -> None:
-        self._event(p.xfer_id, "settled")
+        self.shared.timeline.event(p.xfer_id, "settled")
         oks = [v[0] for v in p.settled_ranks.values()]
         tokens = min(v[1] for v in p.settled_ranks.values())
         ok = all(oks)
@@ -593,7 +567,7 @@ class SchedulerSide:
 
     def _release(self, p: Produced) -> None:
         p.released = True
-        self._pending.release.append(p.req_id)
+        self.shared.pending.release.append(p.req_id)
         self._freeing.add(p.req_id)  # until vLLM frees the blocks (finished_sending)
         self._produced.pop(p.xfer_id, None)
 
@@ -601,7 +575,7 @@ class SchedulerSide:
         p.aborted = True
         self._tombstone(p.xfer_id)
         if p.issued and len(p.settled_ranks) < self.tp_size:
-            self._pending.fail.append((p.xfer_id, why))  # settles with an error
+            self.shared.pending.fail.append((p.xfer_id, why))  # settles with an error
         elif p.reply is not None:
             p.reply.resolve(TransferKVReply(xfer_id=p.xfer_id, code=Code.GONE, message=why))
 
@@ -636,14 +610,14 @@ class SchedulerSide:
         caller holds the lock)."""
         fut = self._known_p.get(address)
         if fut is None or (fut.done() and fut.exception() is not None):
-            assert self.spec is not None
+            assert self.shared.spec is not None
             fut = self.client.submit(
                 address,
                 Handshake(
                     instance_id=self.instance_id,
                     control_address=self.server.address,
-                    spec=self.spec,
-                    endpoints=self.endpoints,
+                    spec=self.shared.spec,
+                    endpoints=self.shared.endpoints,
                     incarnation=self.incarnation,
                 ),
                 self.config.rpc_timeout_s,
@@ -669,7 +643,7 @@ class SchedulerSide:
                     if c.split:
                         self._split_over(c.xfer_id, ok=False)
                     else:
-                        self._pending.recv_failed.append(c.req_id)
+                        self.shared.pending.recv_failed.append(c.req_id)
                 elif c.split:
                     self._abort_p(c, AbortReason.TIMEOUT, split_failed=True)
                 else:  # P may still be writing: recompute once it confirmed the abort
@@ -739,8 +713,8 @@ class SchedulerSide:
     def _split_over(self, xfer_id: str, ok: bool) -> None:
         """P answered a split prefill's TransferKV (or it failed): tell the
         workers waiting for its layers (caller holds the lock)."""
-        if self._bypass is not None:
-            self._bypass.send(BypassMsg(kind="recv_over", xfer_id=xfer_id, ok=ok))
+        if self.shared.bypass is not None:
+            self.shared.bypass.send(BypassMsg(kind="recv_over", xfer_id=xfer_id, ok=ok))
 
     def _abort_p(
         self,
@@ -765,7 +739,7 @@ class SchedulerSide:
         def over() -> None:
             with self._lock:
                 if report:
-                    self._pending.recv_failed.append(c.req_id)
+                    self.shared.pending.recv_failed.append(c.req_id)
                 if split_failed:
                     self._split_over(c.xfer_id, ok=False)
 
@@ -835,15 +809,15 @@ class SchedulerSide:
         return ErrorReply(code=Code.ERROR, message=f"unexpected {type(msg).__name__}")
 
     def _on_handshake(self, hs: Handshake) -> HandshakeReply:
-        if self.spec is None:
+        if self.shared.spec is None:
             return HandshakeReply(
                 code=Code.BUSY, instance_id=self.instance_id, reasons=["instance still starting"]
             )
         reply = answer_handshake(
             hs,
             instance_id=self.instance_id,
-            spec=self.spec,
-            endpoints=self.endpoints,
+            spec=self.shared.spec,
+            endpoints=self.shared.endpoints,
             incarnation=self.incarnation,
         )
         if reply.code != Code.OK:
@@ -876,9 +850,9 @@ class SchedulerSide:
                 Peer(hs.instance_id, e.rank, e.transport_metadata, e.layout, generation)
                 for e in hs.endpoints
             ]
-            self._pending.new_peers.extend(peers)
-            if self._bypass is not None:  # ahead of any bypass send to them
-                self._bypass.send(BypassMsg(kind="peers", peers=peers))
+            self.shared.pending.new_peers.extend(peers)
+            if self.shared.bypass is not None:  # ahead of any bypass send to them
+                self.shared.bypass.send(BypassMsg(kind="peers", peers=peers))
         return reply
 
     def _forget_peer(self, instance_id: str, why: str, drop: bool = True) -> None:
@@ -909,14 +883,14 @@ class SchedulerSide:
                 self._abort_produced(p, f"destination {instance_id} {why}")
                 self._maybe_release(p)
         if drop:
-            self._pending.drop_peers.append((instance_id, known.generation))
+            self.shared.pending.drop_peers.append((instance_id, known.generation))
 
     async def _on_transfer_kv(self, msg: TransferKV) -> TransferKVReply:
         loop = asyncio.get_running_loop()
         reply = Reply(loop, loop.create_future())
         with self._lock:
             dst = self._peers.get(msg.dst_instance)
-            if not self.endpoints:
+            if not self.shared.endpoints:
                 problems = ["instance still starting"]
             elif dst is None:
                 self.counters["unknown_peer_replies"] += 1
@@ -1020,30 +994,21 @@ class SchedulerSide:
 
     # -- observability ------------------------------------------------------------
 
-    def _event(self, xfer_id: str, name: str, t: float | None = None) -> None:
-        """Record when `name` happened to `xfer_id` (caller holds the lock)."""
-        tl = self._timelines.get(xfer_id)
-        if tl is None:
-            tl = self._timelines[xfer_id] = XferTimeline(events={})
-            while len(self._timelines) > TIMELINE_MEMORY:
-                self._timelines.popitem(last=False)
-        tl.events.setdefault(name, time.monotonic() if t is None else t)
-
     def _arrived(self, msg: TransferKV, p: Produced | None) -> None:
         """Note a TransferKV's arrival and where its request was then."""
-        self._event(msg.xfer_id, "transfer_kv")
+        self.shared.timeline.event(msg.xfer_id, "transfer_kv")
         if p is None:
             state = "not_admitted"
         elif p.finished or p.computed >= msg.num_tokens:
             state = "finished"
-        elif self._step_in_flight is not None and p.scheduled_step == self._step_in_flight:
+        elif (
+            self.shared.step_in_flight is not None
+            and p.scheduled_step == self.shared.step_in_flight
+        ):
             state = "last_chunk" if p.in_flight_end >= msg.num_tokens else "earlier_chunk"
         else:
             state = "between_steps"
-        old = self._timelines[msg.xfer_id]
-        self._timelines[msg.xfer_id] = XferTimeline(
-            events=old.events, state_at_arrival=state, mode=self._mode(msg)
-        )
+        self.shared.timeline.arrival(msg.xfer_id, state, self._mode(msg))
 
     def _mode(self, msg: TransferKV) -> str:
         """The `transfer_kv_mode` P serves `msg` in: the request's, else P's.
@@ -1058,14 +1023,7 @@ class SchedulerSide:
         """Events of these transfers (P's, and on a D `d_admitted`,
         `d_transfer_kv_sent`, `d_kv_received`) and the recent steps."""
         with self._lock:
-            xfers = {
-                x: XferTimeline(
-                    events=dict(t.events), state_at_arrival=t.state_at_arrival, mode=t.mode
-                )
-                for x in xfer_ids
-                if (t := self._timelines.get(x)) is not None
-            }
-            return Timeline(xfers, list(self._steps[-1024:]))
+            return self.shared.timeline.snapshot(xfer_ids)
 
     def counter_totals(self) -> dict[str, float]:
         """Every counter's running total: this side's (the workers' increments
@@ -1096,8 +1054,10 @@ class SchedulerSide:
             states = [_handshake_state(f) for f in self._known_p.values()]
         for state in ("ready", "connecting", "failed"):
             out[f"peers_prefill_{state}"] = float(states.count(state))
-        if self.kv_cache_manager is not None:
-            out["free_blocks"] = float(self.kv_cache_manager.block_pool.get_num_free_blocks())
+        if self.shared.kv_cache_manager is not None:
+            out["free_blocks"] = float(
+                self.shared.kv_cache_manager.block_pool.get_num_free_blocks()
+            )
         return out
 
     def stats(self) -> dict[str, float]:
@@ -1108,8 +1068,8 @@ class SchedulerSide:
     def close(self) -> None:
         self.server.stop()
         self.client.close()
-        if self._bypass is not None:
-            self._bypass.close()
+        if self.shared.bypass is not None:
+            self.shared.bypass.close()
 
 
 def _later(delay_s: float, fn: Any) -> None:
