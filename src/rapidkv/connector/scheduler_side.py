@@ -26,11 +26,9 @@ never waits on the network.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import hashlib
 import itertools
 import logging
-import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -38,17 +36,16 @@ from typing import Any
 
 from rapidkv.connector.bypass import BypassMsg, BypassSender, Peer
 from rapidkv.connector.config import ConnectorConfig
+from rapidkv.connector.consumer_side import ConsumerSide
 from rapidkv.connector.journal import Entry, JournalError, Resolution, SubstepJournal
 from rapidkv.connector.metadata import RankInfo, StepMeta, WorkerMeta
 from rapidkv.connector.plan import Window
 from rapidkv.connector.producer import Produced, Reply
 from rapidkv.connector.shared_state import SharedState
 from rapidkv.control.address import WILDCARD_HOSTS, parse_address
-from rapidkv.control.client import RpcClient
 from rapidkv.control.codes import Code
 from rapidkv.control.messages import (
     Abort,
-    AbortReason,
     AbortReply,
     ErrorReply,
     Handshake,
@@ -82,19 +79,6 @@ def is_discovery(params: dict[str, Any] | None) -> bool:
     (`kv_transfer_params = {"rapidkv": {"discover": true}}`)."""
     ours = params.get("rapidkv") if params else None
     return isinstance(ours, dict) and ours.get("discover") is True
-
-
-@dataclass
-class Consumed:
-    """D-side state of one request."""
-
-    xfer_id: str
-    req_id: str
-    prefill_control: str | None
-    mode: str | None
-    split: int = 0  # split prefill: P computes this head of the prompt (0: all of it)
-    local_hits: int = 0
-    state: str = "new"  # new -> loading -> done | local; new -> split (loaded in one step)
 
 
 @dataclass
@@ -141,13 +125,11 @@ class SchedulerSide:
         self._tombstones: OrderedDict[str, float] = OrderedDict()
         self._peers: dict[str, _KnownPeer] = {}  # D instances we may write to
         self._generations = itertools.count(1)  # of the workers' Peer entries
-        self._consumed: dict[str, Consumed] = {}  # req_id ->
-        self._known_p: dict[str, concurrent.futures.Future] = {}  # P address -> handshake
         self._requests: dict[str, Any] = {}  # P requests, for num_computed_tokens
         self._freeing: set[str] = set()  # released P requests whose blocks vLLM still holds
         # substeps attached to the step in flight, awaiting every rank's ack
         self._journal: SubstepJournal[Undo] = SubstepJournal(tp_size)
-        self.client = RpcClient(secret=config.secret)
+        self.consumer = ConsumerSide(self.shared)
         self.server = RpcServer(
             self._handle, config.control_host, config.control_port, secret=config.secret
         )
@@ -224,71 +206,15 @@ class SchedulerSide:
                     self.counters["parked_served"] += 1
                     self._accept(p, parked.msg, parked.reply)
             elif ours.get("role") == "decode":
-                split = ours.get("split_tokens", 0)
-                if not isinstance(split, int) or isinstance(split, bool) or split < 0:
-                    log.warning("rapidkv: xfer %s: bad split_tokens %r ignored", xfer_id, split)
-                    split = 0
-                self._consumed[request.request_id] = Consumed(
-                    xfer_id,
-                    request.request_id,
-                    ours.get("prefill_control"),
-                    ours.get("transfer_kv_mode"),
-                    split,
-                )
-                self.shared.timeline.event(xfer_id, "d_admitted")
+                self.consumer.admit(request, xfer_id, ours)
 
     def matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
-        """D: tokens to load from P. Side-effect free apart from remembering the
-        local hits of the latest query (overwritten by every call)."""
-        c = self._consumed.get(request.request_id)
-        if c is None or c.state != "new" or not c.prefill_control:
-            return 0, False
-        c.local_hits = num_computed
-        if c.split:
-            # a block-aligned head that leaves D at least one token to compute,
-            # loaded synchronously: D computes the tail as the head's layers land
-            if c.split % self.block_size or c.split > request.num_prompt_tokens - 1:
-                return 0, False  # D computes it all (P is told nothing is loaded)
-            return max(c.split - num_computed, 0), False
-        n = request.num_prompt_tokens - 1 - num_computed
-        return (n, True) if n > 0 else (0, False)
+        """D: tokens to load from P (`ConsumerSide.matched_tokens`)."""
+        return self.consumer.matched_tokens(request, num_computed)
 
     def after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
-        c = self._consumed.get(request.request_id)
-        if c is None or c.state != "new":
-            return
-        if num_external == 0:
-            c.state = "local"
-            if c.prefill_control:  # nothing to load: P may free at once
-                self._abort_p(c, AbortReason.NOTHING_TO_LOAD)
-            return
-        c.state = "split" if c.split else "loading"
-        num_tokens = c.split or request.num_prompt_tokens - 1
-        nblocks = -(-num_tokens // self.block_size)
-        block_ids = list(blocks.get_block_ids()[0][:nblocks])
-        first_block = c.local_hits // self.block_size
-        msg = TransferKV(
-            xfer_id=c.xfer_id,
-            dst_instance=self.instance_id,
-            dst_blocks=block_ids,
-            first_block=first_block,
-            num_tokens=num_tokens,
-            prompt_hash=prompt_hash(
-                request.prompt_token_ids[:num_tokens] if c.split else request.prompt_token_ids
-            ),
-            transfer_kv_mode=c.mode,
-            notify_layers=bool(c.split),
-        )
-        with self._lock:
-            if c.split:
-                self.counters["split_prefills"] += 1
-                self.shared.pending.split_recv[c.xfer_id] = block_ids[first_block:]
-            else:
-                self.shared.pending.expect[c.xfer_id] = c.req_id
-        with self._lock:
-            self.counters["transfer_kv_sent"] += 1
-            self.shared.timeline.event(c.xfer_id, "d_transfer_kv_sent")
-        self._send_transfer_kv(c, msg)
+        """D: blocks allocated; the TransferKV goes to P (`ConsumerSide.after_alloc`)."""
+        self.consumer.after_alloc(request, blocks, num_external)
 
     def build_meta(self, so: Any) -> StepMeta:
         self.shared.step_id += 1
@@ -347,11 +273,7 @@ class SchedulerSide:
             return False, self.identity()
         self._requests.pop(req_id, None)
         with self._lock:
-            c = self._consumed.pop(req_id, None)
-            if c is not None and c.state == "loading":
-                # aborted while waiting for KV: vLLM frees the blocks once we report
-                # it in finished_recving, which we do once P answered the Abort
-                self._abort_p(c, AbortReason.CLIENT_ABORT, report=True)
+            self.consumer.request_finished(req_id)
             xfer_id = self._p_by_req.pop(req_id, None)
             if xfer_id is None:
                 return False, None
@@ -396,11 +318,7 @@ class SchedulerSide:
                     continue
                 if resolution is not None:
                     self._resolve(resolution)
-            for req_id in finished_recving or ():
-                c = self._consumed.get(req_id)
-                if c is not None:
-                    c.state = "done"
-                    self.shared.timeline.event(c.xfer_id, "d_kv_received")
+            self.consumer.kv_received(finished_recving or set())
             if meta is not None:
                 self.counters.update(meta.counters)
                 for instance_id, generation in meta.broken_peers:
@@ -602,196 +520,6 @@ class SchedulerSide:
     def _tombstone(self, xfer_id: str) -> None:
         self._tombstones[xfer_id] = time.monotonic()
         self._tombstones.move_to_end(xfer_id)  # oldest first, for _expire
-
-    # -- D side: talking to P -----------------------------------------------------
-
-    def _handshake(self, address: str) -> Any:
-        """A future of P's HandshakeReply (cached per address while it succeeds;
-        caller holds the lock)."""
-        fut = self._known_p.get(address)
-        if fut is None or (fut.done() and fut.exception() is not None):
-            assert self.shared.spec is not None
-            fut = self.client.submit(
-                address,
-                Handshake(
-                    instance_id=self.instance_id,
-                    control_address=self.server.address,
-                    spec=self.shared.spec,
-                    endpoints=self.shared.endpoints,
-                    incarnation=self.incarnation,
-                ),
-                self.config.rpc_timeout_s,
-            )
-            self._known_p[address] = fut
-        return fut
-
-    def _send_transfer_kv(self, c: Consumed, msg: TransferKV) -> None:
-        address = c.prefill_control
-        assert address is not None
-
-        def failed(why: str, answered: bool = True) -> None:
-            """`answered`: P said the transfer is over (or never reached P), so
-            no write of it can land; else (the RPC failed: P died, froze or was
-            cut off) D recomputes, and a split prefill's workers stop waiting,
-            only once P confirmed an Abort (`_abort_p`: the write fence)."""
-            log.warning(
-                "rapidkv %s: transfer %s fails (%s); D recomputes", self.instance_id, c.xfer_id, why
-            )
-            with self._lock:
-                self.counters["recompute_fallbacks"] += 1
-                if answered:
-                    if c.split:
-                        self._split_over(c.xfer_id, ok=False)
-                    else:
-                        self.shared.pending.recv_failed.append(c.req_id)
-                elif c.split:
-                    self._abort_p(c, AbortReason.TIMEOUT, split_failed=True)
-                else:  # P may still be writing: recompute once it confirmed the abort
-                    self._abort_p(c, AbortReason.TIMEOUT, report=True)
-
-        deadline = time.monotonic() + self.config.rpc_timeout_s
-        backoff = [0.05]
-        handshake: list[Any] = []  # the handshake this transfer went out under
-
-        def send() -> None:
-            self.client.submit(address, msg, self.config.rpc_timeout_s).add_done_callback(on_reply)
-
-        def on_reply(fut: Any) -> None:
-            try:
-                reply = fut.result()
-            except Exception as e:
-                failed(f"TransferKV: {type(e).__name__}: {e}", answered=False)
-                return
-            if reply.code == Code.UNKNOWN_PEER and len(handshake) == 1:
-                # P restarted (or forgot us): nothing was written; introduce
-                # ourselves again and ask once more
-                log.info(
-                    "rapidkv %s: %s has no handshake from us (restarted?); handshaking again",
-                    self.instance_id,
-                    address,
-                )
-                with self._lock:
-                    self.counters["rehandshakes"] += 1
-                    if self._known_p.get(address) is handshake[0]:
-                        del self._known_p[address]
-                    again = self._handshake(address)
-                handshake.append(again)
-                again.add_done_callback(on_handshake)
-                return
-            # a split prefill's tail is computing now, waiting for the head: no retries
-            retry = reply.code in (Code.NOT_FOUND, Code.BUSY) and not c.split
-            if reply.code == Code.OK:
-                with self._lock:
-                    self.counters["transfer_kv_ok"] += 1
-                    if c.split:
-                        self._split_over(c.xfer_id, ok=True)
-            elif retry and time.monotonic() + backoff[0] < deadline:
-                # NOT_FOUND: P has not seen the request within its park TTL;
-                # BUSY: too many of our transfers outstanding there. Ask again later.
-                with self._lock:
-                    self.counters[f"transfer_kv_retries_{reply.code.name.lower()}"] += 1
-                _later(backoff[0], send)
-                backoff[0] = min(backoff[0] * 2, 1.0)
-            elif reply.code != Code.OK:
-                failed(f"TransferKV answered {reply.code.name}: {reply.message}")
-
-        def on_handshake(fut: Any) -> None:
-            try:
-                reply = fut.result()
-            except Exception as e:
-                failed(f"handshake with {address}: {type(e).__name__}: {e}")
-                return
-            if not isinstance(reply, HandshakeReply) or reply.code != Code.OK:
-                failed(f"handshake refused: {getattr(reply, 'reasons', reply)}")
-                return
-            send()
-
-        with self._lock:
-            handshake.append(self._handshake(address))
-        handshake[0].add_done_callback(on_handshake)
-
-    def _split_over(self, xfer_id: str, ok: bool) -> None:
-        """P answered a split prefill's TransferKV (or it failed): tell the
-        workers waiting for its layers (caller holds the lock)."""
-        if self.shared.bypass is not None:
-            self.shared.bypass.send(BypassMsg(kind="recv_over", xfer_id=xfer_id, ok=ok))
-
-    def _abort_p(
-        self,
-        c: Consumed,
-        reason: AbortReason,
-        report: bool = False,
-        split_failed: bool = False,
-    ) -> None:
-        """Send P an Abort of `c`'s transfer; once P confirmed that no more of
-        its writes can land: report the request failed (`report`: vLLM then
-        frees or recomputes its blocks), end its split load as failed
-        (`split_failed`).
-
-        The fence: only an answer OK / GONE / NOT_FOUND confirms (`AbortReply`),
-        or a refused connection (no process listens at P's control address any
-        more). Anything else (BUSY, an error, no answer: P frozen or cut off) is
-        asked again with backoff while the blocks stay held, for up to
-        `fence_timeout_s`; then the blocks are given up with an error logged."""
-        deadline = time.monotonic() + self.config.fence_timeout_s
-        backoff = [0.1]
-
-        def over() -> None:
-            with self._lock:
-                if report:
-                    self.shared.pending.recv_failed.append(c.req_id)
-                if split_failed:
-                    self._split_over(c.xfer_id, ok=False)
-
-        def send() -> None:
-            assert c.prefill_control is not None
-            abort = Abort(xfer_id=c.xfer_id, reason=reason)
-            self.client.submit(
-                c.prefill_control, abort, self.config.rpc_timeout_s
-            ).add_done_callback(answered)
-
-        def answered(fut: Any) -> None:
-            try:
-                reply = fut.result()
-                confirmed = reply.code in (Code.OK, Code.GONE, Code.NOT_FOUND)
-                why = f"{reply.code.name}: {reply.message}"
-            except ConnectionRefusedError:
-                confirmed, why = True, "refused"
-            except Exception as e:
-                confirmed, why = False, f"{type(e).__name__}: {e}"
-            if confirmed or not (report or split_failed):
-                over()
-                return
-            with self._lock:
-                self.counters["abort_retries"] += 1
-            now = time.monotonic()
-            if now >= deadline:
-                log.error(
-                    "rapidkv %s: %s never confirmed the abort of %s (%s) within %gs; "
-                    "its blocks are given up and a late write of it could land in them",
-                    self.instance_id,
-                    c.prefill_control,
-                    c.xfer_id,
-                    why,
-                    self.config.fence_timeout_s,
-                )
-                with self._lock:
-                    self.counters["abort_fence_gave_up"] += 1
-                over()
-                return
-            log.warning(
-                "rapidkv %s: abort of %s unconfirmed (%s); holding its blocks, asking again",
-                self.instance_id,
-                c.xfer_id,
-                why,
-            )
-            _later(min(backoff[0], deadline - now), send)  # the last try at the deadline
-            backoff[0] = min(backoff[0] * 2, 2.0)
-
-        if not c.prefill_control:
-            over()
-            return
-        send()
 
     # -- P side: the control-plane handler (RPC loop thread) ----------------------
 
@@ -1046,14 +774,11 @@ class SchedulerSide:
                 "parked_now": float(len(self._parked)),
                 "transfers_live": float(len(self._produced)),
                 "tombstones": float(len(self._tombstones)),
-                "waiting_for_kv": float(sum(c.state == "loading" for c in self._consumed.values())),
                 "held_requests": float(len(held)),
                 "held_blocks": float(sum(len(p.block_ids) for p in held)),
                 "peers_decode": float(len(self._peers)),
+                **self.consumer.gauges(),
             }
-            states = [_handshake_state(f) for f in self._known_p.values()]
-        for state in ("ready", "connecting", "failed"):
-            out[f"peers_prefill_{state}"] = float(states.count(state))
         if self.shared.kv_cache_manager is not None:
             out["free_blocks"] = float(
                 self.shared.kv_cache_manager.block_pool.get_num_free_blocks()
@@ -1067,27 +792,9 @@ class SchedulerSide:
 
     def close(self) -> None:
         self.server.stop()
-        self.client.close()
+        self.consumer.close()
         if self.shared.bypass is not None:
             self.shared.bypass.close()
-
-
-def _later(delay_s: float, fn: Any) -> None:
-    """Run `fn` on a daemon timer thread after `delay_s` (a retry's backoff)."""
-    timer = threading.Timer(delay_s, fn)
-    timer.daemon = True
-    timer.start()
-
-
-def _handshake_state(fut: concurrent.futures.Future) -> str:
-    """`ready` (P accepted our Handshake), `connecting` (no answer yet) or
-    `failed` (refused, or the RPC failed)."""
-    if not fut.done():
-        return "connecting"
-    if fut.cancelled() or fut.exception() is not None:
-        return "failed"
-    reply = fut.result()
-    return "ready" if isinstance(reply, HandshakeReply) and reply.code == Code.OK else "failed"
 
 
 def model_fingerprint(model_config: Any) -> str:
