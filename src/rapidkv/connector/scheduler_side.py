@@ -1,61 +1,44 @@
-"""The scheduler side of the connector (EngineCore process, engine thread),
-plus this instance's control-plane server (its own thread).
+"""The scheduler side of the connector (EngineCore process): the roles an
+instance plays, composed behind the hooks `connector.py` calls, plus this
+instance's control-plane server (its own thread).
 
-P role (requests with `kv_transfer_params.rapidkv.role == "prefill"`): tracks
-each transfer (`Produced`), parks a TransferKV that arrives before its request,
-plans sends each step (`build_meta`), holds finished requests' blocks until
-their transfer settled, answers TransferKV when it did.
+- P's role (`producer_side.ProducerSide`): requests whose KV is sent from here
+  (`kv_transfer_params.rapidkv.role == "prefill"`).
+- D's role (`consumer_side.ConsumerSide`): requests whose KV is loaded from
+  another instance (`role == "decode"`).
+- The control plane (`control_handlers.ControlHandlers`): the server's
+  handlers, and the destinations that handshook with us.
 
-D role (`role == "decode"`): asks vLLM to load `prompt_len - 1 - local hits`
-tokens asynchronously, sends Handshake (once per P) and TransferKV from
-`after_alloc`, tells the workers which transfer each request waits for, and
-turns a refused or failed transfer into a load failure (vLLM's "recompute"
-policy then prefills locally). A *split prefill* (`split_tokens` in the
-request's params: P was sent only that block-aligned head of the prompt) is
-loaded synchronously instead: vLLM schedules the tail at once and the workers
-wait for each layer of the head in `wait_for_layer_load`; the TransferKV's
-answer reaches them over the bypass channel (`recv_over`), so a refused or
-failed head stops their wait (its blocks are then reported invalid, and
-recomputed).
+They share one `SharedState` (shared_state.py): the lock, the counters, the
+metadata pending for the next step, the engine step in flight, the timeline.
+Each request has at most one role here, fixed at admission (`on_new_request`).
+An instance may serve both roles at once; every role exists on every
+instance.
 
-Locking: every structure here is shared between the engine thread and the RPC
-server's loop thread and touched only under `self._lock`; the engine thread
+Locking: what the roles hold is shared between the engine thread, the RPC
+server's loop thread and the RPC client's threads, and touched under the
+shared lock (the roles' docstrings name the exceptions); the engine thread
 never waits on the network.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
-import itertools
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
-from rapidkv.connector.bypass import BypassMsg, BypassSender, Peer
+from rapidkv.connector.bypass import BypassSender
 from rapidkv.connector.config import ConnectorConfig
 from rapidkv.connector.consumer_side import ConsumerSide
+from rapidkv.connector.control_handlers import ControlHandlers
 from rapidkv.connector.metadata import RankInfo, StepMeta, WorkerMeta
-from rapidkv.connector.producer import Reply
 from rapidkv.connector.producer_side import ProducerSide
 from rapidkv.connector.shared_state import SharedState
-from rapidkv.control.address import WILDCARD_HOSTS, parse_address
-from rapidkv.control.codes import Code
 from rapidkv.control.messages import (
-    Abort,
-    ErrorReply,
-    Handshake,
-    HandshakeReply,
     KVSpec,
     RankEndpoint,
-    Stats,
-    StatsRequest,
     Timeline,
-    TimelineRequest,
-    TransferKV,
-    TransferKVReply,
-    answer_handshake,
 )
 from rapidkv.control.server import RpcServer
 
@@ -77,17 +60,10 @@ def is_discovery(params: dict[str, Any] | None) -> bool:
     return isinstance(ours, dict) and ours.get("discover") is True
 
 
-@dataclass
-class _KnownPeer:
-    """A destination instance that handshook with this P (one process start of it)."""
-
-    endpoints: list[RankEndpoint]
-    incarnation: str
-    control_address: str
-    generation: int  # of its Peer entries in the workers
-
-
 class SchedulerSide:
+    """The scheduler role of `RapidKVConnector`: one per instance, for the
+    life of its EngineCore."""
+
     def __init__(
         self,
         config: ConnectorConfig,
@@ -105,12 +81,11 @@ class SchedulerSide:
         self.incarnation = self.shared.incarnation
         self.counters = self.shared.counters
         self._lock = self.shared.lock
-        self._peers: dict[str, _KnownPeer] = {}  # D instances we may write to
-        self._generations = itertools.count(1)  # of the workers' Peer entries
         self.producer = ProducerSide(self.shared)
         self.consumer = ConsumerSide(self.shared)
+        self.control = ControlHandlers(self.shared, self.producer, self.stats, self.timeline)
         self.server = RpcServer(
-            self._handle, config.control_host, config.control_port, secret=config.secret
+            self.control.handle, config.control_host, config.control_port, secret=config.secret
         )
         self.server.start()
         self.shared.control_address = self.server.address
@@ -237,123 +212,13 @@ class SchedulerSide:
             self.consumer.kv_received(finished_recving or set())
             if meta is not None:
                 self.counters.update(meta.counters)
-                for instance_id, generation in meta.broken_peers:
-                    known = self._peers.get(instance_id)
-                    if known is not None and known.generation == generation:
-                        self._forget_peer(instance_id, "writes to it failed")
+                self.control.writes_failed(meta.broken_peers)
             self.producer.take_settled(meta.settled if meta is not None else ())
 
     def pending_block_frees(self) -> bool:
         """Finished P requests hold blocks that will be freed without preempting
         anyone (`ProducerSide.pending_block_frees`)."""
         return self.producer.pending_block_frees()
-
-    # -- P side: the control-plane handler (RPC loop thread) ----------------------
-
-    async def _handle(self, msg: Any) -> Any:
-        if isinstance(msg, TransferKV):
-            return await self._on_transfer_kv(msg)
-        if isinstance(msg, Handshake):
-            return self._on_handshake(msg)
-        if isinstance(msg, Abort):
-            return await self.producer.abort(msg)
-        if isinstance(msg, StatsRequest):
-            return Stats(counters=self.stats())
-        if isinstance(msg, TimelineRequest):
-            return self.timeline(msg.xfer_ids)
-        return ErrorReply(code=Code.ERROR, message=f"unexpected {type(msg).__name__}")
-
-    def _on_handshake(self, hs: Handshake) -> HandshakeReply:
-        if self.shared.spec is None:
-            return HandshakeReply(
-                code=Code.BUSY, instance_id=self.instance_id, reasons=["instance still starting"]
-            )
-        reply = answer_handshake(
-            hs,
-            instance_id=self.instance_id,
-            spec=self.shared.spec,
-            endpoints=self.shared.endpoints,
-            incarnation=self.incarnation,
-        )
-        if reply.code != Code.OK:
-            log.warning(
-                "rapidkv %s: handshake from %s refused: %s",
-                self.instance_id,
-                hs.instance_id,
-                reply.reasons,
-            )
-            return reply
-        with self._lock:
-            known = self._peers.get(hs.instance_id)
-            if known is not None and known.incarnation == hs.incarnation:
-                known.control_address = hs.control_address
-                return reply  # the same process again (it dropped its cached handshake)
-            if known is not None:
-                # same id, new process: its new transport metadata replaces the old
-                # in the workers (a newer Peer entry), the old one's transfers fail now
-                self._forget_peer(hs.instance_id, "restarted", drop=False)
-            if parse_address(hs.control_address)[0] not in WILDCARD_HOSTS:
-                for other, info in list(self._peers.items()):
-                    if info.control_address == hs.control_address:
-                        self._forget_peer(other, f"{hs.instance_id} now at its address")
-            self.counters["peers_added"] += 1
-            generation = next(self._generations)
-            self._peers[hs.instance_id] = _KnownPeer(
-                list(hs.endpoints), hs.incarnation, hs.control_address, generation
-            )
-            peers = [
-                Peer(hs.instance_id, e.rank, e.transport_metadata, e.layout, generation)
-                for e in hs.endpoints
-            ]
-            self.shared.pending.new_peers.extend(peers)
-            if self.shared.bypass is not None:  # ahead of any bypass send to them
-                self.shared.bypass.send(BypassMsg(kind="peers", peers=peers))
-        return reply
-
-    def _forget_peer(self, instance_id: str, why: str, drop: bool = True) -> None:
-        """`instance_id` is gone (restarted, or replaced at its address): fail
-        what was parked for or in flight to it (its held blocks are freed as soon
-        as no write of theirs is in flight, not after `finished_ttl_s`) and, with
-        `drop`, have the workers drop its transport peer. Its next TransferKV is
-        answered UNKNOWN_PEER until it handshakes again (caller holds the lock)."""
-        known = self._peers.pop(instance_id, None)
-        if known is None:
-            return
-        log.warning(
-            "rapidkv %s: forgetting peer %s (%s); its transfers fail",
-            self.instance_id,
-            instance_id,
-            why,
-        )
-        self.counters["peers_forgotten"] += 1
-        self.producer.fail_transfers_to(instance_id, why)
-        if drop:
-            self.shared.pending.drop_peers.append((instance_id, known.generation))
-
-    async def _on_transfer_kv(self, msg: TransferKV) -> TransferKVReply:
-        loop = asyncio.get_running_loop()
-        reply = Reply(loop, loop.create_future())
-        with self._lock:
-            dst = self._peers.get(msg.dst_instance)
-            if not self.shared.endpoints:
-                problems = ["instance still starting"]
-            elif dst is None:
-                self.counters["unknown_peer_replies"] += 1
-                return TransferKVReply(
-                    xfer_id=msg.xfer_id,
-                    code=Code.UNKNOWN_PEER,
-                    message=f"no handshake from {msg.dst_instance}",
-                )
-            else:  # the destination's block ids, checked against its own pool
-                problems = msg.problems(self.block_size, min(e.num_blocks for e in dst.endpoints))
-            if problems:
-                return TransferKVReply(
-                    xfer_id=msg.xfer_id, code=Code.ERROR, message="; ".join(problems)
-                )
-            answer = self.producer.receive_transfer_kv(msg, reply)
-            if isinstance(answer, TransferKVReply):
-                return answer
-        return await self.producer.wait_for_answer(msg, answer)
 
     # -- observability ------------------------------------------------------------
 
@@ -381,7 +246,7 @@ class SchedulerSide:
         with self._lock:
             out = {
                 **self.producer.gauges(),
-                "peers_decode": float(len(self._peers)),
+                **self.control.gauges(),
                 **self.consumer.gauges(),
             }
         if self.shared.kv_cache_manager is not None:
