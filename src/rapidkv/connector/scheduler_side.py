@@ -113,6 +113,8 @@ class SchedulerSide:
     # -- start-up ---------------------------------------------------------------
 
     def set_ranks(self, infos: dict[int, RankInfo]) -> None:
+        """The workers' handshake metadata, once: this instance's KV spec, its
+        ranks' endpoints and their bypass channels."""
         first = infos[min(infos)]
         self.shared.spec = KVSpec(
             block_size=self.block_size,
@@ -139,6 +141,7 @@ class SchedulerSide:
     # -- request lifecycle (engine thread) ---------------------------------------
 
     def on_new_request(self, request: Any) -> None:
+        """The engine admitted `request`: the role its params name takes it."""
         ours = rapidkv_params(request.kv_transfer_params)
         if ours is None:
             return
@@ -158,6 +161,9 @@ class SchedulerSide:
         self.consumer.after_alloc(request, blocks, num_external)
 
     def build_meta(self, so: Any) -> StepMeta:
+        """The next step's metadata for the workers (vLLM's scheduler output
+        `so`): P's tasks, then all that was pending for the workers, and the
+        bypass messages sent so far. The step is in flight until its output."""
         self.shared.step_id += 1
         meta = StepMeta(self.shared.step_id)
         now = time.monotonic()
@@ -173,6 +179,9 @@ class SchedulerSide:
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM finished `request`: whether its blocks are held (a P request's,
+        until nothing can be sent from them) and what its response's
+        `kv_transfer_params` carry."""
         req_id = request.request_id
         if is_discovery(request.kv_transfer_params):
             # a router asks where our control plane listens (the answer goes out
@@ -203,6 +212,10 @@ class SchedulerSide:
         finished_recving: set[str] | None,
         finished_sending: set[str] | None = None,
     ) -> None:
+        """The step in flight returned with the workers' output, applied in this
+        order: blocks vLLM freed, the step's end, the ranks' acks, D's received
+        KV, the workers' counters and the destinations whose writes failed,
+        then the transfers settled on a rank."""
         with self._lock:
             self.producer.blocks_freed(finished_sending or ())
             ended = self.shared.end_step()
@@ -261,6 +274,7 @@ class SchedulerSide:
         return {**self.counter_totals(), **self.gauges()}
 
     def close(self) -> None:
+        """Stop the control-plane server, then the client and the bypass channel."""
         self.server.stop()
         self.consumer.close()
         if self.shared.bypass is not None:

@@ -5,8 +5,8 @@ step, the engine step in flight, the timeline.
 Threads: the engine thread, the control-plane server's loop thread, and the
 RPC client's callback and retry-timer threads all reach the roles. Every
 mutable structure of `SharedState` and of the roles is touched only under
-`lock` (the exceptions say so where they are); no thread waits on the network
-while it holds the lock.
+`lock` (the exceptions say so where they are); the engine thread never waits
+on the network.
 """
 
 from __future__ import annotations
@@ -56,11 +56,12 @@ class SharedState:
     """State of the scheduler side that more than one role reads or writes.
 
     `spec`, `endpoints` and `bypass` describe this instance's ranks: empty until
-    the workers' handshake metadata arrived (`SchedulerSide.set_ranks`).
-    `control_address` is where this instance's control plane listens (set once
-    its server started). `step_id` is the latest step numbered by `build_meta`
-    (engine thread only, read without the lock); `step_in_flight` is that step
-    between its `build_meta` and its `update_output`, else None.
+    the workers' handshake metadata arrived, then set once, without the lock
+    (`SchedulerSide.set_ranks`). `control_address` is where this instance's
+    control plane listens (set once its server started). `kv_cache_manager` is
+    vLLM's, once bound. `step_id` is the latest step numbered by `build_meta`
+    (written on the engine thread only, without the lock); `step_in_flight` is
+    that step between its `build_meta` and its `update_output`, else None.
     """
 
     def __init__(
@@ -82,7 +83,7 @@ class SharedState:
         self.endpoints: list[RankEndpoint] = []
         self.bypass: BypassSender | None = None
         self.control_address = ""
-        self.kv_cache_manager: Any = None  # vLLM's, once bound
+        self.kv_cache_manager: Any = None
         self.step_id = 0
         self.step_in_flight: int | None = None
         self.step_began = 0.0
