@@ -11,8 +11,9 @@ from collections.abc import Iterator
 import pytest
 
 from rapidkv.connector.config import ConnectorConfig
+from rapidkv.connector.consumer_side import Consumed
 from rapidkv.connector.metadata import RankInfo, WorkerMeta
-from rapidkv.connector.scheduler_side import Consumed, SchedulerSide
+from rapidkv.connector.scheduler_side import SchedulerSide
 from rapidkv.control.client import RpcClient, RpcError
 from rapidkv.control.codes import Code
 from rapidkv.control.messages import (
@@ -202,7 +203,7 @@ def d_side(**config: float) -> SchedulerSide:
 
 
 def reported(side: SchedulerSide, req_id: str) -> bool:
-    return req_id in side._pending.recv_failed
+    return req_id in side.shared.pending.recv_failed
 
 
 @pytest.mark.parametrize("codes", [[], [Code.BUSY, Code.ERROR], [Code.GONE], [Code.NOT_FOUND]])
@@ -214,7 +215,7 @@ def test_d_gives_up_blocks_p_may_write_only_once_p_confirms_the_abort(codes: lis
     side = d_side()
     try:
         c = Consumed("x1", "req-1", p.server.address, None)
-        side._abort_p(c, AbortReason.TIMEOUT, report=True)
+        side.consumer.abort_p(c, AbortReason.TIMEOUT, report=True)
         deadline = time.monotonic() + 10
         while not reported(side, "req-1"):
             assert time.monotonic() < deadline, "never reported"
@@ -233,7 +234,7 @@ def test_a_p_that_never_confirms_holds_the_blocks_until_the_fence_timeout() -> N
     try:
         c = Consumed("x1", "req-1", p.server.address, None)
         t0 = time.monotonic()
-        side._abort_p(c, AbortReason.TIMEOUT, report=True)
+        side.consumer.abort_p(c, AbortReason.TIMEOUT, report=True)
         time.sleep(0.5)
         assert not reported(side, "req-1")  # still held
         deadline = t0 + 5
@@ -253,7 +254,7 @@ def test_a_refused_connection_confirms_the_abort() -> None:
     side = d_side()
     try:
         c = Consumed("x1", "req-1", f"127.0.0.1:{free_port()}", None)
-        side._abort_p(c, AbortReason.TIMEOUT, report=True)
+        side.consumer.abort_p(c, AbortReason.TIMEOUT, report=True)
         deadline = time.monotonic() + 5
         while not reported(side, "req-1"):
             assert time.monotonic() < deadline

@@ -28,7 +28,7 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     finished_ttl_s: float = 30.0  # P holds a finished request's blocks this long
     rpc_timeout_s: float = 30.0  # D's wait for a TransferKV reply
     # D: how long blocks P may still write into stay held while P does not
-    # confirm an Abort of their transfer (frozen, cut off); see _abort_p
+    # confirm an Abort of their transfer (frozen, cut off); see ConsumerSide.abort_p
     fence_timeout_s: float = 300.0
     tombstone_ttl_s: float = 60.0
     max_parked: int = 1024

@@ -1,73 +1,46 @@
-"""The scheduler side of the connector (EngineCore process, engine thread),
-plus this instance's control-plane server (its own thread).
+"""The scheduler side of the connector (EngineCore process): the roles an
+instance plays, composed behind the hooks `connector.py` calls, plus this
+instance's control-plane server (its own thread).
 
-P role (requests with `kv_transfer_params.rapidkv.role == "prefill"`): tracks
-each transfer (`Produced`), parks a TransferKV that arrives before its request,
-plans sends each step (`build_meta`), holds finished requests' blocks until
-their transfer settled, answers TransferKV when it did.
+- P's role (`producer_side.ProducerSide`): requests whose KV is sent from here
+  (`kv_transfer_params.rapidkv.role == "prefill"`).
+- D's role (`consumer_side.ConsumerSide`): requests whose KV is loaded from
+  another instance (`role == "decode"`).
+- The control plane (`control_handlers.ControlHandlers`): the server's
+  handlers, and the destinations that handshook with us.
 
-D role (`role == "decode"`): asks vLLM to load `prompt_len - 1 - local hits`
-tokens asynchronously, sends Handshake (once per P) and TransferKV from
-`after_alloc`, tells the workers which transfer each request waits for, and
-turns a refused or failed transfer into a load failure (vLLM's "recompute"
-policy then prefills locally). A *split prefill* (`split_tokens` in the
-request's params: P was sent only that block-aligned head of the prompt) is
-loaded synchronously instead: vLLM schedules the tail at once and the workers
-wait for each layer of the head in `wait_for_layer_load`; the TransferKV's
-answer reaches them over the bypass channel (`recv_over`), so a refused or
-failed head stops their wait (its blocks are then reported invalid, and
-recomputed).
+They share one `SharedState` (shared_state.py): the lock, the counters, the
+metadata pending for the next step, the engine step in flight, the timeline.
+Each request has at most one role here, fixed at admission (`on_new_request`).
+An instance may serve both roles at once; every role exists on every
+instance.
 
-Locking: every structure here is shared between the engine thread and the RPC
-server's loop thread and touched only under `self._lock`; the engine thread
+Locking: what the roles hold is shared between the engine thread, the RPC
+server's loop thread and the RPC client's threads, and touched under the
+shared lock (the roles' docstrings name the exceptions); the engine thread
 never waits on the network.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import hashlib
-import itertools
 import logging
-import secrets
-import threading
 import time
-from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
 from typing import Any
 
-from rapidkv.connector.bypass import BypassMsg, BypassSender, Peer
+from rapidkv.connector.bypass import BypassSender
 from rapidkv.connector.config import ConnectorConfig
-from rapidkv.connector.journal import Entry, JournalError, Resolution, SubstepJournal
+from rapidkv.connector.consumer_side import ConsumerSide
+from rapidkv.connector.control_handlers import ControlHandlers
 from rapidkv.connector.metadata import RankInfo, StepMeta, WorkerMeta
-from rapidkv.connector.plan import Window
-from rapidkv.connector.producer import Produced, Reply
-from rapidkv.control.address import WILDCARD_HOSTS, parse_address
-from rapidkv.control.client import RpcClient
-from rapidkv.control.codes import Code
+from rapidkv.connector.producer_side import ProducerSide
+from rapidkv.connector.shared_state import SharedState
 from rapidkv.control.messages import (
-    Abort,
-    AbortReason,
-    AbortReply,
-    ErrorReply,
-    Handshake,
-    HandshakeReply,
     KVSpec,
     RankEndpoint,
-    Stats,
-    StatsRequest,
-    StepTiming,
     Timeline,
-    TimelineRequest,
-    TransferKV,
-    TransferKVReply,
-    XferTimeline,
-    answer_handshake,
-    prompt_hash,
 )
 from rapidkv.control.server import RpcServer
-from rapidkv.kvt.task import Task
 
 log = logging.getLogger(__name__)
 
@@ -87,57 +60,10 @@ def is_discovery(params: dict[str, Any] | None) -> bool:
     return isinstance(ours, dict) and ours.get("discover") is True
 
 
-@dataclass
-class Consumed:
-    """D-side state of one request."""
-
-    xfer_id: str
-    req_id: str
-    prefill_control: str | None
-    mode: str | None
-    split: int = 0  # split prefill: P computes this head of the prompt (0: all of it)
-    local_hits: int = 0
-    state: str = "new"  # new -> loading -> done | local; new -> split (loaded in one step)
-
-
-@dataclass
-class _KnownPeer:
-    """A destination instance that handshook with this P (one process start of it)."""
-
-    endpoints: list[RankEndpoint]
-    incarnation: str
-    control_address: str
-    generation: int  # of its Peer entries in the workers
-
-
-@dataclass
-class _Parked:
-    msg: TransferKV
-    reply: Reply
-
-
-@dataclass
-class _Pending:
-    """What goes to the workers with the next step's metadata."""
-
-    new_peers: list[Peer] = field(default_factory=list)
-    drop_peers: list[tuple[str, int]] = field(default_factory=list)
-    fail: list[tuple[str, str]] = field(default_factory=list)
-    release: list[str] = field(default_factory=list)
-    expect: dict[str, str] = field(default_factory=dict)
-    recv_failed: list[str] = field(default_factory=list)
-    split_recv: dict[str, list[int]] = field(default_factory=dict)
-    rank_full: dict[int, list[Task]] = field(default_factory=dict)
-
-
-# what a rolled-back substep restores on its Produced: (sent_upto, issued, last_issued)
-Undo = tuple[int, bool, bool]
-
-TIMELINE_MEMORY = 4096  # transfers whose events P remembers
-STEP_MEMORY = 4096  # engine steps whose timing P remembers
-
-
 class SchedulerSide:
+    """The scheduler role of `RapidKVConnector`: one per instance, for the
+    life of its EngineCore."""
+
     def __init__(
         self,
         config: ConnectorConfig,
@@ -148,51 +74,49 @@ class SchedulerSide:
     ) -> None:
         self.config = config
         self.instance_id = instance_id
-        # drawn per process start: peers tell a restarted instance from the old one
-        self.incarnation = secrets.token_hex(8)
         self.block_size = block_size
         self.tp_size = tp_size
         self.fingerprint = fingerprint
-        self.counters: Counter[str] = Counter()
-        # re-entrant: a future that is already done runs its callback (which takes
-        # the lock) inside add_done_callback, on the thread that holds it
-        self._lock = threading.RLock()
-        self._step_id = 0
-        self._produced: dict[str, Produced] = {}  # xfer_id ->
-        self._p_by_req: dict[str, str] = {}  # req_id -> xfer_id
-        self._parked: dict[str, _Parked] = {}
-        self._tombstones: OrderedDict[str, float] = OrderedDict()
-        self._peers: dict[str, _KnownPeer] = {}  # D instances we may write to
-        self._generations = itertools.count(1)  # of the workers' Peer entries
-        self._consumed: dict[str, Consumed] = {}  # req_id ->
-        self._known_p: dict[str, concurrent.futures.Future] = {}  # P address -> handshake
-        self._requests: dict[str, Any] = {}  # P requests, for num_computed_tokens
-        self._pending = _Pending()
-        self._freeing: set[str] = set()  # released P requests whose blocks vLLM still holds
-        # bypass / substep (transfer_kv_mode): the step between build_meta and its
-        # output, substeps attached to it awaiting every rank's ack
-        self._bypass: BypassSender | None = None
-        self._journal: SubstepJournal[Undo] = SubstepJournal(tp_size)
-        self._step_in_flight: int | None = None
-        self._step_began = 0.0
-        self._step_tokens = 0
-        self._steps: list[StepTiming] = []
-        self._timelines: OrderedDict[str, XferTimeline] = OrderedDict()
-        self.spec: KVSpec | None = None
-        self.endpoints: list[RankEndpoint] = []
-        self.kv_cache_manager: Any = None
-        self.client = RpcClient(secret=config.secret)
+        self.shared = SharedState(config, instance_id, block_size, tp_size)
+        self.incarnation = self.shared.incarnation
+        self.counters = self.shared.counters
+        self._lock = self.shared.lock
+        self.producer = ProducerSide(self.shared)
+        self.consumer = ConsumerSide(self.shared)
+        self.control = ControlHandlers(self.shared, self.producer, self.stats, self.timeline)
         self.server = RpcServer(
-            self._handle, config.control_host, config.control_port, secret=config.secret
+            self.control.handle, config.control_host, config.control_port, secret=config.secret
         )
         self.server.start()
+        self.shared.control_address = self.server.address
         log.info("rapidkv %s: control plane on %s", instance_id, self.server.address)
+
+    @property
+    def spec(self) -> KVSpec | None:
+        """This instance's KV spec, once `set_ranks` ran."""
+        return self.shared.spec
+
+    @property
+    def endpoints(self) -> list[RankEndpoint]:
+        """This instance's ranks as a peer reaches them, once `set_ranks` ran."""
+        return self.shared.endpoints
+
+    @property
+    def kv_cache_manager(self) -> Any:
+        """vLLM's KV cache manager (bound by `bind_kv_cache_manager`)."""
+        return self.shared.kv_cache_manager
+
+    @kv_cache_manager.setter
+    def kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        self.shared.kv_cache_manager = kv_cache_manager
 
     # -- start-up ---------------------------------------------------------------
 
     def set_ranks(self, infos: dict[int, RankInfo]) -> None:
+        """The workers' handshake metadata, once: this instance's KV spec, its
+        ranks' endpoints and their bypass channels."""
         first = infos[min(infos)]
-        self.spec = KVSpec(
+        self.shared.spec = KVSpec(
             block_size=self.block_size,
             kernel_blocks_per_block=first.kernel_blocks_per_block,
             dtype=first.dtype,
@@ -202,7 +126,7 @@ class SchedulerSide:
             tp_size=self.tp_size,
             model_fingerprint=self.fingerprint,
         )
-        self.endpoints = [
+        self.shared.endpoints = [
             RankEndpoint(
                 rank=r,
                 transport=i.transport,
@@ -212,181 +136,61 @@ class SchedulerSide:
             )
             for r, i in sorted(infos.items())
         ]
-        self._bypass = BypassSender({r: i.bypass_address for r, i in infos.items()})
+        self.shared.bypass = BypassSender({r: i.bypass_address for r, i in infos.items()})
 
     # -- request lifecycle (engine thread) ---------------------------------------
 
     def on_new_request(self, request: Any) -> None:
+        """The engine admitted `request`: the role its params name takes it."""
         ours = rapidkv_params(request.kv_transfer_params)
         if ours is None:
             return
         xfer_id = str(ours["xfer_id"])
         with self._lock:
             if ours.get("role") == "prefill":
-                p = Produced(
-                    xfer_id,
-                    request.request_id,
-                    request.num_prompt_tokens,
-                    prompt_hash(request.prompt_token_ids),
-                )
-                self._produced[xfer_id] = p
-                self._p_by_req[request.request_id] = xfer_id
-                self._event(xfer_id, "admitted")
-                self._requests[request.request_id] = request
-                parked = self._parked.pop(xfer_id, None)
-                if parked is not None:
-                    self.counters["parked_served"] += 1
-                    self._accept(p, parked.msg, parked.reply)
+                self.producer.admit(request, xfer_id)
             elif ours.get("role") == "decode":
-                split = ours.get("split_tokens", 0)
-                if not isinstance(split, int) or isinstance(split, bool) or split < 0:
-                    log.warning("rapidkv: xfer %s: bad split_tokens %r ignored", xfer_id, split)
-                    split = 0
-                self._consumed[request.request_id] = Consumed(
-                    xfer_id,
-                    request.request_id,
-                    ours.get("prefill_control"),
-                    ours.get("transfer_kv_mode"),
-                    split,
-                )
-                self._event(xfer_id, "d_admitted")
+                self.consumer.admit(request, xfer_id, ours)
 
     def matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
-        """D: tokens to load from P. Side-effect free apart from remembering the
-        local hits of the latest query (overwritten by every call)."""
-        c = self._consumed.get(request.request_id)
-        if c is None or c.state != "new" or not c.prefill_control:
-            return 0, False
-        c.local_hits = num_computed
-        if c.split:
-            # a block-aligned head that leaves D at least one token to compute,
-            # loaded synchronously: D computes the tail as the head's layers land
-            if c.split % self.block_size or c.split > request.num_prompt_tokens - 1:
-                return 0, False  # D computes it all (P is told nothing is loaded)
-            return max(c.split - num_computed, 0), False
-        n = request.num_prompt_tokens - 1 - num_computed
-        return (n, True) if n > 0 else (0, False)
+        """D: tokens to load from P (`ConsumerSide.matched_tokens`)."""
+        return self.consumer.matched_tokens(request, num_computed)
 
     def after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
-        c = self._consumed.get(request.request_id)
-        if c is None or c.state != "new":
-            return
-        if num_external == 0:
-            c.state = "local"
-            if c.prefill_control:  # nothing to load: P may free at once
-                self._abort_p(c, AbortReason.NOTHING_TO_LOAD)
-            return
-        c.state = "split" if c.split else "loading"
-        num_tokens = c.split or request.num_prompt_tokens - 1
-        nblocks = -(-num_tokens // self.block_size)
-        block_ids = list(blocks.get_block_ids()[0][:nblocks])
-        first_block = c.local_hits // self.block_size
-        msg = TransferKV(
-            xfer_id=c.xfer_id,
-            dst_instance=self.instance_id,
-            dst_blocks=block_ids,
-            first_block=first_block,
-            num_tokens=num_tokens,
-            prompt_hash=prompt_hash(
-                request.prompt_token_ids[:num_tokens] if c.split else request.prompt_token_ids
-            ),
-            transfer_kv_mode=c.mode,
-            notify_layers=bool(c.split),
-        )
-        with self._lock:
-            if c.split:
-                self.counters["split_prefills"] += 1
-                self._pending.split_recv[c.xfer_id] = block_ids[first_block:]
-            else:
-                self._pending.expect[c.xfer_id] = c.req_id
-        with self._lock:
-            self.counters["transfer_kv_sent"] += 1
-            self._event(c.xfer_id, "d_transfer_kv_sent")
-        self._send_transfer_kv(c, msg)
+        """D: blocks allocated; the TransferKV goes to P (`ConsumerSide.after_alloc`)."""
+        self.consumer.after_alloc(request, blocks, num_external)
 
     def build_meta(self, so: Any) -> StepMeta:
-        self._step_id += 1
-        meta = StepMeta(self._step_id)
+        """The next step's metadata for the workers (vLLM's scheduler output
+        `so`): P's tasks, then all that was pending for the workers, and the
+        bypass messages sent so far. The step is in flight until its output."""
+        self.shared.step_id += 1
+        meta = StepMeta(self.shared.step_id)
         now = time.monotonic()
-        scheduled = so.num_scheduled_tokens
         with self._lock:
-            self._expire(now)
-            for req_id in so.preempted_req_ids or ():
-                xfer_id = self._p_by_req.get(req_id)
-                p = self._produced.get(xfer_id) if xfer_id else None
-                if p is not None and not p.aborted:
-                    # its blocks are gone: the transfer cannot finish; D recomputes
-                    self.counters["preempted_transfers"] += 1
-                    p.aborted = True
-                    if p.issued:
-                        meta.preempted_xfers.append(p.xfer_id)
-                    elif p.reply is not None:
-                        p.reply.resolve(
-                            TransferKVReply(
-                                xfer_id=p.xfer_id, code=Code.GONE, message="request preempted on P"
-                            )
-                        )
-                    self._tombstone(p.xfer_id)
-            for p in list(self._produced.values()):
-                n = scheduled.get(p.req_id)
-                if n is not None:
-                    p.block_ids = tuple(self.kv_cache_manager.get_block_ids(p.req_id)[0])
-                    request = self._requests.get(p.req_id)
-                    p.computed = request.num_computed_tokens if request else p.computed
-                    p.in_flight_end = min(p.computed + n, p.prompt_len)
-                    p.scheduled_step = self._step_id
-                    meta.computes_prompt |= p.computed < p.prompt_len
-                    if p.computed < p.prompt_len - 1 <= p.in_flight_end:
-                        p.last_chunk_step = self._step_id
-                        self._event(p.xfer_id, "last_chunk_begin", now)
-                full, step = p.next_tasks(self.block_size, scheduled=n is not None)
-                if full is not None:
-                    meta.full_tasks.append(full)
-                if step is not None:
-                    meta.step_tasks.append(step)
-            pending, self._pending = self._pending, _Pending()
-            bypass_seq = self._bypass.sent if self._bypass is not None else 0
-            self._step_in_flight = self._step_id
-            self._step_began = now
-            self._step_tokens = so.total_num_scheduled_tokens
-        meta.rank_full_tasks = pending.rank_full
+            self.producer.plan_step(meta, so, now)
+            pending = self.shared.take_pending()
+            bypass_seq = self.shared.bypass.sent if self.shared.bypass is not None else 0
+            self.shared.begin_step(now, so.total_num_scheduled_tokens)
+        pending.fill(meta)
         meta.bypass_seq = bypass_seq
-        meta.new_peers = pending.new_peers
-        meta.drop_peers = pending.drop_peers
-        meta.fail_xfers = pending.fail
-        meta.release = pending.release
-        meta.expect_recv = pending.expect
-        meta.recv_failed = pending.recv_failed
-        meta.split_recv = pending.split_recv
         return meta
 
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM finished `request`: whether its blocks are held (a P request's,
+        until nothing can be sent from them) and what its response's
+        `kv_transfer_params` carry."""
         req_id = request.request_id
         if is_discovery(request.kv_transfer_params):
             # a router asks where our control plane listens (the answer goes out
             # in the response's kv_transfer_params)
             return False, self.identity()
-        self._requests.pop(req_id, None)
         with self._lock:
-            c = self._consumed.pop(req_id, None)
-            if c is not None and c.state == "loading":
-                # aborted while waiting for KV: vLLM frees the blocks once we report
-                # it in finished_recving, which we do once P answered the Abort
-                self._abort_p(c, AbortReason.CLIENT_ABORT, report=True)
-            xfer_id = self._p_by_req.pop(req_id, None)
-            if xfer_id is None:
+            self.consumer.request_finished(req_id)
+            if not self.producer.request_finished(request, block_ids):
                 return False, None
-            p = self._produced[xfer_id]
-            self._event(xfer_id, "finished")
-            p.finished = True
-            p.finished_at = time.monotonic()
-            p.computed = min(request.num_computed_tokens, p.prompt_len)
-            p.block_ids = tuple(block_ids) or p.block_ids
-            if request.status.name == "FINISHED_ABORTED":
-                self._abort_produced(p, "request aborted on P")
-            self._maybe_release(p)
         # who computed it: a router that knew another control address re-learns it
         return True, self.identity()
 
@@ -408,664 +212,34 @@ class SchedulerSide:
         finished_recving: set[str] | None,
         finished_sending: set[str] | None = None,
     ) -> None:
+        """The step in flight returned with the workers' output, applied in this
+        order: blocks vLLM freed, the step's end, the ranks' acks, D's received
+        KV, the workers' counters and the destinations whose writes failed,
+        then the transfers settled on a rank."""
         with self._lock:
-            self._freeing.difference_update(finished_sending or ())
-            self._step_done()
-            for step_id, ack, rank in meta.acks if meta is not None else ():
-                try:
-                    resolution = self._journal.ack(step_id, rank, ack)
-                except JournalError:
-                    log.exception("rapidkv %s: bad ack from rank %d", self.instance_id, rank)
-                    continue
-                if resolution is not None:
-                    self._resolve(resolution)
-            for req_id in finished_recving or ():
-                c = self._consumed.get(req_id)
-                if c is not None:
-                    c.state = "done"
-                    self._event(c.xfer_id, "d_kv_received")
+            self.producer.blocks_freed(finished_sending or ())
+            ended = self.shared.end_step()
+            if ended is not None:
+                self.producer.step_ended(*ended)
+            self.producer.take_acks(meta.acks if meta is not None else ())
+            self.consumer.kv_received(finished_recving or set())
             if meta is not None:
                 self.counters.update(meta.counters)
-                for instance_id, generation in meta.broken_peers:
-                    known = self._peers.get(instance_id)
-                    if known is not None and known.generation == generation:
-                        self._forget_peer(instance_id, "writes to it failed")
-            for s in meta.settled if meta is not None else ():
-                p = self._produced.get(s.xfer_id)
-                if p is None:
-                    continue
-                p.settled_ranks[s.rank] = (s.ok, s.tokens_sent, s.error)
-                if len(p.settled_ranks) == self.tp_size:
-                    self._settle(p)
+                self.control.writes_failed(meta.broken_peers)
+            self.producer.take_settled(meta.settled if meta is not None else ())
 
     def pending_block_frees(self) -> bool:
-        """Finished P requests still hold blocks that will be freed without
-        preempting anyone (their transfer settles, or they were released and vLLM
-        frees them at the next step): vLLM then waits a step instead of preempting
-        a running request."""
-        with self._lock:
-            pending = bool(self._freeing) or any(
-                p.finished and not p.released for p in self._produced.values()
-            )
-            if pending:
-                self.counters["pending_block_frees_waits"] += 1
-            return pending
-
-    # -- internals (caller holds the lock) ---------------------------------------
-
-    def _accept(self, p: Produced, msg: TransferKV, reply: Reply) -> None:
-        if msg.prompt_hash != p.prompt_hash:
-            self.counters["prompt_mismatch"] += 1
-            reply.resolve(
-                TransferKVReply(
-                    xfer_id=msg.xfer_id,
-                    code=Code.ERROR,
-                    message="prompt token ids differ between P and D",
-                )
-            )
-            # nothing of it will ever be asked for: free it once it finishes
-            self._abort_produced(p, "prompt token ids differ between P and D")
-            self._maybe_release(p)
-            return
-        window = Window(
-            msg.xfer_id,
-            msg.dst_instance,
-            tuple(msg.dst_blocks),
-            msg.first_block,
-            msg.num_tokens,
-            msg.notify_layers,
-        )
-        mode = self._mode(msg)
-        p.accept(window, reply, self.block_size, mode)
-        self._event(p.xfer_id, "accepted")
-        if mode != "step":
-            self._send_now(p, substep=mode == "substep")
-
-    def _send_now(self, p: Produced, substep: bool) -> None:
-        """bypass / substep: act on a TransferKV the moment it is accepted.
-
-        A finished request's KV is complete (its blocks are held for the
-        transfer): send it all now over the bypass channel. With `substep`, a
-        request whose last chunk the step in flight computes gets that step's
-        part attached to the step (what earlier steps computed goes now). Anything
-        else waits for the next step, as in `step` mode."""
-        if self._bypass is None or p.aborted or p.window is None:
-            return
-        if p.finished:
-            full, _ = p.next_tasks(self.block_size, scheduled=False)
-            if full is not None:
-                self._bypass.send(BypassMsg(kind="full", tasks=[full]))
-                self.counters["bypass_full_sends"] += 1
-                self._event(p.xfer_id, "bypass_sent")
-            return
-        step_id = self._step_in_flight
-        in_flight = step_id is not None and p.scheduled_step == step_id
-        if not substep or not in_flight or p.in_flight_end < p.window.num_tokens:
-            return
-        issued_before = p.issued
-        full, step = p.next_tasks(self.block_size, scheduled=True)
-        if full is not None:
-            self._bypass.send(BypassMsg(kind="full", tasks=[full]))
-            self.counters["bypass_full_sends"] += 1
-        if step is None:
-            return
-        assert step_id is not None
-        undo = (step.seen_tokens, issued_before or full is not None, False)
-        substep_id = self._journal.open_substep(step_id, [Entry(p.xfer_id, (step,), undo)])
-        self._bypass.send(
-            BypassMsg(kind="substep", tasks=[step], step_id=step_id, substep_id=substep_id)
-        )
-        self.counters["substeps_opened"] += 1
-        self._event(p.xfer_id, "substep_sent")
-
-    def _step_done(self) -> None:
-        """The step in flight returned: what it computed is final."""
-        now = time.monotonic()
-        step_id, self._step_in_flight = self._step_in_flight, None
-        if step_id is None:
-            return
-        self._steps.append(StepTiming(step_id, self._step_began, now, self._step_tokens))
-        if len(self._steps) > STEP_MEMORY:
-            del self._steps[: len(self._steps) - STEP_MEMORY]
-        for p in self._produced.values():
-            if p.last_chunk_step == step_id:
-                self._event(p.xfer_id, "last_chunk_end", now)
-            if p.scheduled_step == step_id:
-                p.scheduled_step = None
-                p.computed = max(p.computed, p.in_flight_end)
-
-    def _resolve(self, r: Resolution[Undo]) -> None:
-        """Every rank acked a step with substeps: roll back what no rank sent (the
-        next step sends it), have the ranks that missed a substep send it alone."""
-        self.counters["substeps_accepted"] += len(r.accepted)
-        for entry in r.rolled_back:
-            self.counters["substeps_rolled_back"] += 1
-            p = self._produced.get(entry.xfer_id)
-            if p is not None and p.window is not None:
-                p.sent_upto, p.issued, p.last_issued = entry.undo
-                self._maybe_release(p)
-        for entry, ranks in r.resend:
-            self.counters["substeps_resent"] += 1
-            for rank in ranks:
-                self._pending.rank_full.setdefault(rank, []).extend(entry.tasks)
-
-    def _outstanding(self, dst_instance: str) -> int:
-        """Transfers to `dst_instance` accepted and not yet settled, or parked."""
-        live = sum(
-            1
-            for p in self._produced.values()
-            if p.window is not None and p.window.peer == dst_instance
-        )
-        return live + sum(1 for x in self._parked.values() if x.msg.dst_instance == dst_instance)
-
-    def _settle(self, p: Produced) -> None:
-        self._event(p.xfer_id, "settled")
-        oks = [v[0] for v in p.settled_ranks.values()]
-        tokens = min(v[1] for v in p.settled_ranks.values())
-        ok = all(oks)
-        self.counters["transfers_ok" if ok else "transfers_failed"] += 1
-        if ok and p.accepted_at:
-            # TransferKV taken up -> every rank confirmed: the hand-off as D sees it
-            self.counters["transfer_ms_sum"] += (time.monotonic() - p.accepted_at) * 1000
-        if p.reply is not None:
-            errors = "; ".join(v[2] for v in p.settled_ranks.values() if v[2])
-            p.reply.resolve(
-                TransferKVReply(
-                    xfer_id=p.xfer_id,
-                    code=Code.OK if ok else Code.ERROR,
-                    tokens_sent=tokens,
-                    message=errors,
-                )
-            )
-        p.window = None  # nothing more to send
-        p.last_issued = True
-        self._tombstone(p.xfer_id)
-        self._maybe_release(p, settled=True)
-
-    def _maybe_release(self, p: Produced, settled: bool = False) -> None:
-        """Free a finished request's blocks once nothing can be sent from them:
-        its transfer settled on every rank, or it was aborted before any send."""
-        if not p.finished or p.released:
-            return
-        settled = settled or len(p.settled_ranks) == self.tp_size
-        if settled or (p.aborted and not p.issued):
-            self._release(p)
-
-    def _release(self, p: Produced) -> None:
-        p.released = True
-        self._pending.release.append(p.req_id)
-        self._freeing.add(p.req_id)  # until vLLM frees the blocks (finished_sending)
-        self._produced.pop(p.xfer_id, None)
-
-    def _abort_produced(self, p: Produced, why: str) -> None:
-        p.aborted = True
-        self._tombstone(p.xfer_id)
-        if p.issued and len(p.settled_ranks) < self.tp_size:
-            self._pending.fail.append((p.xfer_id, why))  # settles with an error
-        elif p.reply is not None:
-            p.reply.resolve(TransferKVReply(xfer_id=p.xfer_id, code=Code.GONE, message=why))
-
-    def _expire(self, now: float) -> None:
-        """Finished requests no TransferKV came for, old tombstones. (Parked
-        TransferKVs expire in their RPC handler, which runs even if P never steps.)"""
-        for p in list(self._produced.values()):
-            if (
-                p.finished
-                and not p.released
-                and p.window is None
-                and not p.issued
-                and now - p.finished_at > self.config.finished_ttl_s
-            ):
-                self.counters["finished_expired"] += 1
-                self._abort_produced(p, "no TransferKV in time")
-                self._release(p)
-        while (
-            self._tombstones
-            and now - next(iter(self._tombstones.values())) > self.config.tombstone_ttl_s
-        ):
-            self._tombstones.popitem(last=False)
-
-    def _tombstone(self, xfer_id: str) -> None:
-        self._tombstones[xfer_id] = time.monotonic()
-        self._tombstones.move_to_end(xfer_id)  # oldest first, for _expire
-
-    # -- D side: talking to P -----------------------------------------------------
-
-    def _handshake(self, address: str) -> Any:
-        """A future of P's HandshakeReply (cached per address while it succeeds;
-        caller holds the lock)."""
-        fut = self._known_p.get(address)
-        if fut is None or (fut.done() and fut.exception() is not None):
-            assert self.spec is not None
-            fut = self.client.submit(
-                address,
-                Handshake(
-                    instance_id=self.instance_id,
-                    control_address=self.server.address,
-                    spec=self.spec,
-                    endpoints=self.endpoints,
-                    incarnation=self.incarnation,
-                ),
-                self.config.rpc_timeout_s,
-            )
-            self._known_p[address] = fut
-        return fut
-
-    def _send_transfer_kv(self, c: Consumed, msg: TransferKV) -> None:
-        address = c.prefill_control
-        assert address is not None
-
-        def failed(why: str, answered: bool = True) -> None:
-            """`answered`: P said the transfer is over (or never reached P), so
-            no write of it can land; else (the RPC failed: P died, froze or was
-            cut off) D recomputes, and a split prefill's workers stop waiting,
-            only once P confirmed an Abort (`_abort_p`: the write fence)."""
-            log.warning(
-                "rapidkv %s: transfer %s fails (%s); D recomputes", self.instance_id, c.xfer_id, why
-            )
-            with self._lock:
-                self.counters["recompute_fallbacks"] += 1
-                if answered:
-                    if c.split:
-                        self._split_over(c.xfer_id, ok=False)
-                    else:
-                        self._pending.recv_failed.append(c.req_id)
-                elif c.split:
-                    self._abort_p(c, AbortReason.TIMEOUT, split_failed=True)
-                else:  # P may still be writing: recompute once it confirmed the abort
-                    self._abort_p(c, AbortReason.TIMEOUT, report=True)
-
-        deadline = time.monotonic() + self.config.rpc_timeout_s
-        backoff = [0.05]
-        handshake: list[Any] = []  # the handshake this transfer went out under
-
-        def send() -> None:
-            self.client.submit(address, msg, self.config.rpc_timeout_s).add_done_callback(on_reply)
-
-        def on_reply(fut: Any) -> None:
-            try:
-                reply = fut.result()
-            except Exception as e:
-                failed(f"TransferKV: {type(e).__name__}: {e}", answered=False)
-                return
-            if reply.code == Code.UNKNOWN_PEER and len(handshake) == 1:
-                # P restarted (or forgot us): nothing was written; introduce
-                # ourselves again and ask once more
-                log.info(
-                    "rapidkv %s: %s has no handshake from us (restarted?); handshaking again",
-                    self.instance_id,
-                    address,
-                )
-                with self._lock:
-                    self.counters["rehandshakes"] += 1
-                    if self._known_p.get(address) is handshake[0]:
-                        del self._known_p[address]
-                    again = self._handshake(address)
-                handshake.append(again)
-                again.add_done_callback(on_handshake)
-                return
-            # a split prefill's tail is computing now, waiting for the head: no retries
-            retry = reply.code in (Code.NOT_FOUND, Code.BUSY) and not c.split
-            if reply.code == Code.OK:
-                with self._lock:
-                    self.counters["transfer_kv_ok"] += 1
-                    if c.split:
-                        self._split_over(c.xfer_id, ok=True)
-            elif retry and time.monotonic() + backoff[0] < deadline:
-                # NOT_FOUND: P has not seen the request within its park TTL;
-                # BUSY: too many of our transfers outstanding there. Ask again later.
-                with self._lock:
-                    self.counters[f"transfer_kv_retries_{reply.code.name.lower()}"] += 1
-                _later(backoff[0], send)
-                backoff[0] = min(backoff[0] * 2, 1.0)
-            elif reply.code != Code.OK:
-                failed(f"TransferKV answered {reply.code.name}: {reply.message}")
-
-        def on_handshake(fut: Any) -> None:
-            try:
-                reply = fut.result()
-            except Exception as e:
-                failed(f"handshake with {address}: {type(e).__name__}: {e}")
-                return
-            if not isinstance(reply, HandshakeReply) or reply.code != Code.OK:
-                failed(f"handshake refused: {getattr(reply, 'reasons', reply)}")
-                return
-            send()
-
-        with self._lock:
-            handshake.append(self._handshake(address))
-        handshake[0].add_done_callback(on_handshake)
-
-    def _split_over(self, xfer_id: str, ok: bool) -> None:
-        """P answered a split prefill's TransferKV (or it failed): tell the
-        workers waiting for its layers (caller holds the lock)."""
-        if self._bypass is not None:
-            self._bypass.send(BypassMsg(kind="recv_over", xfer_id=xfer_id, ok=ok))
-
-    def _abort_p(
-        self,
-        c: Consumed,
-        reason: AbortReason,
-        report: bool = False,
-        split_failed: bool = False,
-    ) -> None:
-        """Send P an Abort of `c`'s transfer; once P confirmed that no more of
-        its writes can land: report the request failed (`report`: vLLM then
-        frees or recomputes its blocks), end its split load as failed
-        (`split_failed`).
-
-        The fence: only an answer OK / GONE / NOT_FOUND confirms (`AbortReply`),
-        or a refused connection (no process listens at P's control address any
-        more). Anything else (BUSY, an error, no answer: P frozen or cut off) is
-        asked again with backoff while the blocks stay held, for up to
-        `fence_timeout_s`; then the blocks are given up with an error logged."""
-        deadline = time.monotonic() + self.config.fence_timeout_s
-        backoff = [0.1]
-
-        def over() -> None:
-            with self._lock:
-                if report:
-                    self._pending.recv_failed.append(c.req_id)
-                if split_failed:
-                    self._split_over(c.xfer_id, ok=False)
-
-        def send() -> None:
-            assert c.prefill_control is not None
-            abort = Abort(xfer_id=c.xfer_id, reason=reason)
-            self.client.submit(
-                c.prefill_control, abort, self.config.rpc_timeout_s
-            ).add_done_callback(answered)
-
-        def answered(fut: Any) -> None:
-            try:
-                reply = fut.result()
-                confirmed = reply.code in (Code.OK, Code.GONE, Code.NOT_FOUND)
-                why = f"{reply.code.name}: {reply.message}"
-            except ConnectionRefusedError:
-                confirmed, why = True, "refused"
-            except Exception as e:
-                confirmed, why = False, f"{type(e).__name__}: {e}"
-            if confirmed or not (report or split_failed):
-                over()
-                return
-            with self._lock:
-                self.counters["abort_retries"] += 1
-            now = time.monotonic()
-            if now >= deadline:
-                log.error(
-                    "rapidkv %s: %s never confirmed the abort of %s (%s) within %gs; "
-                    "its blocks are given up and a late write of it could land in them",
-                    self.instance_id,
-                    c.prefill_control,
-                    c.xfer_id,
-                    why,
-                    self.config.fence_timeout_s,
-                )
-                with self._lock:
-                    self.counters["abort_fence_gave_up"] += 1
-                over()
-                return
-            log.warning(
-                "rapidkv %s: abort of %s unconfirmed (%s); holding its blocks, asking again",
-                self.instance_id,
-                c.xfer_id,
-                why,
-            )
-            _later(min(backoff[0], deadline - now), send)  # the last try at the deadline
-            backoff[0] = min(backoff[0] * 2, 2.0)
-
-        if not c.prefill_control:
-            over()
-            return
-        send()
-
-    # -- P side: the control-plane handler (RPC loop thread) ----------------------
-
-    async def _handle(self, msg: Any) -> Any:
-        if isinstance(msg, TransferKV):
-            return await self._on_transfer_kv(msg)
-        if isinstance(msg, Handshake):
-            return self._on_handshake(msg)
-        if isinstance(msg, Abort):
-            return await self._on_abort(msg)
-        if isinstance(msg, StatsRequest):
-            return Stats(counters=self.stats())
-        if isinstance(msg, TimelineRequest):
-            return self.timeline(msg.xfer_ids)
-        return ErrorReply(code=Code.ERROR, message=f"unexpected {type(msg).__name__}")
-
-    def _on_handshake(self, hs: Handshake) -> HandshakeReply:
-        if self.spec is None:
-            return HandshakeReply(
-                code=Code.BUSY, instance_id=self.instance_id, reasons=["instance still starting"]
-            )
-        reply = answer_handshake(
-            hs,
-            instance_id=self.instance_id,
-            spec=self.spec,
-            endpoints=self.endpoints,
-            incarnation=self.incarnation,
-        )
-        if reply.code != Code.OK:
-            log.warning(
-                "rapidkv %s: handshake from %s refused: %s",
-                self.instance_id,
-                hs.instance_id,
-                reply.reasons,
-            )
-            return reply
-        with self._lock:
-            known = self._peers.get(hs.instance_id)
-            if known is not None and known.incarnation == hs.incarnation:
-                known.control_address = hs.control_address
-                return reply  # the same process again (it dropped its cached handshake)
-            if known is not None:
-                # same id, new process: its new transport metadata replaces the old
-                # in the workers (a newer Peer entry), the old one's transfers fail now
-                self._forget_peer(hs.instance_id, "restarted", drop=False)
-            if parse_address(hs.control_address)[0] not in WILDCARD_HOSTS:
-                for other, info in list(self._peers.items()):
-                    if info.control_address == hs.control_address:
-                        self._forget_peer(other, f"{hs.instance_id} now at its address")
-            self.counters["peers_added"] += 1
-            generation = next(self._generations)
-            self._peers[hs.instance_id] = _KnownPeer(
-                list(hs.endpoints), hs.incarnation, hs.control_address, generation
-            )
-            peers = [
-                Peer(hs.instance_id, e.rank, e.transport_metadata, e.layout, generation)
-                for e in hs.endpoints
-            ]
-            self._pending.new_peers.extend(peers)
-            if self._bypass is not None:  # ahead of any bypass send to them
-                self._bypass.send(BypassMsg(kind="peers", peers=peers))
-        return reply
-
-    def _forget_peer(self, instance_id: str, why: str, drop: bool = True) -> None:
-        """`instance_id` is gone (restarted, or replaced at its address): fail
-        what was parked for or in flight to it (its held blocks are freed as soon
-        as no write of theirs is in flight, not after `finished_ttl_s`) and, with
-        `drop`, have the workers drop its transport peer. Its next TransferKV is
-        answered UNKNOWN_PEER until it handshakes again (caller holds the lock)."""
-        known = self._peers.pop(instance_id, None)
-        if known is None:
-            return
-        log.warning(
-            "rapidkv %s: forgetting peer %s (%s); its transfers fail",
-            self.instance_id,
-            instance_id,
-            why,
-        )
-        self.counters["peers_forgotten"] += 1
-        for xfer_id, parked in list(self._parked.items()):
-            if parked.msg.dst_instance == instance_id:
-                del self._parked[xfer_id]
-                parked.reply.resolve(
-                    TransferKVReply(xfer_id=xfer_id, code=Code.GONE, message=f"peer {why}")
-                )
-        for p in list(self._produced.values()):
-            if p.window is not None and p.window.peer == instance_id and not p.released:
-                self.counters["transfers_failed_peer_gone"] += 1
-                self._abort_produced(p, f"destination {instance_id} {why}")
-                self._maybe_release(p)
-        if drop:
-            self._pending.drop_peers.append((instance_id, known.generation))
-
-    async def _on_transfer_kv(self, msg: TransferKV) -> TransferKVReply:
-        loop = asyncio.get_running_loop()
-        reply = Reply(loop, loop.create_future())
-        with self._lock:
-            dst = self._peers.get(msg.dst_instance)
-            if not self.endpoints:
-                problems = ["instance still starting"]
-            elif dst is None:
-                self.counters["unknown_peer_replies"] += 1
-                return TransferKVReply(
-                    xfer_id=msg.xfer_id,
-                    code=Code.UNKNOWN_PEER,
-                    message=f"no handshake from {msg.dst_instance}",
-                )
-            else:  # the destination's block ids, checked against its own pool
-                problems = msg.problems(self.block_size, min(e.num_blocks for e in dst.endpoints))
-            if problems:
-                return TransferKVReply(
-                    xfer_id=msg.xfer_id, code=Code.ERROR, message="; ".join(problems)
-                )
-            if msg.xfer_id in self._tombstones:
-                return TransferKVReply(
-                    xfer_id=msg.xfer_id, code=Code.GONE, message="transfer aborted or timed out"
-                )
-            p = self._produced.get(msg.xfer_id)
-            parked = self._parked.get(msg.xfer_id)
-            earlier = parked.reply if parked is not None else p.reply if p and p.window else None
-            if earlier is not None:
-                # the same transfer asked for twice (a replay, or a confused D):
-                # nothing changes; this one gets the first one's answer, when
-                # no more writes of it can land
-                self.counters["duplicate_transfer_kv"] += 1
-                reply = earlier
-            else:
-                refused = self._take_up(msg, p, reply)
-                if refused is not None:
-                    return refused
-        try:  # parked: NOT_FOUND once the park TTL passes, even if P never steps
-            return await asyncio.wait_for(asyncio.shield(reply.future), self.config.park_ttl_s)
-        except TimeoutError:
-            with self._lock:
-                if self._parked.pop(msg.xfer_id, None) is not None:
-                    self.counters["park_expired"] += 1
-                    if not reply.future.done():  # for a duplicate waiting on it too
-                        reply.future.set_result(
-                            TransferKVReply(
-                                xfer_id=msg.xfer_id,
-                                code=Code.NOT_FOUND,
-                                message="request not seen on P",
-                            )
-                        )
-        return await reply.future
-
-    def _take_up(self, msg: TransferKV, p: Produced | None, reply: Reply) -> TransferKVReply | None:
-        """Accept `msg` for its request, or park it until the request arrives; the
-        refusal if neither may be done now (caller holds the lock)."""
-        self._arrived(msg, p)
-        new = p is None or p.window is None
-        if new and self._outstanding(msg.dst_instance) >= self.config.max_transfers_per_peer:
-            self.counters["busy_replies"] += 1
-            return TransferKVReply(
-                xfer_id=msg.xfer_id,
-                code=Code.BUSY,
-                message=f"{self.config.max_transfers_per_peer} transfers to "
-                f"{msg.dst_instance} outstanding",
-            )
-        if p is not None:
-            self._accept(p, msg, reply)
-        elif len(self._parked) >= self.config.max_parked:
-            return TransferKVReply(
-                xfer_id=msg.xfer_id, code=Code.BUSY, message="too many parked transfers"
-            )
-        else:
-            self.counters["parked"] += 1
-            self._parked[msg.xfer_id] = _Parked(msg, reply)
-        return None
-
-    async def _on_abort(self, msg: Abort) -> AbortReply:
-        """Stop the transfer; answer once no more of its writes can land (its
-        sends in flight settled), or BUSY if that is not confirmed within
-        `write_timeout_s` (the sender keeps its blocks and asks again)."""
-        in_flight: asyncio.Future | None = None
-        with self._lock:
-            self.counters[f"aborts_{msg.reason.value}"] += 1
-            parked = self._parked.pop(msg.xfer_id, None)
-            if parked is not None:
-                parked.reply.resolve(
-                    TransferKVReply(xfer_id=msg.xfer_id, code=Code.GONE, message="aborted")
-                )
-            p = self._produced.get(msg.xfer_id)
-            if p is not None and not p.released:
-                if p.issued and len(p.settled_ranks) < self.tp_size and p.reply is not None:
-                    in_flight = p.reply.future  # resolved when every rank settled
-                self._abort_produced(p, f"aborted by peer: {msg.reason.value}")
-                self._maybe_release(p)
-            self._tombstone(msg.xfer_id)
-        if in_flight is not None:
-            try:
-                await asyncio.wait_for(asyncio.shield(in_flight), self.config.write_timeout_s)
-            except TimeoutError:
-                with self._lock:
-                    self.counters["aborts_unconfirmed"] += 1
-                return AbortReply(
-                    xfer_id=msg.xfer_id, code=Code.BUSY, message="writes of it may still land"
-                )
-        return AbortReply(xfer_id=msg.xfer_id, code=Code.OK)
+        """Finished P requests hold blocks that will be freed without preempting
+        anyone (`ProducerSide.pending_block_frees`)."""
+        return self.producer.pending_block_frees()
 
     # -- observability ------------------------------------------------------------
-
-    def _event(self, xfer_id: str, name: str, t: float | None = None) -> None:
-        """Record when `name` happened to `xfer_id` (caller holds the lock)."""
-        tl = self._timelines.get(xfer_id)
-        if tl is None:
-            tl = self._timelines[xfer_id] = XferTimeline(events={})
-            while len(self._timelines) > TIMELINE_MEMORY:
-                self._timelines.popitem(last=False)
-        tl.events.setdefault(name, time.monotonic() if t is None else t)
-
-    def _arrived(self, msg: TransferKV, p: Produced | None) -> None:
-        """Note a TransferKV's arrival and where its request was then."""
-        self._event(msg.xfer_id, "transfer_kv")
-        if p is None:
-            state = "not_admitted"
-        elif p.finished or p.computed >= msg.num_tokens:
-            state = "finished"
-        elif self._step_in_flight is not None and p.scheduled_step == self._step_in_flight:
-            state = "last_chunk" if p.in_flight_end >= msg.num_tokens else "earlier_chunk"
-        else:
-            state = "between_steps"
-        old = self._timelines[msg.xfer_id]
-        self._timelines[msg.xfer_id] = XferTimeline(
-            events=old.events, state_at_arrival=state, mode=self._mode(msg)
-        )
-
-    def _mode(self, msg: TransferKV) -> str:
-        """The `transfer_kv_mode` P serves `msg` in: the request's, else P's.
-        A split prefill's head always goes layer by layer as computed (D's
-        forward waits for each layer; in step/bypass mode it would wait for the
-        whole head when the TransferKV came after P's step began)."""
-        if msg.notify_layers:
-            return "substep"
-        return msg.transfer_kv_mode or self.config.transfer_kv_mode
 
     def timeline(self, xfer_ids: list[str]) -> Timeline:
         """Events of these transfers (P's, and on a D `d_admitted`,
         `d_transfer_kv_sent`, `d_kv_received`) and the recent steps."""
         with self._lock:
-            xfers = {
-                x: XferTimeline(
-                    events=dict(t.events), state_at_arrival=t.state_at_arrival, mode=t.mode
-                )
-                for x in xfer_ids
-                if (t := self._timelines.get(x)) is not None
-            }
-            return Timeline(xfers, list(self._steps[-1024:]))
+            return self.shared.timeline.snapshot(xfer_ids)
 
     def counter_totals(self) -> dict[str, float]:
         """Every counter's running total: this side's (the workers' increments
@@ -1083,21 +257,15 @@ class SchedulerSide:
         transfer, peers (D instances that handshook with us; P instances we
         handshook with, by state) and vLLM's free blocks (once bound)."""
         with self._lock:
-            held = [p for p in self._produced.values() if p.finished and not p.released]
             out = {
-                "parked_now": float(len(self._parked)),
-                "transfers_live": float(len(self._produced)),
-                "tombstones": float(len(self._tombstones)),
-                "waiting_for_kv": float(sum(c.state == "loading" for c in self._consumed.values())),
-                "held_requests": float(len(held)),
-                "held_blocks": float(sum(len(p.block_ids) for p in held)),
-                "peers_decode": float(len(self._peers)),
+                **self.producer.gauges(),
+                **self.control.gauges(),
+                **self.consumer.gauges(),
             }
-            states = [_handshake_state(f) for f in self._known_p.values()]
-        for state in ("ready", "connecting", "failed"):
-            out[f"peers_prefill_{state}"] = float(states.count(state))
-        if self.kv_cache_manager is not None:
-            out["free_blocks"] = float(self.kv_cache_manager.block_pool.get_num_free_blocks())
+        if self.shared.kv_cache_manager is not None:
+            out["free_blocks"] = float(
+                self.shared.kv_cache_manager.block_pool.get_num_free_blocks()
+            )
         return out
 
     def stats(self) -> dict[str, float]:
@@ -1106,28 +274,11 @@ class SchedulerSide:
         return {**self.counter_totals(), **self.gauges()}
 
     def close(self) -> None:
+        """Stop the control-plane server, then the client and the bypass channel."""
         self.server.stop()
-        self.client.close()
-        if self._bypass is not None:
-            self._bypass.close()
-
-
-def _later(delay_s: float, fn: Any) -> None:
-    """Run `fn` on a daemon timer thread after `delay_s` (a retry's backoff)."""
-    timer = threading.Timer(delay_s, fn)
-    timer.daemon = True
-    timer.start()
-
-
-def _handshake_state(fut: concurrent.futures.Future) -> str:
-    """`ready` (P accepted our Handshake), `connecting` (no answer yet) or
-    `failed` (refused, or the RPC failed)."""
-    if not fut.done():
-        return "connecting"
-    if fut.cancelled() or fut.exception() is not None:
-        return "failed"
-    reply = fut.result()
-    return "ready" if isinstance(reply, HandshakeReply) and reply.code == Code.OK else "failed"
+        self.consumer.close()
+        if self.shared.bypass is not None:
+            self.shared.bypass.close()
 
 
 def model_fingerprint(model_config: Any) -> str:

@@ -1,0 +1,529 @@
+"""P's role on the scheduler side (`ProducerSide`): requests whose KV this
+instance computes and writes into another instance's (D's) blocks.
+
+A request with `kv_transfer_params.rapidkv.role == "prefill"` is tracked as one
+transfer (`Produced`, producer.py) from its admission until its blocks are
+released. A TransferKV that arrives before its request is parked until the
+request arrives; one accepted is planned every step (`plan_step`), at once over
+the bypass channel, or as a substep of the step in flight (`transfer_kv_mode`);
+the ranks' acks resolve substeps (journal.py). When every rank settled the
+transfer, its TransferKV is answered and its request's blocks may go.
+
+Invariants (all under the shared lock):
+
+- a transfer is in `_produced` from admission until released; its request is
+  in `_xfer_by_req` and `_requests` until vLLM finished it;
+- a TransferKV is parked only while its request is not admitted: at most
+  `max_parked` of them, each answered NOT_FOUND once `park_ttl_s` passed;
+- at most `max_transfers_per_peer` transfers to one destination are accepted
+  and not settled, or parked (a new one beyond is answered BUSY);
+- a settled or aborted transfer is tombstoned for `tombstone_ttl_s`: a
+  TransferKV for it is answered GONE;
+- a finished request's blocks are released (`PendingMeta.release`) only once
+  no write from them can be in flight: its transfer settled on every rank, or
+  was aborted before anything was sent; without a TransferKV they go after
+  `finished_ttl_s`;
+- P's write fence: an Abort is answered OK only once no write of its transfer
+  can land any more (its sends in flight settled); BUSY if that takes longer
+  than `write_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from rapidkv.connector.bypass import BypassMsg
+from rapidkv.connector.journal import Entry, JournalError, Resolution, SubstepJournal
+from rapidkv.connector.metadata import StepMeta
+from rapidkv.connector.plan import Window
+from rapidkv.connector.producer import Produced, Reply
+from rapidkv.connector.shared_state import SharedState
+from rapidkv.control.codes import Code
+from rapidkv.control.messages import (
+    Abort,
+    AbortReply,
+    TransferKV,
+    TransferKVReply,
+    prompt_hash,
+)
+from rapidkv.kvt.messages import SendDone
+
+log = logging.getLogger(__name__)
+
+# what a rolled-back substep restores on its Produced: (sent_upto, issued, last_issued)
+Undo = tuple[int, bool, bool]
+
+
+@dataclass
+class ParkedTransferKV:
+    """A TransferKV that came before its request, and where its answer goes."""
+
+    msg: TransferKV
+    reply: Reply
+
+
+class ProducerSide:
+    """P's transfers: what is computed and asked for, what goes out when, and
+    when the blocks may be freed."""
+
+    def __init__(self, shared: SharedState) -> None:
+        self._shared = shared
+        # the shared state's own objects, never reassigned
+        self._config = shared.config
+        self._counters = shared.counters
+        self._lock = shared.lock
+        self._block_size = shared.block_size
+        self._tp_size = shared.tp_size
+        self._produced: dict[str, Produced] = {}  # xfer_id -> (not yet released)
+        self._xfer_by_req: dict[str, str] = {}  # req_id -> xfer_id (until finished)
+        self._requests: dict[str, Any] = {}  # vLLM's request, for num_computed_tokens
+        self._parked: dict[str, ParkedTransferKV] = {}  # xfer_id ->
+        self._tombstones: OrderedDict[str, float] = OrderedDict()  # xfer_id -> when, oldest first
+        self._freeing: set[str] = set()  # released req ids whose blocks vLLM still holds
+        # substeps attached to the step in flight, awaiting every rank's ack
+        self._journal: SubstepJournal[Undo] = SubstepJournal(shared.tp_size)
+
+    # -- request lifecycle (engine thread; caller holds the lock) -----------------
+
+    def admit(self, request: Any, xfer_id: str) -> None:
+        """A prefill request was admitted; a TransferKV parked for it is taken up."""
+        p = Produced(
+            xfer_id,
+            request.request_id,
+            request.num_prompt_tokens,
+            prompt_hash(request.prompt_token_ids),
+        )
+        self._produced[xfer_id] = p
+        self._xfer_by_req[request.request_id] = xfer_id
+        self._shared.timeline.event(xfer_id, "admitted")
+        self._requests[request.request_id] = request
+        parked = self._parked.pop(xfer_id, None)
+        if parked is not None:
+            self._counters["parked_served"] += 1
+            self._accept(p, parked.msg, parked.reply)
+
+    def plan_step(self, meta: StepMeta, so: Any, now: float) -> None:
+        """Into the metadata of step `shared.step_id` (vLLM's scheduler output
+        `so`): transfers whose request was preempted fail, what is computable
+        and asked for goes out; finished requests no TransferKV came for and old
+        tombstones expire."""
+        scheduled = so.num_scheduled_tokens
+        step_id = self._shared.step_id
+        self._expire(now)
+        for req_id in so.preempted_req_ids or ():
+            xfer_id = self._xfer_by_req.get(req_id)
+            p = self._produced.get(xfer_id) if xfer_id else None
+            if p is not None and not p.aborted:
+                # its blocks are gone: the transfer cannot finish; D recomputes
+                self._counters["preempted_transfers"] += 1
+                p.aborted = True
+                if p.issued:
+                    meta.preempted_xfers.append(p.xfer_id)
+                elif p.reply is not None:
+                    p.reply.resolve(
+                        TransferKVReply(
+                            xfer_id=p.xfer_id, code=Code.GONE, message="request preempted on P"
+                        )
+                    )
+                self._tombstone(p.xfer_id)
+        for p in list(self._produced.values()):
+            n = scheduled.get(p.req_id)
+            if n is not None:
+                p.block_ids = tuple(self._shared.kv_cache_manager.get_block_ids(p.req_id)[0])
+                request = self._requests.get(p.req_id)
+                p.computed = request.num_computed_tokens if request else p.computed
+                p.in_flight_end = min(p.computed + n, p.prompt_len)
+                p.scheduled_step = step_id
+                meta.computes_prompt |= p.computed < p.prompt_len
+                if p.computed < p.prompt_len - 1 <= p.in_flight_end:
+                    p.last_chunk_step = step_id
+                    self._shared.timeline.event(p.xfer_id, "last_chunk_begin", now)
+            full, step = p.next_tasks(self._block_size, scheduled=n is not None)
+            if full is not None:
+                meta.full_tasks.append(full)
+            if step is not None:
+                meta.step_tasks.append(step)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> bool:
+        """vLLM finished the request: whether it is ours (its blocks are then
+        held until nothing can be sent from them)."""
+        req_id = request.request_id
+        self._requests.pop(req_id, None)
+        xfer_id = self._xfer_by_req.pop(req_id, None)
+        if xfer_id is None:
+            return False
+        p = self._produced[xfer_id]
+        self._shared.timeline.event(xfer_id, "finished")
+        p.finished = True
+        p.finished_at = time.monotonic()
+        p.computed = min(request.num_computed_tokens, p.prompt_len)
+        p.block_ids = tuple(block_ids) or p.block_ids
+        if request.status.name == "FINISHED_ABORTED":
+            self._abort_produced(p, "request aborted on P")
+        self._maybe_release(p)
+        return True
+
+    # -- the workers' output (engine thread; caller holds the lock) ---------------
+
+    def blocks_freed(self, req_ids: Iterable[str]) -> None:
+        """vLLM freed these released requests' blocks (`finished_sending`)."""
+        self._freeing.difference_update(req_ids)
+
+    def step_ended(self, step_id: int, now: float) -> None:
+        """Step `step_id` returned at `now`: what it computed is final."""
+        for p in self._produced.values():
+            if p.last_chunk_step == step_id:
+                self._shared.timeline.event(p.xfer_id, "last_chunk_end", now)
+            if p.scheduled_step == step_id:
+                p.scheduled_step = None
+                p.computed = max(p.computed, p.in_flight_end)
+
+    def take_acks(self, acks: Iterable[tuple[int, int, int]]) -> None:
+        """The ranks' `(step, ack, rank)`: resolve the substeps of fully acked steps."""
+        for step_id, ack, rank in acks:
+            try:
+                resolution = self._journal.ack(step_id, rank, ack)
+            except JournalError:
+                log.exception("rapidkv %s: bad ack from rank %d", self._shared.instance_id, rank)
+                continue
+            if resolution is not None:
+                self._resolve(resolution)
+
+    def take_settled(self, settled: Iterable[SendDone]) -> None:
+        """Transfers settled on a rank; one settled on every rank is over."""
+        for s in settled:
+            p = self._produced.get(s.xfer_id)
+            if p is None:
+                continue
+            p.settled_ranks[s.rank] = (s.ok, s.tokens_sent, s.error)
+            if len(p.settled_ranks) == self._tp_size:
+                self._settle(p)
+
+    def pending_block_frees(self) -> bool:
+        """Finished P requests still hold blocks that will be freed without
+        preempting anyone (their transfer settles, or they were released and vLLM
+        frees them at the next step): vLLM then waits a step instead of preempting
+        a running request."""
+        with self._lock:
+            pending = bool(self._freeing) or any(
+                p.finished and not p.released for p in self._produced.values()
+            )
+            if pending:
+                self._counters["pending_block_frees_waits"] += 1
+            return pending
+
+    def gauges(self) -> dict[str, float]:
+        """Parked TransferKVs, live transfers, tombstones, finished requests
+        whose blocks are held for their transfer and those blocks (caller holds
+        the lock)."""
+        held = [p for p in self._produced.values() if p.finished and not p.released]
+        return {
+            "parked_now": float(len(self._parked)),
+            "transfers_live": float(len(self._produced)),
+            "tombstones": float(len(self._tombstones)),
+            "held_requests": float(len(held)),
+            "held_blocks": float(sum(len(p.block_ids) for p in held)),
+        }
+
+    # -- the control plane (RPC loop thread) -------------------------------------
+
+    def receive_transfer_kv(self, msg: TransferKV, reply: Reply) -> TransferKVReply | Reply:
+        """Take up `msg` from a destination that handshook with us: accept it,
+        park it, or refuse it. The refusal, or where the answer will come: `reply`,
+        or a duplicate's first TransferKV's (caller holds the lock)."""
+        if msg.xfer_id in self._tombstones:
+            return TransferKVReply(
+                xfer_id=msg.xfer_id, code=Code.GONE, message="transfer aborted or timed out"
+            )
+        p = self._produced.get(msg.xfer_id)
+        parked = self._parked.get(msg.xfer_id)
+        earlier = parked.reply if parked is not None else p.reply if p and p.window else None
+        if earlier is not None:
+            # the same transfer asked for twice (a replay, or a confused D):
+            # nothing changes; this one gets the first one's answer, when
+            # no more writes of it can land
+            self._counters["duplicate_transfer_kv"] += 1
+            return earlier
+        refused = self._take_up(msg, p, reply)
+        return refused if refused is not None else reply
+
+    async def wait_for_answer(self, msg: TransferKV, reply: Reply) -> TransferKVReply:
+        """The answer to a TransferKV taken up (`receive_transfer_kv`): once its
+        transfer settled or failed. A parked one is answered NOT_FOUND once the
+        park TTL passes, even if P never steps (caller does not hold the lock)."""
+        try:
+            return await asyncio.wait_for(asyncio.shield(reply.future), self._config.park_ttl_s)
+        except TimeoutError:
+            with self._lock:
+                if self._parked.pop(msg.xfer_id, None) is not None:
+                    self._counters["park_expired"] += 1
+                    if not reply.future.done():  # for a duplicate waiting on it too
+                        reply.future.set_result(
+                            TransferKVReply(
+                                xfer_id=msg.xfer_id,
+                                code=Code.NOT_FOUND,
+                                message="request not seen on P",
+                            )
+                        )
+        return await reply.future
+
+    async def abort(self, msg: Abort) -> AbortReply:
+        """Stop the transfer; answer once no more of its writes can land (its
+        sends in flight settled), or BUSY if that is not confirmed within
+        `write_timeout_s` (the sender keeps its blocks and asks again)."""
+        in_flight: asyncio.Future | None = None
+        with self._lock:
+            self._counters[f"aborts_{msg.reason.value}"] += 1
+            parked = self._parked.pop(msg.xfer_id, None)
+            if parked is not None:
+                parked.reply.resolve(
+                    TransferKVReply(xfer_id=msg.xfer_id, code=Code.GONE, message="aborted")
+                )
+            p = self._produced.get(msg.xfer_id)
+            if p is not None and not p.released:
+                if p.issued and len(p.settled_ranks) < self._tp_size and p.reply is not None:
+                    in_flight = p.reply.future  # resolved when every rank settled
+                self._abort_produced(p, f"aborted by peer: {msg.reason.value}")
+                self._maybe_release(p)
+            self._tombstone(msg.xfer_id)
+        if in_flight is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(in_flight), self._config.write_timeout_s)
+            except TimeoutError:
+                with self._lock:
+                    self._counters["aborts_unconfirmed"] += 1
+                return AbortReply(
+                    xfer_id=msg.xfer_id, code=Code.BUSY, message="writes of it may still land"
+                )
+        return AbortReply(xfer_id=msg.xfer_id, code=Code.OK)
+
+    def fail_transfers_to(self, instance_id: str, why: str) -> None:
+        """Destination `instance_id` is gone: what was parked for it is answered
+        GONE, what is in flight to it fails (its held blocks are freed as soon
+        as no write of theirs is in flight, not after `finished_ttl_s`; caller
+        holds the lock)."""
+        for xfer_id, parked in list(self._parked.items()):
+            if parked.msg.dst_instance == instance_id:
+                del self._parked[xfer_id]
+                parked.reply.resolve(
+                    TransferKVReply(xfer_id=xfer_id, code=Code.GONE, message=f"peer {why}")
+                )
+        for p in list(self._produced.values()):
+            if p.window is not None and p.window.peer == instance_id and not p.released:
+                self._counters["transfers_failed_peer_gone"] += 1
+                self._abort_produced(p, f"destination {instance_id} {why}")
+                self._maybe_release(p)
+
+    # -- internals (caller holds the lock) ---------------------------------------
+
+    def _take_up(self, msg: TransferKV, p: Produced | None, reply: Reply) -> TransferKVReply | None:
+        """Accept `msg` for its request, or park it until the request arrives; the
+        refusal if neither may be done now."""
+        self._arrived(msg, p)
+        new = p is None or p.window is None
+        if new and self._outstanding(msg.dst_instance) >= self._config.max_transfers_per_peer:
+            self._counters["busy_replies"] += 1
+            return TransferKVReply(
+                xfer_id=msg.xfer_id,
+                code=Code.BUSY,
+                message=f"{self._config.max_transfers_per_peer} transfers to "
+                f"{msg.dst_instance} outstanding",
+            )
+        if p is not None:
+            self._accept(p, msg, reply)
+        elif len(self._parked) >= self._config.max_parked:
+            return TransferKVReply(
+                xfer_id=msg.xfer_id, code=Code.BUSY, message="too many parked transfers"
+            )
+        else:
+            self._counters["parked"] += 1
+            self._parked[msg.xfer_id] = ParkedTransferKV(msg, reply)
+        return None
+
+    def _arrived(self, msg: TransferKV, p: Produced | None) -> None:
+        """Note a TransferKV's arrival and where its request was then."""
+        self._shared.timeline.event(msg.xfer_id, "transfer_kv")
+        step_in_flight = self._shared.step_in_flight
+        if p is None:
+            state = "not_admitted"
+        elif p.finished or p.computed >= msg.num_tokens:
+            state = "finished"
+        elif step_in_flight is not None and p.scheduled_step == step_in_flight:
+            state = "last_chunk" if p.in_flight_end >= msg.num_tokens else "earlier_chunk"
+        else:
+            state = "between_steps"
+        self._shared.timeline.arrival(msg.xfer_id, state, self._mode(msg))
+
+    def _mode(self, msg: TransferKV) -> str:
+        """The `transfer_kv_mode` P serves `msg` in: the request's, else P's.
+        A split prefill's head always goes layer by layer as computed (D's
+        forward waits for each layer; in step/bypass mode it would wait for the
+        whole head when the TransferKV came after P's step began)."""
+        if msg.notify_layers:
+            return "substep"
+        return msg.transfer_kv_mode or self._config.transfer_kv_mode
+
+    def _accept(self, p: Produced, msg: TransferKV, reply: Reply) -> None:
+        if msg.prompt_hash != p.prompt_hash:
+            self._counters["prompt_mismatch"] += 1
+            reply.resolve(
+                TransferKVReply(
+                    xfer_id=msg.xfer_id,
+                    code=Code.ERROR,
+                    message="prompt token ids differ between P and D",
+                )
+            )
+            # nothing of it will ever be asked for: free it once it finishes
+            self._abort_produced(p, "prompt token ids differ between P and D")
+            self._maybe_release(p)
+            return
+        window = Window(
+            msg.xfer_id,
+            msg.dst_instance,
+            tuple(msg.dst_blocks),
+            msg.first_block,
+            msg.num_tokens,
+            msg.notify_layers,
+        )
+        mode = self._mode(msg)
+        p.accept(window, reply, self._block_size, mode)
+        self._shared.timeline.event(p.xfer_id, "accepted")
+        if mode != "step":
+            self._send_now(p, substep=mode == "substep")
+
+    def _send_now(self, p: Produced, substep: bool) -> None:
+        """bypass / substep: act on a TransferKV the moment it is accepted.
+
+        A finished request's KV is complete (its blocks are held for the
+        transfer): send it all now over the bypass channel. With `substep`, a
+        request whose last chunk the step in flight computes gets that step's
+        part attached to the step (what earlier steps computed goes now). Anything
+        else waits for the next step, as in `step` mode."""
+        bypass = self._shared.bypass
+        if bypass is None or p.aborted or p.window is None:
+            return
+        if p.finished:
+            full, _ = p.next_tasks(self._block_size, scheduled=False)
+            if full is not None:
+                bypass.send(BypassMsg(kind="full", tasks=[full]))
+                self._counters["bypass_full_sends"] += 1
+                self._shared.timeline.event(p.xfer_id, "bypass_sent")
+            return
+        step_id = self._shared.step_in_flight
+        in_flight = step_id is not None and p.scheduled_step == step_id
+        if not substep or not in_flight or p.in_flight_end < p.window.num_tokens:
+            return
+        issued_before = p.issued
+        full, step = p.next_tasks(self._block_size, scheduled=True)
+        if full is not None:
+            bypass.send(BypassMsg(kind="full", tasks=[full]))
+            self._counters["bypass_full_sends"] += 1
+        if step is None:
+            return
+        assert step_id is not None
+        undo = (step.seen_tokens, issued_before or full is not None, False)
+        substep_id = self._journal.open_substep(step_id, [Entry(p.xfer_id, (step,), undo)])
+        bypass.send(BypassMsg(kind="substep", tasks=[step], step_id=step_id, substep_id=substep_id))
+        self._counters["substeps_opened"] += 1
+        self._shared.timeline.event(p.xfer_id, "substep_sent")
+
+    def _resolve(self, r: Resolution[Undo]) -> None:
+        """Every rank acked a step with substeps: roll back what no rank sent (the
+        next step sends it), have the ranks that missed a substep send it alone."""
+        self._counters["substeps_accepted"] += len(r.accepted)
+        for entry in r.rolled_back:
+            self._counters["substeps_rolled_back"] += 1
+            p = self._produced.get(entry.xfer_id)
+            if p is not None and p.window is not None:
+                p.sent_upto, p.issued, p.last_issued = entry.undo
+                self._maybe_release(p)
+        for entry, ranks in r.resend:
+            self._counters["substeps_resent"] += 1
+            for rank in ranks:
+                self._shared.pending.rank_full.setdefault(rank, []).extend(entry.tasks)
+
+    def _outstanding(self, dst_instance: str) -> int:
+        """Transfers to `dst_instance` accepted and not yet settled, or parked."""
+        live = sum(
+            1
+            for p in self._produced.values()
+            if p.window is not None and p.window.peer == dst_instance
+        )
+        return live + sum(1 for x in self._parked.values() if x.msg.dst_instance == dst_instance)
+
+    def _settle(self, p: Produced) -> None:
+        self._shared.timeline.event(p.xfer_id, "settled")
+        oks = [v[0] for v in p.settled_ranks.values()]
+        tokens = min(v[1] for v in p.settled_ranks.values())
+        ok = all(oks)
+        self._counters["transfers_ok" if ok else "transfers_failed"] += 1
+        if ok and p.accepted_at:
+            # TransferKV taken up -> every rank confirmed: the hand-off as D sees it
+            self._counters["transfer_ms_sum"] += (time.monotonic() - p.accepted_at) * 1000
+        if p.reply is not None:
+            errors = "; ".join(v[2] for v in p.settled_ranks.values() if v[2])
+            p.reply.resolve(
+                TransferKVReply(
+                    xfer_id=p.xfer_id,
+                    code=Code.OK if ok else Code.ERROR,
+                    tokens_sent=tokens,
+                    message=errors,
+                )
+            )
+        p.window = None  # nothing more to send
+        p.last_issued = True
+        self._tombstone(p.xfer_id)
+        self._maybe_release(p, settled=True)
+
+    def _maybe_release(self, p: Produced, settled: bool = False) -> None:
+        """Free a finished request's blocks once nothing can be sent from them:
+        its transfer settled on every rank, or it was aborted before any send."""
+        if not p.finished or p.released:
+            return
+        settled = settled or len(p.settled_ranks) == self._tp_size
+        if settled or (p.aborted and not p.issued):
+            self._release(p)
+
+    def _release(self, p: Produced) -> None:
+        p.released = True
+        self._shared.pending.release.append(p.req_id)
+        self._freeing.add(p.req_id)  # until vLLM frees the blocks (finished_sending)
+        self._produced.pop(p.xfer_id, None)
+
+    def _abort_produced(self, p: Produced, why: str) -> None:
+        p.aborted = True
+        self._tombstone(p.xfer_id)
+        if p.issued and len(p.settled_ranks) < self._tp_size:
+            self._shared.pending.fail.append((p.xfer_id, why))  # settles with an error
+        elif p.reply is not None:
+            p.reply.resolve(TransferKVReply(xfer_id=p.xfer_id, code=Code.GONE, message=why))
+
+    def _expire(self, now: float) -> None:
+        """Finished requests no TransferKV came for, old tombstones. (Parked
+        TransferKVs expire in their RPC handler, which runs even if P never steps.)"""
+        for p in list(self._produced.values()):
+            if (
+                p.finished
+                and not p.released
+                and p.window is None
+                and not p.issued
+                and now - p.finished_at > self._config.finished_ttl_s
+            ):
+                self._counters["finished_expired"] += 1
+                self._abort_produced(p, "no TransferKV in time")
+                self._release(p)
+        while (
+            self._tombstones
+            and now - next(iter(self._tombstones.values())) > self._config.tombstone_ttl_s
+        ):
+            self._tombstones.popitem(last=False)
+
+    def _tombstone(self, xfer_id: str) -> None:
+        self._tombstones[xfer_id] = time.monotonic()
+        self._tombstones.move_to_end(xfer_id)  # oldest first, for _expire
