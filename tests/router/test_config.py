@@ -177,3 +177,16 @@ def test_adaptive_placement_needs_dual_dispatch_and_positive_slos() -> None:
     args = parse(["--instance", "http://a:1", "--placement", "adaptive", "--tpot-slo-ms", "20"])
     config = config_from_args(args)
     assert (config.placement, config.tpot_slo_ms, config.ttft_slo_ms) == ("adaptive", 20, 1000)
+
+
+def test_an_admin_token_is_long_and_printable_and_read_from_a_file(tmp_path: Path) -> None:
+    d = (Instance("http://d:1"),)
+    for bad in ("short", "x" * 15, "a\nb" * 8):
+        with pytest.raises(ValueError, match="admin token"):
+            RouterConfig(decode=d, dispatch="local", admin_token=bad)
+    token = tmp_path / "token"
+    token.write_text("0123456789abcdef-token\n")
+    args = parse(
+        ["--decode", "http://d:1", "--dispatch", "local", "--admin-token-file", str(token)]
+    )
+    assert config_from_args(args).admin_token == "0123456789abcdef-token"

@@ -779,3 +779,81 @@ def test_fixed_placement_names_the_instances_in_the_header(
     resp = http.post(f"{router.url}/v1/completions", json=COMPLETION)
     assert resp.headers["x-rapidkv-placement"] == "kind=pd;prefill=0;decode=1;reason=fixed"
     assert metric(router, "rapidkv_router_placements_total", kind="pd", reason="fixed") == 1
+
+
+# ------------------------------------------------------------------ admin routes
+
+TOKEN = "admin-token-0123456789"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+
+
+def test_admin_routes_exist_only_with_a_token_and_require_it(
+    pd: tuple[FakeVLLM, FakeVLLM], make_router: MakeRouter, http: httpx.Client
+) -> None:
+    p, d = pd
+    without = make_router([p], [d])
+    assert http.get(f"{without.url}/admin/requests", headers=AUTH).status_code == 404
+    router = make_router([p], [d], admin_token=TOKEN)
+    url = f"{router.url}/admin/requests"
+    assert http.get(url).status_code == 401
+    assert http.get(url, headers={"authorization": "Bearer wrong"}).status_code == 401
+    drain = f"{router.url}/admin/drain"
+    assert http.post(drain, json={"instance": d.url}).status_code == 401
+    assert http.get(url, headers=AUTH).json() == {"requests": []}
+    for bad, status in ((b"{", 400), (b'{"instance": 3}', 400), (b"x" * 5000, 413)):
+        assert http.post(drain, content=bad, headers=AUTH).status_code == status
+    missing = http.post(drain, json={"instance": "http://nowhere:1"}, headers=AUTH)
+    assert missing.status_code == 404 and "nowhere" in missing.json()["error"]["message"]
+    assert not router.router.is_draining("decode", 0)  # nothing refused changed anything
+
+
+def test_admin_requests_lists_what_runs_where(
+    pd: tuple[FakeVLLM, FakeVLLM], make_router: MakeRouter, http: httpx.Client
+) -> None:
+    p, d = pd
+    router = make_router([p], [d], admin_token=TOKEN, split_prefill=False)
+    body = dict(COMPLETION, stream=True, fake={"decode": "hang_stream"})
+    with open_request(router.url, "/v1/completions", body):
+        (seen,) = d.wait_seen(1)
+        running = wait_until(
+            lambda: http.get(f"{router.url}/admin/requests", headers=AUTH).json()["requests"],
+            10,
+            what="the request listed",
+        )
+        assert [(r["xfer_id"], r["prefill"], r["decode"]) for r in running] == [
+            (seen.request_id, p.url, d.url)
+        ]
+        assert running[0]["placement"] == "kind=pd;prefill=0;decode=1;reason=fixed"
+        d.release()
+    wait_until(
+        lambda: http.get(f"{router.url}/admin/requests", headers=AUTH).json()["requests"] == [],
+        10,
+        what="the request gone from the list",
+    )
+
+
+def test_a_drained_instance_gets_no_new_request_until_undrained(
+    make_fake: MakeFake, make_router: MakeRouter, http: httpx.Client
+) -> None:
+    p = make_fake("P0", "prefill")
+    ds = [make_fake(f"D{i}", "decode") for i in range(2)]
+    router = make_router([p], ds, admin_token=TOKEN, split_prefill=False)
+    url = f"{router.url}/v1/completions"
+    resp = http.post(f"{router.url}/admin/drain", json={"instance": ds[0].url + "/"}, headers=AUTH)
+    assert resp.json() == {"instance": ds[0].url, "draining": True}
+    assert [http.post(url, json=COMPLETION).json()["served_by"] for _ in range(3)] == ["D1"] * 3
+    health = http.get(f"{router.url}/health").json()
+    assert [(c["draining"], c["dispatching"]) for c in health["decode"]] == [
+        (True, False),
+        (False, True),
+    ]
+    assert metric(router, "rapidkv_router_instance_draining", instance=ds[0].url) == 1
+    http.post(f"{router.url}/admin/drain", json={"instance": ds[1].url}, headers=AUTH)
+    refused = http.post(url, json=COMPLETION)
+    assert refused.status_code == 503 and "draining" in refused.json()["error"]["message"]
+    assert len(p.requests()) == 3  # P was not asked for the refused one
+    for d in ds:
+        http.post(f"{router.url}/admin/undrain", json={"instance": d.url}, headers=AUTH)
+    served = {http.post(url, json=COMPLETION).json()["served_by"] for _ in range(2)}
+    assert served == {"D0", "D1"}
+    assert metric(router, "rapidkv_router_instance_draining", instance=ds[0].url) == 0

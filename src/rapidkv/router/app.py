@@ -13,6 +13,8 @@
                             (``transfers``: ok / degraded / unknown; status
                             ``degraded`` while one is)
 ``GET /metrics``            the router's Prometheus metrics
+``/admin/...``              with an admin token only (`admin`): running
+                            requests, drain and undrain an instance
 anything else               404 (405 for a known path with the wrong method),
                             as an OpenAI-format JSON error
 =========================== ================================================
@@ -37,6 +39,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from rapidkv.router.admin import admin_routes
 from rapidkv.router.config import ROLES, Instance, RouterConfig
 from rapidkv.router.proxy import Router
 from rapidkv.router.rewrite import Endpoint, error_body
@@ -77,7 +80,11 @@ def build_app(config: RouterConfig) -> Starlette:
         for role in ROLES:  # an instance that may play both roles is listed under both
             checks[role] = []
             for i, index in enumerate(config.pool(role)):
-                result = dict(results[index], dispatching=router.is_up(role, i))
+                result = dict(
+                    results[index],
+                    dispatching=router.is_up(role, i) and not router.is_draining(role, i),
+                    draining=router.is_draining(role, i),
+                )
                 if members[index].label == "both":
                     result["role"] = "both"
                 if role == "decode":
@@ -121,6 +128,7 @@ def build_app(config: RouterConfig) -> Starlette:
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
+            *(admin_routes(router, config.admin_token) if config.admin_token else ()),
         ],
         exception_handlers={HTTPException: http_error},
         lifespan=lifespan,

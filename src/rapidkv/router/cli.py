@@ -78,6 +78,12 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         help="file holding the control plane's shared secret (for Abort messages)",
     )
     parser.add_argument(
+        "--admin-token-file",
+        type=Path,
+        default=None,
+        help="file holding the token the /admin routes require (without one they do not exist)",
+    )
+    parser.add_argument(
         "--upstream-timeout",
         type=float,
         default=600.0,
@@ -131,6 +137,11 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         ttft_slo_ms=args.ttft_slo_ms,
         tpot_slo_ms=args.tpot_slo_ms,
         secret=read_secret(args.secret_file) if args.secret_file is not None else None,
+        admin_token=(
+            read_secret(args.admin_token_file).decode()
+            if args.admin_token_file is not None
+            else None
+        ),
         upstream_read_timeout_s=args.upstream_timeout,
         discover=args.discover,
         prefill_first_token=args.prefill_first_token,

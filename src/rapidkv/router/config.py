@@ -131,6 +131,8 @@ class RouterConfig:
     # test hook: treat D's first token as different from P's (exercises the continuation)
     debug_first_token_mismatch: bool = False
     secret: bytes | None = None
+    # the /admin routes exist only with a token, and require it (`admin`)
+    admin_token: str | None = None
     connect_timeout_s: float = 10.0
     upstream_read_timeout_s: float = 600.0
     health_timeout_s: float = 2.0
@@ -178,6 +180,10 @@ class RouterConfig:
             raise ValueError(f"split_fraction must be between 0 and 1, not {self.split_fraction}")
         if not self.probe_interval_s > 0:
             raise ValueError(f"probe_interval_s must be > 0, not {self.probe_interval_s}")
+        if self.admin_token is not None and (
+            len(self.admin_token) < 16 or not self.admin_token.isprintable()
+        ):
+            raise ValueError("the admin token must be at least 16 printable characters")
         if self.secret is not None and not self.secret:
             raise ValueError("an empty shared secret authenticates nothing; use None")
 

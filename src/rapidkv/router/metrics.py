@@ -29,6 +29,8 @@ base URL):
 - ``rapidkv_router_instance_up{role,instance}``: 1 while the router dispatches
   to the instance, 0 from a request that got no answer from it until its
   ``/health`` answers 200 again (`health`).
+- ``rapidkv_router_instance_draining{role,instance}``: 1 while the instance
+  is drained (``POST /admin/drain``): it gets no new request.
 - ``rapidkv_router_transfers_degraded{instance}``: 1 while every TransferKV a
   decode instance sent since the previous check fell back to recompute (a pair
   that is up but not transferring; `transfers`), else 0.
@@ -125,6 +127,12 @@ class RouterMetrics:
             ["role", "instance"],
             registry=r,
         )
+        self.instance_draining = Gauge(
+            "rapidkv_router_instance_draining",
+            "1 while the instance is drained (no new requests; POST /admin/drain)",
+            ["role", "instance"],
+            registry=r,
+        )
         self.transfers_degraded = Gauge(
             "rapidkv_router_transfers_degraded",
             "1 while every TransferKV of the decode instance fell back to recompute",
@@ -169,6 +177,7 @@ class RouterMetrics:
             url = member.instance.url
             self.outstanding.labels(member.label, url).set(0)
             self.instance_up.labels(member.label, url).set(1)
+            self.instance_draining.labels(member.label, url).set(0)
             if "decode" in member.roles:
                 self.transfers_degraded.labels(url).set(0)
             for role in member.roles:

@@ -10,7 +10,7 @@ one event loop (no locks):
   output event is relayed (streamed answers: a non-streamed one has no first
   token the router can see, and teaches the models nothing), `finished` when
   D's answer is over; each feeds the observations it yields to the models;
-- `set_healthy` and `set_block_size` as the router learns them.
+- `set_healthy`, `set_draining` and `set_block_size` as the router learns them.
 
 A request's prompt length is estimated before it is tokenized: token ids are
 counted, text is taken as `CHARS_PER_TOKEN` characters a token (the policy
@@ -109,6 +109,9 @@ class Placer:
 
     def set_healthy(self, index: int, healthy: bool) -> None:
         self.fleet.set_healthy(index, healthy)
+
+    def set_draining(self, index: int, draining: bool) -> None:
+        self.fleet.set_draining(index, draining)
 
     def set_block_size(self, index: int, block_size: int | None) -> None:
         self.fleet.set_block_size(index, block_size)

@@ -185,6 +185,8 @@ class Router:
         self._pools = {role: config.pool(role) for role in ROLES}
         self._balancer = LeastOutstanding(len(self._members))
         self._health = InstanceHealth(len(self._members))
+        self._draining: set[int] = set()  # no new requests (`drain`), until `undrain`
+        self._exchanges: dict[str, Exchange] = {}  # requests being served, by xfer_id
         self._placer = (
             Placer(
                 self._members,
@@ -353,9 +355,11 @@ class Router:
         ex.upstream_headers["x-request-id"] = ex.xfer_id
         outcome = "error"  # unless _route returns: a router failure, or shutdown
         self.metrics.in_flight.inc()
+        self._exchanges[ex.xfer_id] = ex
         try:
             outcome = await self._route(ex, body, raw, receive, send)
         finally:
+            del self._exchanges[ex.xfer_id]
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(endpoint, dispatch, outcome).inc()
             log.debug(
@@ -376,7 +380,8 @@ class Router:
         """Dispatch `ex`; return its outcome (see `metrics.OUTCOMES`)."""
         mode = self.config.dispatch
         if not self._up("decode"):  # nothing can answer: P is not asked either
-            await _send_error(send, 503, f"no decode instance is up: {self._down_reasons()}")
+            why = self._down_reasons()
+            await _send_error(send, 503, f"no decode instance is up and not draining: {why}")
             return "unavailable"
         # fixed: P by least outstanding, split while idle
         p_index: int | Literal["least"] | None = "least"
@@ -437,7 +442,7 @@ class Router:
             others = [i for i in self._pools["prefill"] if i != d_index]
             if not others:
                 mode = "local"  # the decoder is the only instance that may prefill
-            elif not any(self._health.is_up(i) for i in others):
+            elif not any(self._available(i) for i in others):
                 mode = "local"  # D computes the prompt itself
                 self.metrics.without_prefill.inc()
         stitching = (
@@ -878,13 +883,60 @@ class Router:
         """Whether the router dispatches to the `index`-th instance of `role` now."""
         return self._health.is_up(self._pools[role][index])
 
+    def _available(self, index: int) -> bool:
+        """Up and not draining: new requests may go there."""
+        return self._health.is_up(index) and index not in self._draining
+
     def _up(self, role: Role) -> list[int]:
-        """The instances that may play `role` and are up."""
-        return [i for i in self._pools[role] if self._health.is_up(i)]
+        """The instances that may play `role`, up and not draining."""
+        return [i for i in self._pools[role] if self._available(i)]
 
     def _down_reasons(self) -> str:
-        downs = [(self._members[i].instance, self._health.down(i)) for i in self._pools["decode"]]
-        return "; ".join(f"{inst.url} ({why})" for inst, why in downs if why is not None)
+        reasons = []
+        for i in self._pools["decode"]:
+            why = self._health.down(i) or ("draining" if i in self._draining else None)
+            if why is not None:
+                reasons.append(f"{self._members[i].instance.url} ({why})")
+        return "; ".join(reasons)
+
+    # ------------------------------------------------------------------ admin
+
+    def drain(self, url: str, draining: bool = True) -> bool:
+        """Stop (or, `draining` False, resume) dispatching new requests to the
+        instance at `url`; the requests it serves run to their end. False if
+        no instance has that URL."""
+        for index, member in enumerate(self._members):
+            if member.instance.url == url:
+                if draining:
+                    self._draining.add(index)
+                else:
+                    self._draining.discard(index)
+                self.metrics.instance_draining.labels(member.label, url).set(int(draining))
+                if self._placer is not None:
+                    self._placer.set_draining(index, draining)
+                log.info("instance %s %s", url, "draining" if draining else "undrained")
+                return True
+        return False
+
+    def is_draining(self, role: Role, index: int) -> bool:
+        """Whether the `index`-th instance of `role` is drained (`drain`)."""
+        return self._pools[role][index] in self._draining
+
+    def requests(self) -> list[dict[str, Any]]:
+        """The requests being served: where each runs and how far it got."""
+        now = time.monotonic()
+        return [
+            {
+                "xfer_id": ex.xfer_id,
+                "endpoint": ex.endpoint,
+                "prefill": ex.prefill.url if ex.prefill else None,
+                "decode": ex.decode.url if ex.decode else None,
+                "placement": ex.placement,
+                "age_s": round(now - ex.t_start, 3),
+                "output_events": ex.output_events,
+            }
+            for ex in self._exchanges.values()
+        ]
 
     def _acquire(self, role: Role, exclude: int | None = None) -> int:
         """An instance for a request of `role` (not `exclude`), least outstanding
@@ -892,7 +944,7 @@ class Router:
         # every instance down since the caller looked: try them all (the request fails
         # like any to a dead instance) rather than fail here
         pool = [i for i in self._pools[role] if i != exclude]
-        up = [i for i in pool if self._health.is_up(i)]
+        up = [i for i in pool if self._available(i)]
         return self._counted(self._balancer.acquire(up or pool, turn=role))
 
     def _take(self, index: int) -> int:
