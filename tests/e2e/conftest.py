@@ -96,6 +96,8 @@ def workloads(tiny_model: Path, single_server_starter) -> dict[str, tuple[list, 
         out[f"restart-{side}"] = (restart, complete_many(single.base_url, restart, MAX_TOKENS))
     fleet = random_prompts(tiny_model, FLEET_LENGTHS, seed=2300)
     out["fleet"] = (fleet, complete_many(single.base_url, fleet, MAX_TOKENS, concurrency=4))
+    fleet3 = random_prompts(tiny_model, [300, 500, 700, 200, 600, 400, 800, 250], seed=2301)
+    out["fleet-3"] = (fleet3, complete_many(single.base_url, fleet3, MAX_TOKENS, concurrency=4))
     split_fail = random_prompts(tiny_model, [600, 700], seed=2100)
     out["split_fail"] = (split_fail, complete_many(single.base_url, split_fail, MAX_TOKENS))
     # text prompts (the router tokenizes them on P): random ids, detokenized

@@ -5,13 +5,14 @@ outputs are the single instance's, token for token."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import httpx
 import pytest
-from pd_harness import MAX_TOKENS, Pair, assert_back_to_baseline, wait_for
+from pd_harness import MAX_TOKENS, Pair, assert_back_to_baseline, connector_config, wait_for
 
-from rapidkv.harness import get_metrics, metric_sum
-from rapidkv.harness.client import acomplete_stream
+from rapidkv.harness import ServerPool, free_port, get_metrics, metric_sum
+from rapidkv.harness.client import acomplete_stream, complete_many
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -82,3 +83,45 @@ def test_an_adaptive_fleet_of_two_uses_every_placement_and_matches_a_single_inst
         2.0,
     )
     assert_back_to_baseline(pd_pair, before)
+
+
+def test_one_prefill_and_two_decode_instances_spread_requests_over_both_decoders(
+    server_pool: ServerPool, tiny_model: Path, workloads: dict
+) -> None:
+    """Three instances, roles pinned (`--prefill`, `--decode` twice), fixed
+    placement: requests go to both decoders, every one's KV from the one P, and
+    every output is the single instance's."""
+    from rapidkv.harness.server import pd_specs
+    from rapidkv.router.config import Instance, RouterConfig
+    from rapidkv.router.server import start_router
+
+    pc, dc, dc2 = free_port(), free_port(), free_port()
+    p_spec, d_spec = pd_specs(tiny_model, connector_config(pc), connector_config(dc))
+    d2_spec = d_spec.replace(name="decode2", kv_transfer_config=connector_config(dc2))
+    p, d, d2 = server_pool.get("fleet3", [p_spec, d_spec, d2_spec])
+    pairs = [
+        Pair(tiny_model, p, d, f"127.0.0.1:{pc}", f"127.0.0.1:{dc}"),
+        Pair(tiny_model, p, d2, f"127.0.0.1:{pc}", f"127.0.0.1:{dc2}"),
+    ]
+    try:
+        prompts, expected = workloads["fleet-3"]
+        before = [{"p": pair.stats("p"), "d": pair.stats("d")} for pair in pairs]
+        config = RouterConfig(
+            prefill=(Instance(p.base_url),),
+            decode=tuple(Instance(x.d.base_url, x.d_control) for x in pairs),
+            port=0,
+        )
+        with start_router(config) as router:
+            got = complete_many(router.url, prompts, MAX_TOKENS, concurrency=4)
+        assert got == expected
+        sent = [
+            pair.since(b, "d", "transfer_kv_sent") for pair, b in zip(pairs, before, strict=True)
+        ]
+        assert all(sent) and sum(sent) == len(prompts), sent
+        for pair, b in zip(pairs, before, strict=True):
+            assert pair.since(b, "d", "recompute_fallbacks") == 0
+            assert_back_to_baseline(pair, b)
+    finally:
+        for pair in pairs:
+            pair.close()
+        server_pool.stop("fleet3")  # three servers on two cores: give them back

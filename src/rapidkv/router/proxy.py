@@ -165,6 +165,7 @@ class Exchange:
     decode: Instance | None = None
     status: int | None = None  # D's status
     placement: str | None = None  # the x-rapidkv-placement header's value
+    reason: str = "fixed"  # why it was placed so (`placement.Reason`)
     output_events: int = 0  # streamed output events relayed (about the tokens)
     estimated_tokens: int = 0  # the prompt's length as placement estimated it
 
@@ -395,8 +396,7 @@ class Router:
             except NoPlacement as e:
                 await _send_error(send, 503, f"no instance can take the request: {e}")
                 return "unavailable"
-            ex.placement = decision.header_value()
-            self.metrics.placements.labels(decision.kind, decision.reason).inc()
+            ex.placement, ex.reason = decision.header_value(), decision.reason
             d_index = self._take(decision.decode)
             p_index = None if decision.kind == "local" else decision.prefill
             split = None
@@ -573,12 +573,15 @@ class Router:
     def _dispatched(
         self, ex: Exchange, kind: str, p_index: int, d_index: int, head: int = 0
     ) -> None:
-        """Where `ex` really went: its header value (fixed placement) and the
-        placement state (adaptive; a split that could not be made is PD)."""
+        """Where `ex` really went (a split that could not be made is PD): the
+        placements metric, its header value, the placement state."""
+        self.metrics.placements.labels(kind, ex.reason).inc()
         if self._placer is None:
             ex.placement = f"kind={kind};prefill={p_index};decode={d_index};reason=fixed"
-            self.metrics.placements.labels(kind, "fixed").inc()
             return
+        if ex.placement is not None and not ex.placement.startswith(f"kind={kind};"):
+            rest = [f for f in ex.placement.split(";")[1:] if not f.startswith("head=")]
+            ex.placement = ";".join([f"kind={kind}", *rest])
         placement = Placement(kind, p_index, d_index, head)  # type: ignore[arg-type]
         self._placer.dispatched(ex.xfer_id, placement, max(ex.estimated_tokens, head + 1))
 
