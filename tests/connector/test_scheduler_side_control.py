@@ -180,6 +180,33 @@ def test_a_destination_whose_writes_failed_is_forgotten_and_handshakes_anew(
     assert s["peers_decode"] == 1 and s["peers_added"] == generation + 1
 
 
+def test_an_idle_destination_is_forgotten_after_peer_idle_ttl_s_but_not_one_in_use(
+    p_side: tuple[SchedulerSide, RpcClient],
+) -> None:
+    """D restarted elsewhere with a new id never writes to P again: its entry
+    goes once idle for `peer_idle_ttl_s`; one with a transfer parked stays."""
+    side, client = p_side
+    address = side.server.address
+    for d, port in (("D", 7001), ("E", 7002)):
+        hs = handshake(side, d, "a", f"127.0.0.1:{port}")
+        assert client.call(address, hs, 5).code == Code.OK
+    parked = client.submit(address, transfer("x1", dst="E"), 5)  # E has one parked
+    deadline = time.monotonic() + 5
+    while stats(side, client)["parked_now"] < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    ttl = side.config.peer_idle_ttl_s
+    with side.shared.lock:
+        side.control.forget_idle(time.monotonic() + ttl / 2)
+    assert stats(side, client)["peers_decode"] == 2  # not idle long enough
+    with side.shared.lock:
+        side.control.forget_idle(time.monotonic() + ttl + 1)
+    s = stats(side, client)
+    assert s["peers_decode"] == 1 and s["peers_forgotten"] == 1
+    assert client.call(address, transfer("x2", dst="D"), 5).code == Code.UNKNOWN_PEER
+    assert parked.result(5).code == Code.NOT_FOUND  # E's transfer ran its course
+
+
 class AbortAnswerer:
     """Stands in for P's control plane: answers Aborts with the given codes in
     turn (then OK)."""

@@ -31,6 +31,9 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # confirm an Abort of their transfer (frozen, cut off); see ConsumerSide.abort_p
     fence_timeout_s: float = 300.0
     tombstone_ttl_s: float = 60.0
+    # P: a destination that sent no TransferKV this long and has none in flight
+    # is forgotten (a D that restarted elsewhere with a new id leaves no entry)
+    peer_idle_ttl_s: float = 600.0
     max_parked: int = 1024
     # P: TransferKVs one D may have outstanding here (accepted and not settled,
     # or parked); more are answered BUSY and D retries with backoff
@@ -58,6 +61,8 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             raise ValueError("debug_fail_transfer_rate must be between 0 and 1")
         if self.debug_send_delay_s < 0:
             raise ValueError("debug_send_delay_s must be >= 0")
+        if not self.peer_idle_ttl_s > 0:
+            raise ValueError("peer_idle_ttl_s must be > 0")
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:

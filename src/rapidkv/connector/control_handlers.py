@@ -22,8 +22,9 @@ Invariants (under the shared lock):
   every peer known at that address;
 - each peer added gets a `generation` higher than any before, so the workers
   apply a newer entry of it over an older one;
-- a peer forgotten (replaced, or its writes failed) has its parked and
-  in-flight transfers failed, and its next TransferKV is answered UNKNOWN_PEER.
+- a peer forgotten (replaced, its writes failed, or idle for `peer_idle_ttl_s`
+  with nothing parked or in flight) has its parked and in-flight transfers
+  failed, and its next TransferKV is answered UNKNOWN_PEER.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +69,7 @@ class KnownPeer:
     incarnation: str
     control_address: str
     generation: int  # of its Peer entries in the workers
+    last_used: float  # monotonic time of its handshake or latest TransferKV
 
 
 class ControlHandlers:
@@ -111,6 +114,14 @@ class ControlHandlers:
             if known is not None and known.generation == generation:
                 self._forget_peer(instance_id, "writes to it failed")
 
+    def forget_idle(self, now: float) -> None:
+        """Forget the destinations that sent nothing for `peer_idle_ttl_s` and
+        have no transfer parked or in flight here (caller holds the lock)."""
+        ttl = self._shared.config.peer_idle_ttl_s
+        for instance_id, known in list(self._peers.items()):
+            if now - known.last_used > ttl and not self._producer.outstanding(instance_id):
+                self._forget_peer(instance_id, f"idle for over {ttl:g}s")
+
     def gauges(self) -> dict[str, float]:
         """D instances that handshook with us (caller holds the lock)."""
         return {"peers_decode": float(len(self._peers))}
@@ -140,6 +151,7 @@ class ControlHandlers:
             known = self._peers.get(hs.instance_id)
             if known is not None and known.incarnation == hs.incarnation:
                 known.control_address = hs.control_address
+                known.last_used = time.monotonic()
                 return reply  # the same process again (it dropped its cached handshake)
             if known is not None:
                 # same id, new process: its new transport metadata replaces the old
@@ -152,7 +164,11 @@ class ControlHandlers:
             self._counters["peers_added"] += 1
             generation = next(self._generations)
             self._peers[hs.instance_id] = KnownPeer(
-                list(hs.endpoints), hs.incarnation, hs.control_address, generation
+                list(hs.endpoints),
+                hs.incarnation,
+                hs.control_address,
+                generation,
+                time.monotonic(),
             )
             peers = [
                 Peer(hs.instance_id, e.rank, e.transport_metadata, e.layout, generation)
@@ -198,6 +214,7 @@ class ControlHandlers:
                     message=f"no handshake from {msg.dst_instance}",
                 )
             else:  # the destination's block ids, checked against its own pool
+                dst.last_used = time.monotonic()
                 problems = msg.problems(
                     self._shared.block_size, min(e.num_blocks for e in dst.endpoints)
                 )

@@ -327,7 +327,7 @@ class ProducerSide:
         refusal if neither may be done now."""
         self._arrived(msg, p)
         new = p is None or p.window is None
-        if new and self._outstanding(msg.dst_instance) >= self._config.max_transfers_per_peer:
+        if new and self.outstanding(msg.dst_instance) >= self._config.max_transfers_per_peer:
             self._counters["busy_replies"] += 1
             return TransferKVReply(
                 xfer_id=msg.xfer_id,
@@ -448,7 +448,7 @@ class ProducerSide:
             for rank in ranks:
                 self._shared.pending.rank_full.setdefault(rank, []).extend(entry.tasks)
 
-    def _outstanding(self, dst_instance: str) -> int:
+    def outstanding(self, dst_instance: str) -> int:
         """Transfers to `dst_instance` accepted and not yet settled, or parked."""
         live = sum(
             1

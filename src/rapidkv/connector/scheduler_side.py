@@ -169,6 +169,7 @@ class SchedulerSide:
         now = time.monotonic()
         with self._lock:
             self.producer.plan_step(meta, so, now)
+            self.control.forget_idle(now)
             pending = self.shared.take_pending()
             bypass_seq = self.shared.bypass.sent if self.shared.bypass is not None else 0
             self.shared.begin_step(now, so.total_num_scheduled_tokens)
