@@ -235,3 +235,15 @@ def assert_back_to_baseline(
             )
 
         assert wait_for(settled, within), f"{w} did not return to its baseline: {pair.stats(w)}"
+
+
+def log_mark(server: VLLMServer) -> int:
+    """Where `server`'s log ends now (`logged_since` reads what comes after)."""
+    return server.log_path.stat().st_size if server.log_path.exists() else 0
+
+
+def logged_since(server: VLLMServer, mark: int) -> str:
+    """What `server`'s log (every start of it appends there) got since `mark`."""
+    with server.log_path.open("rb") as f:
+        f.seek(mark)
+        return f.read().decode(errors="replace")

@@ -22,6 +22,8 @@ from pd_harness import (
     Pair,
     assert_back_to_baseline,
     connector_config,
+    log_mark,
+    logged_since,
     wait_for,
 )
 
@@ -136,6 +138,8 @@ def test_an_instance_killed_mid_transfer_and_restarted_on_its_address_heals(
     with start_router(config) as router, ThreadPoolExecutor(1) as pool:
         served_with_transfer(pd_pair, router.url, prompts[0], expected[0])
         restarted = pd_pair.p if side == "p" else pd_pair.d
+        other = pd_pair.d if side == "p" else pd_pair.p
+        mark = log_mark(other)
         before = {"p": pd_pair.stats("p"), "d": pd_pair.stats("d")}
         url = restarted.base_url
         # killed, as by a crash, while a request's KV crosses
@@ -168,11 +172,16 @@ def test_an_instance_killed_mid_transfer_and_restarted_on_its_address_heals(
         served_with_transfer(pd_pair, router.url, prompts[1], expected[1])
         assert time.monotonic() - healthy < 5.0
         served_with_transfer(pd_pair, router.url, prompts[2], expected[2])
+    logged = logged_since(other, mark)  # the surviving side says what it saw
     if side == "p":  # D learnt of the restart from P's answer and handshook again
         assert pd_pair.since(before, "d", "rehandshakes") == 1
+        assert "D recomputes" in logged and "handshaking again" in logged, logged[-2000:]
     else:  # P replaced the old D, whose control address the new one handshook from
         assert pd_pair.since(before, "p", "peers_forgotten") == 1
         assert pd_pair.stats("p")["peers_decode"] == 1
+        # why depends on which came first: a write to the dead D failing, or
+        # the new D's handshake from its address
+        assert "forgetting peer" in logged, logged[-2000:]
     # the restarted process has its own pool: nothing parked, live or awaited,
     # the engines idle, free blocks steady
     assert_back_to_baseline(pd_pair, baseline)
@@ -291,6 +300,7 @@ def test_a_p_frozen_past_ds_timeout_cannot_write_into_reused_blocks(
         split_prefill=False,
     )
     before = {"p": pd_pair.stats("p"), "d": pd_pair.stats("d")}
+    mark = log_mark(pd_pair.d)
     with start_router(config) as router, ThreadPoolExecutor(1) as pool:
         inflight = pool.submit(complete_full, router.url, prompts[0], MAX_TOKENS)
         leave_when(pd_pair, None, "kv_crossing", before["p"])
@@ -311,6 +321,8 @@ def test_a_p_frozen_past_ds_timeout_cannot_write_into_reused_blocks(
         finally:
             pd_pair.p.signal(signal.SIGCONT)
         assert inflight.result(60).token_ids == expected[0]
+    logged = logged_since(pd_pair.d, mark)  # D says why it gave up
+    assert "TimeoutError" in logged and "D recomputes" in logged, logged[-2000:]
     assert_back_to_baseline(pd_pair, before, within=5.0)
 
 
@@ -438,6 +450,7 @@ def test_with_every_transfer_failing_outputs_stay_exact_and_the_router_says_degr
     cleanup.callback(pair.close)  # after the last Stats read below
     prompts, expected = workloads["failing"]
     before = {"p": pair.stats("p"), "d": pair.stats("d")}
+    mark = log_mark(d)
     config = RouterConfig(
         prefill=(Instance(p.base_url, pair.p_control),),
         decode=(Instance(d.base_url, pair.d_control),),
@@ -451,6 +464,8 @@ def test_with_every_transfer_failing_outputs_stay_exact_and_the_router_says_degr
                 assert complete_full(router.url, ids, MAX_TOKENS).token_ids == want
             assert pair.since(before, "d", "recompute_fallbacks") == len(prompts)
             assert pair.since(before, "p", "debug_injected_failures") == len(prompts)
+            logged = logged_since(d, mark)  # D says why, once per transfer
+            assert logged.count("TransferKV answered ERROR") == len(prompts), logged[-2000:]
 
             def health() -> dict:
                 return httpx.get(f"{router.url}/health", timeout=10).json()
