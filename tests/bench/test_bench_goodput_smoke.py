@@ -64,6 +64,7 @@ def test_bench_goodput_sweeps_single_and_rapidkv_adaptive_and_matches(tmp_path: 
         for s in c["rates"].values():
             assert s["requests"] == 8 and s["errors"] == 0 and s["hard_mismatches"] == 0
             assert s["ttft_ms"]["p50"] > 0 and s["tpot_ms"]["p90"] > 0
+            assert s["server_cpu_s"] and s["other_cpu_cores"] is not None
     adaptive = w["configs"]["rapidkv-adaptive"]
     assert adaptive["router_args"] == [
         "--ttft-slo-ms",

@@ -97,6 +97,7 @@ def _sweep(adaptive_fast: bool = True) -> tuple[SimpleNamespace, Options]:
     w.slo = SLO(100.0, 10.0)
     w.single_c1 = [_result(0, 25.0, 5.0, (1, 2, 3)), _result(1, 25.0, 5.0, (4, 5, 6))]
     w.single_c1_wall_s = 0.2
+    w.single_c1_other_cpu_s = 0.01
     good = [_result(0, 50.0, 5.0, (1, 2, 3)), _result(1, 60.0, 6.0, (4, 9, 9))]  # a near-tie
     slow = [_result(0, 50.0, 5.0, (1, 2, 3)), _result(1, 160.0, 6.0, (4, 5, 6))]
     arrivals = [0.0, 0.4]
@@ -113,6 +114,10 @@ def _sweep(adaptive_fast: bool = True) -> tuple[SimpleNamespace, Options]:
             2.0: RateRun(2.0, arrivals, at2, 1.0, {"local": 1.0, "pd": 1.0, "split": 0.0}),
             4.0: RateRun(4.0, arrivals, at4, 0.5),
         }
+        c.rates["prefill-heavy"][2.0].server_cpu_s = {"a": 0.9}
+        c.rates["prefill-heavy"][2.0].other_cpu_s = 0.05
+        if name == "rapidkv":
+            c.rates["prefill-heavy"][4.0].other_cpu_s = 0.15  # over 0.5 s: 0.3 cores
         configs[name] = c
     configs["rapidkv-adaptive"].router_args["prefill-heavy"] = ["--tpot-slo-ms", "10.000"]
     return SimpleNamespace(workloads={"prefill-heavy": w}, configs=configs), opts
@@ -121,12 +126,13 @@ def _sweep(adaptive_fast: bool = True) -> tuple[SimpleNamespace, Options]:
 def test_the_json_has_the_documented_keys_and_goodputs() -> None:
     sweep, opts = _sweep()
     report = json.loads(to_json(build_report(sweep, opts, Path("/logs"), 12.0, "rapidkv ...")))
-    assert set(report) == {"meta", "workloads", "acceptance", "failed_baselines", "ok"}
+    assert set(report) == {"meta", "noisy", "workloads", "acceptance", "failed_baselines", "ok"}
     assert report["meta"]["command"] == "rapidkv ..." and "cpu" in report["meta"]
     assert report["meta"]["requests_per_rate"] == 2 and report["meta"]["git"]
     w = report["workloads"]["prefill-heavy"]
     assert w["slo"]["ttft_ms"] == 100.0 and w["slo"]["attainment_target"] == 0.9
     assert w["single_c1"]["ttft_ms"]["p50"] == 25.0 and w["single_c1"]["hard_mismatches"] == 0
+    assert w["single_c1"]["other_cpu_cores"] == pytest.approx(0.05)
     goodputs = {name: c["goodput_req_s"] for name, c in w["configs"].items()}
     assert goodputs == {
         "single": 2.0,
@@ -145,6 +151,8 @@ def test_the_json_has_the_documented_keys_and_goodputs() -> None:
     assert r2["ttft_ms"]["p50"] == 55.0 and r2["ttft_ms"]["p90"] == pytest.approx(59.0)
     assert r2["tpot_ms"]["p50"] == 5.5 and r2["offered_req_s"] == pytest.approx(2.5)
     assert r2["placements"] == {"local": 1.0, "pd": 1.0, "split": 0.0}
+    assert r2["other_cpu_cores"] == pytest.approx(0.05) and r2["server_cpu_s"] == {"a": 0.9}
+    assert report["noisy"] == ["prefill-heavy rapidkv 4"]  # 0.3 cores of others at 4 req/s
     assert dp2["rates"]["4"]["ttft_attainment"] == 0.5 and dp2["rates"]["4"]["placements"] is None
     assert w["configs"]["rapidkv-adaptive"]["router_args"] == ["--tpot-slo-ms", "10.000"]
     a = w["acceptance"]
@@ -214,6 +222,7 @@ def test_the_summary_and_the_plot_are_written(tmp_path: Path) -> None:
     print_report(report, out)
     text = out.getvalue()
     assert "== prefill-heavy" in text and "result: OK" in text
+    assert "WARNING: processes not ours" in text and "prefill-heavy rapidkv 4" in text
     assert "rapidkv-adaptive" in text and "met False" in text
     path = plot(report, tmp_path / "goodput.png")
     assert path.stat().st_size > 0

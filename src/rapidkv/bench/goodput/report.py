@@ -23,6 +23,11 @@ OWN_GROUPS = ("single", "rapidkv")
 baseline (dp2, vLLM's NIXL connectors) that fails is reported in
 `failed_baselines`. A hard mismatch anywhere fails it."""
 
+NOISY_CORES = 0.2
+"""CPU used by processes not ours during a rate, in cores, that makes it `noisy`
+(`serve.report.NOISY_CORES`): a shared machine's other work lands on some
+configurations and not on others."""
+
 ACCEPTANCE_RATIO = 1.1
 """rapidkv-adaptive's goodput over the best baseline's, on every workload."""
 
@@ -73,8 +78,21 @@ def build_report(
     if hard:
         ok = False
     met = [w["acceptance"]["met"] for w in workloads.values()]
+    noisy = [
+        f"{w} single c1"
+        for w, entry in workloads.items()
+        if (entry["single_c1"] or {}).get("other_cpu_cores", 0.0) > NOISY_CORES
+    ]
+    noisy += [
+        f"{w} {c} {rate}"
+        for w, entry in workloads.items()
+        for c, ce in entry["configs"].items()
+        for rate, s in ce["rates"].items()
+        if s["other_cpu_cores"] > NOISY_CORES
+    ]
     return {
         "meta": meta(opts, log_dir, wall_s, command),
+        "noisy": noisy,
         "workloads": workloads,
         "acceptance": {
             "target": f"on every workload, {ADAPTIVE}'s goodput >= {ACCEPTANCE_RATIO:g}x the "
@@ -111,6 +129,9 @@ def single_c1_report(w: WorkloadRun) -> dict[str, Any] | None:
         "tpot_ms": _brief(s["tpot_ms"]),
         "hard_mismatches": s["hard_mismatches"],
         "near_tie_mismatches": s["near_tie_mismatches"],
+        "other_cpu_cores": w.single_c1_other_cpu_s / w.single_c1_wall_s
+        if w.single_c1_wall_s > 0
+        else math.nan,
     }
 
 
@@ -150,6 +171,9 @@ def rate_report(run: Any, w: WorkloadRun) -> dict[str, Any]:
         hard_mismatches=s["hard_mismatches"],
         near_tie_mismatches=s["near_tie_mismatches"],
         placements=run.placements,
+        server_cpu_s=run.server_cpu_s,
+        client_cpu_s=run.client_cpu_s,
+        other_cpu_cores=run.other_cpu_s / run.wall_s if run.wall_s > 0 else math.nan,
     )
     return row
 
@@ -274,6 +298,9 @@ def print_report(report: dict[str, Any], out: IO[str]) -> None:
             print(f"no SLOs: {w['error']}", file=out)
         else:
             base = c1 or {"ttft_ms": {"p50": math.nan}, "tpot_ms": {"p50": math.nan}}
+            noise = base.get("other_cpu_cores")
+            if noise is not None and noise > NOISY_CORES:
+                print(f"WARNING: others used {noise:.2f} cores during single's c1", file=out)
             print(
                 f"SLOs: TTFT {_fmt(slo['ttft_ms'])} ms ({slo['ttft_factor']:g} x single c1 p50 "
                 f"{_fmt(base['ttft_ms']['p50'])}), TPOT {_fmt(slo['tpot_ms'], 2)} ms "
@@ -284,7 +311,7 @@ def print_report(report: dict[str, Any], out: IO[str]) -> None:
             )
         head = f"{'config':<18}{'rate':>6}{'offer':>7}{'attain':>8}{'ttft':>6}{'tpot':>6}"
         head += "".join(f"{h:>9}" for h, _, _ in cols)
-        head += f"{'req/s':>7}{'n':>4}{'err':>4}{'hard':>5}{'tie':>4}  placements"
+        head += f"{'req/s':>7}{'n':>4}{'err':>4}{'hard':>5}{'tie':>4}{'other':>6}  placements"
         print(f"{head}\n{'-' * len(head)}", file=out)
         for key, c in w["configs"].items():
             if c["error"]:
@@ -296,6 +323,7 @@ def print_report(report: dict[str, Any], out: IO[str]) -> None:
                 line += "".join(f"{_fmt(s[m][k]):>9}" for _, m, k in cols)
                 line += f"{_fmt(s['throughput_req_s']):>7}{s['requests']:>4}{s['errors']:>4}"
                 line += f"{_fmt(s['hard_mismatches'], 0):>5}{_fmt(s['near_tie_mismatches'], 0):>4}"
+                line += f"{_fmt(s['other_cpu_cores'], 2):>6}"
                 if s["placements"]:
                     line += "  " + " ".join(f"{k} {v:.0f}" for k, v in s["placements"].items() if v)
                 print(line, file=out)
@@ -314,6 +342,13 @@ def print_report(report: dict[str, Any], out: IO[str]) -> None:
             f"acceptance: {a['adaptive']} {_fmt(a['adaptive_goodput_req_s'])} vs best baseline "
             f"{a['best_baseline']} {_fmt(a['best_baseline_goodput_req_s'])}: ratio "
             f"{_fmt(a['ratio'], 2)}, met {a['met']}{why}",
+            file=out,
+        )
+    if report["noisy"]:
+        print(
+            f"\nWARNING: processes not ours used > {NOISY_CORES:g} cores (column `other`) "
+            f"during {len(report['noisy'])} rates: {', '.join(report['noisy'][:12])}"
+            + (" ..." if len(report["noisy"]) > 12 else ""),
             file=out,
         )
     acc = report["acceptance"]

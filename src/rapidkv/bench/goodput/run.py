@@ -7,6 +7,7 @@ The method and its outputs are in the package's docstring (`rapidkv.bench.goodpu
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 import tempfile
@@ -156,6 +157,9 @@ class RateRun:
     results: list[Any]  # serve.stats.RequestResult, in prompt order
     wall_s: float
     placements: dict[str, float] | None = None  # a rapidkv router's, by kind
+    server_cpu_s: dict[str, float] = field(default_factory=dict)  # per process tree
+    client_cpu_s: float = 0.0  # this process: the load generator
+    other_cpu_s: float = 0.0  # everything else on the machine (noise: should be ~0)
 
 
 @dataclass
@@ -181,6 +185,7 @@ class WorkloadRun:
     error: str | None = None  # why there is no reference or no SLO
     single_c1: list[Any] | None = None  # RequestResult
     single_c1_wall_s: float = 0.0
+    single_c1_other_cpu_s: float = 0.0  # noise while the SLOs' base was measured
     slo: Any = None  # slo.SLO
 
 
@@ -281,7 +286,7 @@ class Sweep:
             for w in self.workloads.values():
                 self.reference(w, url)
                 self.warm_up("single", w, url, CONFIGS["single"])
-                self.single_c1(w, url)
+                self.single_c1(w, url, group)
                 if w.slo is not None:
                     self.progress.say(
                         f"{w.name}: SLOs TTFT {w.slo.ttft_ms:.1f} ms, TPOT {w.slo.tpot_ms:.2f} ms"
@@ -391,7 +396,7 @@ class Sweep:
                 if name in self.configs:
                     self.configs[name].warmup_errors.append(r.error)
 
-    def single_c1(self, w: WorkloadRun, url: str) -> None:
+    def single_c1(self, w: WorkloadRun, url: str, group: Any) -> None:
         """Every request once on `single`, one at a time: the SLOs' base."""
         from rapidkv.bench.goodput.slo import derive
         from rapidkv.bench.serve.configs import CONFIGS, helper_cpus
@@ -401,6 +406,7 @@ class Sweep:
 
         self.progress.stage(f"{w.name}: single c1 (the SLOs)")
         time.sleep(PAIR_PAUSE_S)  # vLLM spins on its queues for 1 s after a step
+        cpu = CpuWindow(group)
         results, wall = run_load(
             url,
             w.prompts,
@@ -411,6 +417,7 @@ class Sweep:
             cpus=helper_cpus(CONFIGS["single"].group),
         )
         w.single_c1, w.single_c1_wall_s = results, wall
+        w.single_c1_other_cpu_s = cpu.close()[2]
         ok = [r for r in results if r.error is None]
         try:
             w.slo = derive(
@@ -438,6 +445,7 @@ class Sweep:
         router = (config.front or "").startswith("router")
         time.sleep(PAIR_PAUSE_S)  # vLLM spins on its queues for 1 s after a step
         before = placements(url) if router else None
+        cpu = CpuWindow(group)
         results, wall = run_load(
             url,
             w.prompts,
@@ -450,6 +458,7 @@ class Sweep:
             arrivals=arrivals,
         )
         run = RateRun(rate, arrivals, results, wall)
+        run.server_cpu_s, run.client_cpu_s, run.other_cpu_s = cpu.close()
         if before is not None:
             after = placements(url)
             run.placements = {k: after[k] - before.get(k, 0.0) for k in after}
@@ -461,6 +470,31 @@ class Sweep:
             )
             self.progress.say(why)
             self.configs[name].error = why
+
+
+class CpuWindow:
+    """CPU seconds used from its creation to `close`: by each of the group's
+    process trees, by this process (the client), and by everything else on the
+    machine (another user's work: noise that lands on some configurations and
+    not on others)."""
+
+    def __init__(self, group: Any) -> None:
+        from rapidkv.harness.procs import machine_busy_cpu_seconds, tree_cpu_seconds
+
+        self.group = group
+        self.busy = machine_busy_cpu_seconds()
+        self.client = tree_cpu_seconds([os.getpid()])
+        self.trees = group.cpu_seconds()
+
+    def close(self) -> tuple[dict[str, float], float, float]:
+        """(server CPU s per tree, client CPU s, other CPU s)."""
+        from rapidkv.harness.procs import machine_busy_cpu_seconds, tree_cpu_seconds
+
+        trees = self.group.cpu_seconds()
+        client = tree_cpu_seconds([os.getpid()]) - self.client
+        busy = machine_busy_cpu_seconds() - self.busy
+        servers = {k: v - self.trees.get(k, 0.0) for k, v in trees.items()}
+        return servers, client, busy - sum(servers.values()) - client
 
 
 PLACEMENT_KINDS = ("local", "pd", "split")
