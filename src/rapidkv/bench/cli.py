@@ -25,6 +25,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "a soak through the router: client aborts, injected transfer faults, P and D killed",
         "rapidkv.bench.chaos",
     ),
+    "goodput": (
+        "goodput (req/s within TTFT/TPOT SLOs) of dp2, vllm-nixl, rapidkv fixed and adaptive",
+        "rapidkv.bench.goodput",
+    ),
 }
 
 

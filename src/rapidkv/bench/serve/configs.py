@@ -8,10 +8,13 @@ and, during loads, the client's event loop run on core 0 (`helper_cpus`), so
 that core 1 runs the decoding instance alone: left to float they were woken on
 the decoding core and took their time from every token relayed (not in the
 `-stock` NIXL groups, whose P runs on both cores). Several configurations can
-share a group: every rapidkv configuration runs on one P/D pair, behind a
-dual-dispatch and a serial-dispatch router started side by side, and a
+share a group: every rapidkv configuration runs on one P/D pair, behind the
+routers its configurations need (dual dispatch, serial dispatch, ..., adaptive
+placement over both instances as `--instance`), started side by side, and a
 configuration differs from another only by its front and by the
-`kv_transfer_params` the client adds to each request.
+`kv_transfer_params` the client adds to each request. `RunningGroup.start_front`
+(re)starts one front with options appended (`bench goodput`: the adaptive
+router with the SLOs of the run).
 
 Groups run one at a time, except `single`: when a configuration is `paired`
 with it, `single` stays up through the round beside the others (`rapidkv.bench.serve`,
@@ -146,6 +149,15 @@ CONFIGS: dict[str, Config] = {
             "rapidkv, dual, default mode, router --no-split-prefill --no-prefill-first-token "
             "(P computes every prompt, every token from D)",
         ),
+        Config(
+            "rapidkv-adaptive",
+            "rapidkv",
+            "router-adaptive",
+            "rapidkv, both instances given to the router as --instance (either may prefill or "
+            "decode), --placement adaptive: local, PD or split per request (the router's "
+            "default SLOs unless the benchmark sets them, as `bench goodput` does)",
+            default=False,
+        ),
     )
 }
 
@@ -181,6 +193,26 @@ class RunningGroup:
     startup_s: float = 0.0  # launch -> every server and front healthy
     notes: list[str] = field(default_factory=list)
     controls: dict[str, str] = field(default_factory=dict)  # rapidkv: role -> control address
+    plan: FrontPlan | None = None  # every front the group can have, as (name, argv)
+    log_dir: Path | None = None
+
+    def start_front(self, front: str, extra: Sequence[str] = (), label: str | None = None) -> Front:
+        """Start front `front` of the group's plan, `extra` appended to its argv
+        (a later option wins: `--tpot-slo-ms 9`), in place of a running one of
+        that name; its log is `<group>.<label or front>.log`."""
+        assert self.plan is not None and self.log_dir is not None
+        argv = dict(self.plan(self))[front]
+        self.stop_front(front)
+        name = f"{self.name}.{label or front}"
+        started = _start_front(name, [*argv, *extra], self.log_dir, helper_cpus(self.name))
+        self.fronts[front] = started
+        return started
+
+    def stop_front(self, front: str) -> None:
+        """Stop front `front` if it runs."""
+        running = self.fronts.pop(front, None)
+        if running is not None:
+            running.process.stop()
 
     def timelines(self, xfer_ids: Sequence[str]) -> dict[str, dict[str, dict[str, float]]]:
         """rapidkv: per role, each transfer's connector events (time.monotonic())."""
@@ -279,6 +311,7 @@ def start_group(
     cpus = helper_cpus(name)
     servers = start_servers([spec for _, spec in keyed], log_dir)
     group = RunningGroup(name, {key: s for (key, _), s in zip(keyed, servers, strict=True)})
+    group.plan, group.log_dir = plan, log_dir
     group.controls = {
         key: f"127.0.0.1:{spec.kv_transfer_config['kv_connector_extra_config']['control_port']}"
         for key, spec in keyed
@@ -352,6 +385,7 @@ def _group_plan(
         def rapidkv_fronts(g: RunningGroup) -> list[tuple[str, list[str]]]:
             p = [f"{g.servers['prefill'].base_url}=127.0.0.1:{pc}"]
             d = [f"{g.servers['decode'].base_url}=127.0.0.1:{dc}"]
+            adaptive = _router_argv("dual", [], [], instances=p + d)
             return [
                 ("router-dual", _router_argv("dual", p, d)),
                 ("router-serial", _router_argv("serial", p, d)),
@@ -360,6 +394,7 @@ def _group_plan(
                     "router-dual-d-first",
                     [*_router_argv("dual", p, d), "--no-split-prefill", "--no-prefill-first-token"],
                 ),
+                ("router-adaptive", [*adaptive, "--placement", "adaptive"]),
             ]
 
         return specs, rapidkv_fronts
@@ -399,7 +434,9 @@ def _tuning_env(directory: Path, cpu: int) -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(filter(None, path)), CPUS_ENV: str(cpu)}
 
 
-def _router_argv(dispatch: str, prefill: list[str], decode: list[str]) -> list[str]:
+def _router_argv(
+    dispatch: str, prefill: list[str], decode: list[str], instances: Sequence[str] = ()
+) -> list[str]:
     from rapidkv.harness import free_port
 
     argv = [sys.executable, "-m", "rapidkv.cli", "router", "--dispatch", dispatch]
@@ -407,6 +444,8 @@ def _router_argv(dispatch: str, prefill: list[str], decode: list[str]) -> list[s
         argv += ["--prefill", url]
     for url in decode:
         argv += ["--decode", url]
+    for url in instances:
+        argv += ["--instance", url]
     return [*argv, "--port", str(free_port()), "--log-level", "warning"]
 
 

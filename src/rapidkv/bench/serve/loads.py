@@ -7,6 +7,10 @@ A load sends every prompt of the set once, as a streaming completion (greedy,
 - `poissonR`: open loop, requests sent at Poisson arrival times of R per second
   (seeded), whatever is still in flight.
 
+`run_load` also takes one `max_tokens` per prompt, and an open loop's arrival
+times given outright (`bench goodput`: its own seeded arrivals, the same
+pattern at every rate).
+
 Each request records when each token arrived (client side), the response's
 rapidkv `xfer_id` header when a rapidkv router served it, and any error
 (counted, never retried). A request that has no complete answer within
@@ -57,7 +61,7 @@ class Load:
 def run_load(
     url: str,
     prompts: Sequence[Sequence[int]],
-    max_tokens: int,
+    max_tokens: int | Sequence[int],
     load: Load,
     *,
     params: dict[str, Any] | None = None,
@@ -65,11 +69,20 @@ def run_load(
     timeout_s: float = 120.0,
     on_done: Callable[[], None] = lambda: None,
     cpus: set[int] | None = None,
+    arrivals: Sequence[float] | None = None,
 ) -> tuple[list[RequestResult], float]:
     """Send every prompt under `load`; results in prompt order and the wall time
     from the first request sent to the last response complete. With `cpus`, the
-    calling thread (the client's event loop) runs only there meanwhile."""
-    run = _run(url, prompts, max_tokens, load, params, seed, timeout_s, on_done)
+    calling thread (the client's event loop) runs only there meanwhile.
+
+    `max_tokens` is one for all prompts or one per prompt; `arrivals` (an open
+    loop only: seconds after the start, one per prompt) replaces the arrival
+    times drawn from `load.rate` and `seed`."""
+    if not isinstance(max_tokens, int) and len(max_tokens) != len(prompts):
+        raise ValueError("give one max_tokens per prompt")
+    if arrivals is not None and (load.concurrency is not None or len(arrivals) != len(prompts)):
+        raise ValueError("arrivals: an open loop's, one per prompt")
+    run = _run(url, prompts, max_tokens, load, params, seed, timeout_s, on_done, arrivals)
     if cpus is None:
         return asyncio.run(run)
     previous = os.sched_getaffinity(0)
@@ -83,12 +96,13 @@ def run_load(
 async def _run(
     url: str,
     prompts: Sequence[Sequence[int]],
-    max_tokens: int,
+    max_tokens: int | Sequence[int],
     load: Load,
     params: dict[str, Any] | None,
     seed: int,
     timeout_s: float,
     on_done: Callable[[], None],
+    given_arrivals: Sequence[float] | None = None,
 ) -> tuple[list[RequestResult], float]:
     import httpx
 
@@ -110,7 +124,7 @@ async def _run(
                         client,
                         url,
                         prompts[i],
-                        max_tokens,
+                        max_tokens if isinstance(max_tokens, int) else max_tokens[i],
                         timeout=timeout_s,
                         kv_transfer_params=params,
                     ),
@@ -139,12 +153,15 @@ async def _run(
 
             results = await asyncio.gather(*(gated(i) for i in range(len(prompts))))
         else:
-            assert load.rate is not None
-            rng = random.Random(seed)
-            arrivals, t = [], 0.0
-            for _ in prompts:
-                arrivals.append(t)
-                t += rng.expovariate(load.rate)
+            if given_arrivals is not None:
+                arrivals = list(given_arrivals)
+            else:
+                assert load.rate is not None
+                rng = random.Random(seed)
+                arrivals, t = [], 0.0
+                for _ in prompts:
+                    arrivals.append(t)
+                    t += rng.expovariate(load.rate)
 
             async def timed(i: int) -> RequestResult:
                 await asyncio.sleep(max(0.0, t_start + arrivals[i] - time.monotonic()))

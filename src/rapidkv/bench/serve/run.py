@@ -12,6 +12,7 @@ import shlex
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -320,29 +321,14 @@ class ModelRun:
             self.configs[name].error = why[:4000]
 
     def take_reference(self, url: str) -> None:
-        from rapidkv.bench.serve.stats import Reference, margins_from_logprobs
-        from rapidkv.harness import complete_many_full
-
         self.progress.stage(f"{self.model}: reference (single, logprobs=2)")
         try:
-            done = complete_many_full(
-                url,
-                self.prompts,
-                self.opts.max_tokens,
-                concurrency=4,
-                timeout=self.opts.timeout,
-                logprobs=2,
-                return_tokens_as_token_ids=True,
-            )
+            refs = take_references(url, self.prompts, self.opts.max_tokens, self.opts.timeout)
         except Exception as e:
             self.reference_error = f"reference pass failed: {type(e).__name__}: {e}"[:4000]
             self.progress.say(self.reference_error)
             self.progress.advance(len(self.prompts))
             return
-        refs = []
-        for c in done:
-            top = (c.raw["choices"][0].get("logprobs") or {}).get("top_logprobs") or []
-            refs.append(Reference(tuple(c.token_ids), margins_from_logprobs(top)))
         self.references = refs
         self.progress.advance(len(self.prompts))
 
@@ -518,6 +504,30 @@ class ModelRun:
                     "tpot_ms": [r.tpot_ms for r in ok],
                 }
         return out
+
+
+def take_references(
+    url: str, prompts: Sequence[Sequence[int]], max_tokens: int, timeout: float
+) -> list[Any]:
+    """Every prompt once on `url` (`single`), greedy with `logprobs: 2`, 4 at a
+    time: each output's tokens and top-2 margins (`stats.Reference`)."""
+    from rapidkv.bench.serve.stats import Reference, margins_from_logprobs
+    from rapidkv.harness import complete_many_full
+
+    done = complete_many_full(
+        url,
+        prompts,
+        max_tokens,
+        concurrency=4,
+        timeout=timeout,
+        logprobs=2,
+        return_tokens_as_token_ids=True,
+    )
+    refs = []
+    for c in done:
+        top = (c.raw["choices"][0].get("logprobs") or {}).get("top_logprobs") or []
+        refs.append(Reference(tuple(c.token_ids), margins_from_logprobs(top)))
+    return refs
 
 
 def prompt_lengths(opts: Options) -> list[int]:

@@ -37,6 +37,11 @@ class Reference:
     token_ids: tuple[int, ...]
     margins: tuple[float, ...]
 
+    def prefix(self, n: int) -> Reference:
+        """The reference of the same prompt for `max_tokens=n` (greedy with
+        `ignore_eos`: the first n tokens of a longer output)."""
+        return Reference(self.token_ids[:n], self.margins[:n])
+
 
 def classify(
     reference: Reference, token_ids: Sequence[int], tie: float = NEAR_TIE_MARGIN

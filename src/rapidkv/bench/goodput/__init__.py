@@ -1,0 +1,115 @@
+"""`rapidkv bench goodput`: the highest Poisson rate each configuration serves within SLOs.
+
+On the same two instances (one per core) as `bench serve`, each configuration
+(`serve.configs.CONFIGS`; by default `single`, `dp2`, tuned `vllm-nixl` 1P1D,
+`rapidkv` fixed 1P1D, i.e. today's router in dual dispatch, and
+`rapidkv-adaptive`: the same P/D pair given to the router as two `--instance`s
+with `--placement adaptive`) is swept over request rates on two workloads
+(`workloads`: *prefill-heavy*, prompts 128-900 tokens and 16 output tokens,
+`bench serve`'s; *chat*, prompts 100-900 and 32-256 output tokens).
+
+Groups are started one at a time, as in `bench serve` (never two serving at
+once: 2 cores), each swept on every workload and stopped. `single` comes
+first: per workload it serves every request once with `logprobs: 2` (the
+reference, `serve.stats.Reference`, at the workload's longest `max_tokens`;
+a request's reference is its prefix), then every request at c1, whose TTFT
+and TPOT p50s give the workload's SLOs (`slo.derive`: TTFT SLO = 4x, TPOT
+SLO = 1.5x, `--ttft-slo-factor`, `--tpot-slo-factor`). The adaptive router is
+started, per workload, with those SLOs as `--ttft-slo-ms`/`--tpot-slo-ms`
+(`serve.configs.RunningGroup.start_front`), beside `rapidkv`'s router on the
+same P/D pair, on core 0 with P and the client.
+
+A sweep: after `--warmup` unmeasured requests per configuration and workload,
+each rate (ascending; configurations of one group interleaved rate by rate)
+sends all `--requests` of the workload once, open loop, at Poisson arrival
+times (`arrivals`: the same seeded pattern at every rate and on every
+configuration, scaled by the rate), greedy with `ignore_eos` so each request
+yields exactly its `max_tokens`. Every output is compared with `single`'s
+reference (hard mismatch / near-tie, `serve.stats.classify`).
+
+Attainment at a rate = the share of its requests that completed, were no
+hard mismatch and met both SLOs; goodput = the highest swept rate with
+attainment >= 90 % and no miss at a lower rate (`slo`: how a non-monotonic
+curve is read, and DistServe's literal rule reported beside it).
+
+Output (`report`): tables per workload (stdout), a progress line (stderr),
+`--json PATH|-` (`workloads.<w>.configs.<c>.goodput_req_s`, `.attainment`
+per rate, `.rates.<rate>` with TTFT/TPOT p50/p90, requests, errors,
+mismatches and a rapidkv router's placements; the CPU model in `meta`) and
+`--plot PATH` (`plot`: attainment against rate). The exit status is 1 on a
+hard mismatch anywhere, no SLO for a workload, or `single` or a rapidkv
+configuration failing or having a failed request; a baseline that fails is
+reported, not fatal.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+
+def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
+    from rapidkv.bench.goodput.run import DEFAULT_CONFIGS, DTYPES, run
+    from rapidkv.bench.goodput.workloads import WORKLOADS
+    from rapidkv.bench.serve.configs import CONFIGS
+
+    def rates(attr: str) -> str:
+        return "; ".join(
+            f"{w.name} {','.join(f'{r:g}' for r in getattr(w, attr))}" for w in WORKLOADS.values()
+        )
+
+    parser.description = (__doc__ or "").split("\n\n")[0]
+    add = parser.add_argument
+    add(
+        "--workloads",
+        default=",".join(WORKLOADS),
+        help=f"comma-separated, of {', '.join(WORKLOADS)} (default: %(default)s)",
+    )
+    add(
+        "--configs",
+        default=",".join(DEFAULT_CONFIGS),
+        help=f"comma-separated, of {', '.join(CONFIGS)} (default: %(default)s; `single` runs "
+        "anyway, for the references and the SLOs)",
+    )
+    add(
+        "--rates",
+        action="append",
+        default=None,
+        metavar="[WORKLOAD=]R,R,...",
+        help="req/s, comma-separated, for every workload, or for the one named (repeatable; "
+        f"a named list wins; default: {rates('default_rates')}; with --quick: "
+        f"{rates('quick_rates')})",
+    )
+    add("--requests", type=int, default=None, help="requests per rate (default 40; 8 quick)")
+    add(
+        "--warmup",
+        type=int,
+        default=None,
+        help="unmeasured requests per configuration and workload (2; 1 quick)",
+    )
+    add("--seed", type=int, default=0, help="prompts, max_tokens and arrivals (%(default)s)")
+    add(
+        "--ttft-slo-factor",
+        type=float,
+        default=4.0,
+        help="TTFT SLO = this x single's c1 TTFT p50 (%(default)s)",
+    )
+    add(
+        "--tpot-slo-factor",
+        type=float,
+        default=1.5,
+        help="TPOT SLO = this x single's c1 TPOT p50 (%(default)s)",
+    )
+    add("--quick", action="store_true", help="8 requests per rate, 2 rates, 1 warm-up")
+    add("--timeout", type=float, default=60.0, help="per request, seconds (%(default)s)")
+    add("--dtype", choices=sorted(DTYPES), default="float32", help="model dtype (%(default)s)")
+    add(
+        "--server-args",
+        default="",
+        help="extra vLLM arguments for every server, one string: --server-args='--flag value'",
+    )
+    add("--json", default=None, metavar="PATH", help="write the JSON here (- = stdout)")
+    add("--plot", type=Path, default=None, metavar="PATH", help="write a PNG here")
+    add("--log-dir", type=Path, default=None, help="server logs (default: a tmp dir)")
+    return run

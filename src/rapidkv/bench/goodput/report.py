@@ -1,0 +1,373 @@
+"""`rapidkv bench goodput`: the report, as JSON and as the terminal's summary.
+
+`build_report` turns what `run.Sweep` measured into the JSON document
+(docs/benchmarks.md lists its keys): per workload its SLOs and `single`'s c1,
+per configuration its goodput (`slo.goodput`), `attainment` per rate and, per
+rate, what the attainment was made of; then the issue's acceptance (adaptive's
+goodput over the best baseline's, per workload). `print_report` prints it as
+tables.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rapidkv.bench.goodput.run import ConfigRun, Options, Sweep, WorkloadRun
+
+OWN_GROUPS = ("single", "rapidkv")
+"""Groups whose failure, or any failed request of theirs, fails the command; a
+baseline (dp2, vLLM's NIXL connectors) that fails is reported in
+`failed_baselines`. A hard mismatch anywhere fails it."""
+
+NOISY_CORES = 0.2
+"""CPU used by processes not ours during a rate, in cores, that makes it `noisy`
+(`serve.report.NOISY_CORES`): a shared machine's other work lands on some
+configurations and not on others."""
+
+ACCEPTANCE_RATIO = 1.1
+"""rapidkv-adaptive's goodput over the best baseline's, on every workload."""
+
+SUMMARY_KEYS = ("p50", "p90", "p99", "mean", "max")
+
+
+def build_report(
+    sweep: Sweep, opts: Options, log_dir: Path, wall_s: float, command: str | None
+) -> dict[str, Any]:
+    from rapidkv.bench.goodput.run import ADAPTIVE, BASELINES
+    from rapidkv.bench.goodput.workloads import WORKLOADS
+    from rapidkv.bench.serve.configs import CONFIGS
+
+    workloads: dict[str, Any] = {}
+    ok = True
+    failed_baselines: set[str] = set()
+    hard = 0
+    for name, w in sweep.workloads.items():
+        configs = {c: config_report(sweep.configs[c], w, opts) for c in opts.configs}
+        for c, entry in configs.items():
+            hard += entry["hard_mismatches"]
+            failed = bool(entry["error"] or entry["errors"])
+            if failed and CONFIGS[c].group not in OWN_GROUPS:
+                failed_baselines.add(c)
+            elif failed:
+                ok = False
+        c1 = single_c1_report(w)
+        hard += (c1 or {}).get("hard_mismatches") or 0
+        if w.error is not None or w.slo is None:
+            ok = False
+        workloads[name] = {
+            **WORKLOADS[name].summary(),
+            "rates": list(opts.rates[name]),
+            "error": w.error,
+            "slo": None
+            if w.slo is None
+            else {
+                "ttft_ms": w.slo.ttft_ms,
+                "tpot_ms": w.slo.tpot_ms,
+                "ttft_factor": opts.ttft_slo_factor,
+                "tpot_factor": opts.tpot_slo_factor,
+                "attainment_target": _target(),
+            },
+            "single_c1": c1,
+            "configs": configs,
+            "acceptance": acceptance(configs, BASELINES, ADAPTIVE),
+        }
+    if hard:
+        ok = False
+    met = [w["acceptance"]["met"] for w in workloads.values()]
+    noisy = [
+        f"{w} single c1"
+        for w, entry in workloads.items()
+        if (entry["single_c1"] or {}).get("other_cpu_cores", 0.0) > NOISY_CORES
+    ]
+    noisy += [
+        f"{w} {c} {rate}"
+        for w, entry in workloads.items()
+        for c, ce in entry["configs"].items()
+        for rate, s in ce["rates"].items()
+        if s["other_cpu_cores"] > NOISY_CORES
+    ]
+    return {
+        "meta": meta(opts, log_dir, wall_s, command),
+        "noisy": noisy,
+        "workloads": workloads,
+        "acceptance": {
+            "target": f"on every workload, {ADAPTIVE}'s goodput >= {ACCEPTANCE_RATIO:g}x the "
+            f"best of {', '.join(BASELINES)}; 0 hard mismatches",
+            "hard_mismatches_all_configs": hard,
+            "met": bool(met) and all(met) and hard == 0,
+        },
+        "failed_baselines": sorted(failed_baselines),
+        "ok": ok,
+    }
+
+
+def _target() -> float:
+    from rapidkv.bench.goodput.slo import TARGET
+
+    return TARGET
+
+
+def _brief(summary: dict[str, float]) -> dict[str, float]:
+    return {k: summary[k] for k in SUMMARY_KEYS}
+
+
+def single_c1_report(w: WorkloadRun) -> dict[str, Any] | None:
+    """`single`'s c1 on the workload: what the SLOs were derived from."""
+    from rapidkv.bench.serve.stats import load_summary
+
+    if w.single_c1 is None:
+        return None
+    s = load_summary(w.single_c1, w.references, w.single_c1_wall_s, {})
+    return {
+        "requests": s["requests"],
+        "errors": s["errors"],
+        "ttft_ms": _brief(s["ttft_ms"]),
+        "tpot_ms": _brief(s["tpot_ms"]),
+        "hard_mismatches": s["hard_mismatches"],
+        "near_tie_mismatches": s["near_tie_mismatches"],
+        "other_cpu_cores": w.single_c1_other_cpu_s / w.single_c1_wall_s
+        if w.single_c1_wall_s > 0
+        else math.nan,
+    }
+
+
+def rate_report(run: Any, w: WorkloadRun) -> dict[str, Any]:
+    """One configuration at one rate: attainment and what it was made of."""
+    from rapidkv.bench.goodput.arrivals import offered_rate
+    from rapidkv.bench.goodput.slo import Outcome, attainment
+    from rapidkv.bench.serve.stats import classify, load_summary
+
+    refs = w.references
+    s = load_summary(run.results, refs, run.wall_s, {})
+    outcomes = [
+        Outcome(
+            r.ttft_ms,
+            r.tpot_ms,
+            error=r.error is not None,
+            hard_mismatch=refs is not None
+            and r.error is None
+            and classify(refs[r.prompt_index], r.token_ids) == "hard",
+        )
+        for r in run.results
+    ]
+    row: dict[str, Any] = {"rate_req_s": run.rate, "offered_req_s": offered_rate(run.arrivals)}
+    if w.slo is not None:
+        row.update(attainment(outcomes, w.slo))
+    else:  # no SLO: nothing to judge
+        row.update(attainment=None, ttft_attainment=None, tpot_attainment=None)
+        row["requests"] = s["requests"]
+    row.update(
+        errors=s["errors"],
+        error_examples=s["error_examples"],
+        ttft_ms=_brief(s["ttft_ms"]),
+        tpot_ms=_brief(s["tpot_ms"]),
+        throughput_req_s=s["throughput_req_s"],
+        duration_s=s["duration_s"],
+        matches=s["matches"],
+        hard_mismatches=s["hard_mismatches"],
+        near_tie_mismatches=s["near_tie_mismatches"],
+        placements=run.placements,
+        server_cpu_s=run.server_cpu_s,
+        client_cpu_s=run.client_cpu_s,
+        other_cpu_cores=run.other_cpu_s / run.wall_s if run.wall_s > 0 else math.nan,
+    )
+    return row
+
+
+def config_report(c: ConfigRun, w: WorkloadRun, opts: Options) -> dict[str, Any]:
+    from rapidkv.bench.goodput.slo import goodput, rate_key
+    from rapidkv.bench.serve.configs import CONFIGS
+
+    runs = c.rates.get(w.name, {})
+    rates: dict[str, Any] = {}
+    for rate in opts.rates[w.name]:
+        if rate in runs:
+            rates[rate_key(rate)] = rate_report(runs[rate], w)
+    by_rate = {
+        rate: (rates[rate_key(rate)]["attainment"] if rate_key(rate) in rates else None)
+        for rate in opts.rates[w.name]
+    }
+    gp = goodput(by_rate) if w.slo is not None else goodput({})
+    counted = list(rates.values())
+    return {
+        "description": CONFIGS[c.name].description,
+        "group": CONFIGS[c.name].group,
+        "error": c.error,
+        "startup_s": c.startup_s,
+        "affinity": c.affinity,
+        "router_args": c.router_args.get(w.name),
+        "warmup_errors": c.warmup_errors,
+        **gp.as_dict(),
+        "attainment": {rate_key(r): a for r, a in by_rate.items()},
+        "requests": sum(v["requests"] for v in counted),
+        "errors": sum(v["errors"] for v in counted),
+        "hard_mismatches": sum(v["hard_mismatches"] or 0 for v in counted),
+        "near_tie_mismatches": sum(v["near_tie_mismatches"] or 0 for v in counted),
+        "rates": rates,
+    }
+
+
+def acceptance(
+    configs: dict[str, Any], baselines: tuple[str, ...], adaptive: str
+) -> dict[str, Any]:
+    """`adaptive`'s goodput over the best of `baselines` on one workload. Met
+    only with every baseline and `adaptive` measured, none of the baselines
+    above the sweep (its goodput would be a lower bound: the ratio an upper
+    one), and a positive goodput for `adaptive`."""
+    got = {b: configs[b]["goodput_req_s"] for b in baselines if b in configs}
+    known = {b: g for b, g in got.items() if g is not None}
+    best = max(known, key=lambda b: known[b], default=None)
+    mine = configs.get(adaptive, {}).get("goodput_req_s")
+    out: dict[str, Any] = {
+        "adaptive": adaptive,
+        "adaptive_goodput_req_s": mine,
+        "baselines_goodput_req_s": got,
+        "best_baseline": best,
+        "best_baseline_goodput_req_s": known.get(best) if best else None,
+        "ratio": None,
+        "met": False,
+        "why_not": None,
+    }
+    missing = [b for b in baselines if b not in known]
+    if mine is None or missing:
+        absent = missing + ([adaptive] if mine is None else [])
+        out["why_not"] = f"not measured: {', '.join(absent)}"
+        return out
+    assert best is not None
+    b = known[best]
+    out["ratio"] = mine / b if b > 0 else (math.inf if mine > 0 else math.nan)
+    above = [x for x in baselines if configs[x]["goodput_bound"] == "above_sweep"]
+    if above:
+        out["why_not"] = f"{', '.join(above)} met the target at every rate: raise --rates"
+    elif mine <= 0 or mine < ACCEPTANCE_RATIO * b:
+        out["why_not"] = f"{mine:g} < {ACCEPTANCE_RATIO:g} x {b:g} req/s"
+    else:
+        out["met"] = True
+    return out
+
+
+def meta(opts: Options, log_dir: Path, wall_s: float, command: str | None) -> dict[str, Any]:
+    from rapidkv.bench.goodput.run import ARRIVAL_SALT
+    from rapidkv.bench.serve.configs import COMMON_ARGS
+    from rapidkv.bench.serve.report import machine_info
+    from rapidkv.bench.serve.stats import NEAR_TIE_MARGIN
+    from rapidkv.harness.procs import cpu_model
+
+    return {
+        **machine_info(),
+        "cpu": cpu_model(),
+        "command": command,
+        "model": "tiny",
+        "dtype": opts.dtype,
+        "configs": list(opts.configs),
+        "workloads": list(opts.workloads),
+        "requests_per_rate": opts.requests,
+        "warmup_requests": opts.warmup,
+        "seed": opts.seed,
+        "arrival_seed": f"each workload's seed + {ARRIVAL_SALT}, the same gaps at every rate",
+        "ttft_slo_factor": opts.ttft_slo_factor,
+        "tpot_slo_factor": opts.tpot_slo_factor,
+        "attainment_target": _target(),
+        "timeout_s": opts.timeout,
+        "server_args": [*COMMON_ARGS, *opts.server_args],
+        "near_tie_margin": NEAR_TIE_MARGIN,
+        "wall_s": wall_s,
+        "finished": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "log_dir": str(log_dir),
+    }
+
+
+# ------------------------------------------------------------------ printing
+
+
+def print_report(report: dict[str, Any], out: IO[str]) -> None:
+    cols = (
+        ("TTFT p50", "ttft_ms", "p50"),
+        ("p90", "ttft_ms", "p90"),
+        ("TPOT p50", "tpot_ms", "p50"),
+        ("p90", "tpot_ms", "p90"),
+    )
+    for name, w in report["workloads"].items():
+        print(f"\n== {name}: {w['description']}", file=out)
+        slo, c1 = w["slo"], w["single_c1"]
+        if slo is None:
+            print(f"no SLOs: {w['error']}", file=out)
+        else:
+            base = c1 or {"ttft_ms": {"p50": math.nan}, "tpot_ms": {"p50": math.nan}}
+            noise = base.get("other_cpu_cores")
+            if noise is not None and noise > NOISY_CORES:
+                print(f"WARNING: others used {noise:.2f} cores during single's c1", file=out)
+            print(
+                f"SLOs: TTFT {_fmt(slo['ttft_ms'])} ms ({slo['ttft_factor']:g} x single c1 p50 "
+                f"{_fmt(base['ttft_ms']['p50'])}), TPOT {_fmt(slo['tpot_ms'], 2)} ms "
+                f"({slo['tpot_factor']:g} x {_fmt(base['tpot_ms']['p50'], 2)}); goodput: the "
+                f"highest rate before the first with < {slo['attainment_target']:.0%} "
+                "attaining both",
+                file=out,
+            )
+        head = f"{'config':<18}{'rate':>6}{'offer':>7}{'attain':>8}{'ttft':>6}{'tpot':>6}"
+        head += "".join(f"{h:>9}" for h, _, _ in cols)
+        head += f"{'req/s':>7}{'n':>4}{'err':>4}{'hard':>5}{'tie':>4}{'other':>6}  placements"
+        print(f"{head}\n{'-' * len(head)}", file=out)
+        for key, c in w["configs"].items():
+            if c["error"]:
+                print(f"{key:<18}ERROR {c['error'].splitlines()[0][:110]}", file=out)
+            for rk, s in c["rates"].items():
+                line = f"{key:<18}{rk:>6}{_fmt(s['offered_req_s']):>7}"
+                line += f"{_pct(s['attainment']):>8}{_pct(s.get('ttft_attainment')):>6}"
+                line += f"{_pct(s.get('tpot_attainment')):>6}"
+                line += "".join(f"{_fmt(s[m][k]):>9}" for _, m, k in cols)
+                line += f"{_fmt(s['throughput_req_s']):>7}{s['requests']:>4}{s['errors']:>4}"
+                line += f"{_fmt(s['hard_mismatches'], 0):>5}{_fmt(s['near_tie_mismatches'], 0):>4}"
+                line += f"{_fmt(s['other_cpu_cores'], 2):>6}"
+                if s["placements"]:
+                    line += "  " + " ".join(f"{k} {v:.0f}" for k, v in s["placements"].items() if v)
+                print(line, file=out)
+        print("goodput (req/s):", file=out)
+        for key, c in w["configs"].items():
+            extra = "" if c["goodput_bound"] == "within" else f" ({c['goodput_bound']})"
+            if not c["attainment_monotonic"]:
+                extra += f" (not monotonic: DistServe's max rule {_fmt(c['goodput_max_req_s'])})"
+            interp = c["goodput_interpolated_req_s"]
+            if interp is not None:
+                extra += f", crossing ~{_fmt(interp)}"
+            print(f"  {key:<18}{_fmt(c['goodput_req_s']):>7}{extra}", file=out)
+        a = w["acceptance"]
+        why = f" ({a['why_not']})" if a["why_not"] else ""
+        print(
+            f"acceptance: {a['adaptive']} {_fmt(a['adaptive_goodput_req_s'])} vs best baseline "
+            f"{a['best_baseline']} {_fmt(a['best_baseline_goodput_req_s'])}: ratio "
+            f"{_fmt(a['ratio'], 2)}, met {a['met']}{why}",
+            file=out,
+        )
+    if report["noisy"]:
+        print(
+            f"\nWARNING: processes not ours used > {NOISY_CORES:g} cores (column `other`) "
+            f"during {len(report['noisy'])} rates: {', '.join(report['noisy'][:12])}"
+            + (" ..." if len(report["noisy"]) > 12 else ""),
+            file=out,
+        )
+    acc = report["acceptance"]
+    print(f"\nacceptance: {acc['target']}", file=out)
+    print(f"  hard mismatches: {acc['hard_mismatches_all_configs']}, met: {acc['met']}", file=out)
+    m = report["meta"]
+    print(f"cpu: {m['cpu']} ({m['cpus']} cpus), wall {m['wall_s']:.0f} s", file=out)
+    if report["failed_baselines"]:
+        print(f"baselines that failed: {', '.join(report['failed_baselines'])}", file=out)
+    print(f"\nresult: {'OK' if report['ok'] else 'FAILED'}", file=out)
+
+
+def _pct(v: Any) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return f"{v * 100:.0f}%"
+
+
+def _fmt(v: Any, digits: int = 1) -> str:
+    from rapidkv.bench.serve.report import _fmt as fmt
+
+    return fmt(v, digits)

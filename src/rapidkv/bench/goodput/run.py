@@ -1,0 +1,508 @@
+"""`rapidkv bench goodput`: the run: its options, `single` first (references,
+c1, the SLOs), then every other group, each workload swept rate by rate.
+
+The method and its outputs are in the package's docstring (`rapidkv.bench.goodput`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_CONFIGS = ("single", "dp2", "vllm-nixl", "rapidkv", "rapidkv-adaptive")
+BASELINES = ("dp2", "vllm-nixl", "rapidkv")
+"""What `rapidkv-adaptive`'s goodput is compared with (the issue's acceptance)."""
+ADAPTIVE = "rapidkv-adaptive"
+ADAPTIVE_FRONT = "router-adaptive"
+ARRIVAL_SALT = 7919  # a workload's arrivals are drawn from its seed + this
+DTYPES = {"float32": "float32", "bf16": "bfloat16"}
+
+
+@dataclass(frozen=True)
+class Options:
+    workloads: tuple[str, ...]
+    configs: tuple[str, ...]
+    rates: dict[str, tuple[float, ...]]  # workload -> ascending req/s
+    requests: int
+    warmup: int
+    seed: int
+    ttft_slo_factor: float
+    tpot_slo_factor: float
+    timeout: float
+    dtype: str
+    server_args: tuple[str, ...]  # --max-model-len first, then --server-args
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Options:
+        from rapidkv.bench.goodput.workloads import MAX_MODEL_LEN, WORKLOADS
+        from rapidkv.bench.serve.configs import CONFIGS
+
+        workloads = tuple(w for w in args.workloads.split(",") if w)
+        configs = tuple(c for c in args.configs.split(",") if c)
+        for w in workloads:
+            if w not in WORKLOADS:
+                raise ValueError(f"unknown workload {w!r} (known: {', '.join(WORKLOADS)})")
+        for c in configs:
+            if c not in CONFIGS:
+                raise ValueError(f"unknown configuration {c!r} (known: {', '.join(CONFIGS)})")
+        if not workloads or not configs:
+            raise ValueError("give at least one workload and one configuration")
+        if len(set(configs)) != len(configs) or len(set(workloads)) != len(workloads):
+            raise ValueError("a configuration or workload is named twice")
+        pick = "quick_rates" if args.quick else "default_rates"
+        rates = {w: tuple(sorted(getattr(WORKLOADS[w], pick))) for w in workloads}
+        given = [parse_rates(text) for text in args.rates or ()]
+        for name, values in sorted(given, key=lambda g: g[0] is not None):  # named ones win
+            if name is not None and name not in workloads:
+                raise ValueError(f"--rates {name}=...: {name!r} is not in --workloads")
+            for w in [name] if name is not None else workloads:
+                rates[w] = values
+        requests = args.requests if args.requests is not None else (8 if args.quick else 40)
+        warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
+        if requests < 2:
+            raise ValueError("--requests must be >= 2")
+        if warmup < 0:
+            raise ValueError("--warmup must be >= 0")
+        if args.ttft_slo_factor <= 0 or args.tpot_slo_factor <= 0:
+            raise ValueError("the SLO factors must be > 0")
+        return cls(
+            workloads=workloads,
+            configs=configs,
+            rates=rates,
+            requests=requests,
+            warmup=warmup,
+            seed=args.seed,
+            ttft_slo_factor=args.ttft_slo_factor,
+            tpot_slo_factor=args.tpot_slo_factor,
+            timeout=args.timeout,
+            dtype=DTYPES[args.dtype],
+            server_args=("--max-model-len", str(MAX_MODEL_LEN), *shlex.split(args.server_args)),
+        )
+
+    def units(self) -> int:
+        """Progress units: one per request (references, `single`'s warm-up and
+        c1, every configuration's warm-ups and sweeps)."""
+        per_workload = self.requests + self.warmup + self.requests  # reference, warm-up, c1
+        total = per_workload * len(self.workloads)
+        for c in self.configs:
+            for w in self.workloads:
+                total += (0 if c == "single" else self.warmup) + self.requests * len(self.rates[w])
+        return total
+
+
+def parse_rates(text: str) -> tuple[str | None, tuple[float, ...]]:
+    """`2,4,8` (every workload) or `chat=1,2,3` (one): the workload named, if
+    any, and the rates, ascending."""
+    name, sep, values = text.rpartition("=")
+    try:
+        rates = tuple(float(t) for t in values.split(",") if t.strip())
+    except ValueError:
+        raise ValueError(f"--rates {text!r}: give req/s, comma-separated") from None
+    if not rates or any(r <= 0 for r in rates) or len(set(rates)) != len(rates):
+        raise ValueError(f"--rates {text!r}: distinct positive req/s, comma-separated")
+    return (name.strip() if sep else None), tuple(sorted(rates))
+
+
+def run(args: argparse.Namespace) -> int:
+    from rapidkv.bench.goodput.report import build_report, print_report
+    from rapidkv.bench.serve.report import to_json
+    from rapidkv.bench.serve.run import Progress
+
+    try:
+        opts = Options.from_args(args)
+    except ValueError as e:
+        print(f"rapidkv bench goodput: error: {e}", file=sys.stderr)
+        return 2
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="rapidkv-bench-goodput-"))
+    progress = Progress(opts.units())
+    t0 = time.monotonic()
+    try:
+        sweep = Sweep(opts, log_dir, progress).run()
+    finally:
+        progress.close()
+    command = None
+    if sys.argv[1:3] == ["bench", "goodput"]:
+        command = shlex.join(["rapidkv", "bench", "goodput", *sys.argv[3:]])
+    report = build_report(sweep, opts, log_dir, time.monotonic() - t0, command)
+    print_report(report, sys.stderr if args.json == "-" else sys.stdout)
+    if args.json == "-":
+        print(to_json(report, indent=1))
+    elif args.json:
+        Path(args.json).write_text(to_json(report, indent=1) + "\n")
+    if args.plot:
+        from rapidkv.bench.goodput.plot import plot
+
+        plot(report, args.plot)
+        print(f"plot: {args.plot}", file=sys.stderr)
+    print(f"server logs: {log_dir}", file=sys.stderr)
+    return 0 if report["ok"] else 1
+
+
+# ------------------------------------------------------------------ running
+
+
+@dataclass
+class RateRun:
+    """One configuration at one rate of one workload."""
+
+    rate: float
+    arrivals: list[float]
+    results: list[Any]  # serve.stats.RequestResult, in prompt order
+    wall_s: float
+    placements: dict[str, float] | None = None  # a rapidkv router's, by kind
+    server_cpu_s: dict[str, float] = field(default_factory=dict)  # per process tree
+    client_cpu_s: float = 0.0  # this process: the load generator
+    other_cpu_s: float = 0.0  # everything else on the machine (noise: should be ~0)
+
+
+@dataclass
+class ConfigRun:
+    name: str
+    error: str | None = None
+    startup_s: float | None = None
+    affinity: dict[str, list[str]] = field(default_factory=dict)
+    warmup_errors: list[str] = field(default_factory=list)
+    router_args: dict[str, list[str]] = field(default_factory=dict)  # workload -> appended
+    rates: dict[str, dict[float, RateRun]] = field(default_factory=dict)  # workload -> rate ->
+
+
+@dataclass
+class WorkloadRun:
+    """One workload: its requests, `single`'s reference outputs and c1, its SLOs."""
+
+    name: str
+    max_tokens: tuple[int, ...]
+    prompts: list[list[int]]
+    arrival_seed: int
+    references: list[Any] | None = None  # serve.stats.Reference per prompt
+    error: str | None = None  # why there is no reference or no SLO
+    single_c1: list[Any] | None = None  # RequestResult
+    single_c1_wall_s: float = 0.0
+    single_c1_other_cpu_s: float = 0.0  # noise while the SLOs' base was measured
+    slo: Any = None  # slo.SLO
+
+
+class Sweep:
+    """Every group once: `single` first, then the others (`serve.configs.GROUPS`
+    order), each started, swept on every workload and stopped."""
+
+    def __init__(self, opts: Options, log_dir: Path, progress: Any) -> None:
+        from rapidkv.bench.goodput.workloads import WORKLOADS
+        from rapidkv.harness import random_prompts
+        from rapidkv.models import ensure_model
+
+        self.opts = opts
+        self.log_dir = log_dir
+        self.progress = progress
+        self.model_dir = ensure_model("tiny", dtype=opts.dtype)
+        self.workloads: dict[str, WorkloadRun] = {}
+        for name in opts.workloads:
+            w = WORKLOADS[name]
+            plan = w.plan(opts.requests, opts.seed)
+            prompts = random_prompts(self.model_dir, plan.prompt_lens, seed=w.seed(opts.seed))
+            self.workloads[name] = WorkloadRun(
+                name, plan.max_tokens, prompts, w.seed(opts.seed) + ARRIVAL_SALT
+            )
+        self.configs = {name: ConfigRun(name) for name in opts.configs}
+
+    def run(self) -> Sweep:
+        from rapidkv.bench.serve.configs import CONFIGS, GROUPS
+
+        wanted = {CONFIGS[c].group for c in self.opts.configs} | {"single"}
+        for group in [g for g in GROUPS if g in wanted]:
+            members = [c for c in self.opts.configs if CONFIGS[c].group == group]
+            if group == "single":
+                self.run_single(members)
+            elif not any(w.slo is not None for w in self.workloads.values()):
+                self.fail(members, "not run: single gave no SLO (see its workloads' errors)")
+                self.progress.advance(sum(self.config_units(m) for m in members))
+            else:
+                self.run_group(group, members)
+        return self
+
+    def config_units(self, name: str) -> int:
+        n = sum(len(self.opts.rates[w]) for w in self.workloads) * self.opts.requests
+        return n + (0 if name == "single" else self.opts.warmup * len(self.workloads))
+
+    def fail(self, members: list[str], why: str) -> None:
+        for name in members:
+            if not self.configs[name].error:
+                self.configs[name].error = why[:4000]
+
+    # -------------------------------------------------------------- groups
+
+    def start(self, group_name: str, members: list[str], fronts: set[str | None]) -> Any:
+        """The started group, or the reason it did not start (its members fail)."""
+        from rapidkv.bench.serve.configs import start_group
+
+        self.progress.stage(f"starting {group_name}")
+        try:
+            group = start_group(
+                group_name, self.model_dir, self.log_dir, self.opts.server_args, fronts=fronts
+            )
+        except Exception as e:
+            why = f"{group_name} did not start: {type(e).__name__}: {e}"
+            self.progress.say(why[:3000])
+            self.fail(members, why)
+            return why
+        for name in members:
+            self.configs[name].startup_s = group.startup_s
+            self.configs[name].affinity = group.affinity()
+        return group
+
+    def stop(self, group: Any, members: list[str]) -> None:
+        crashes = group.crashes()
+        if crashes:
+            why = "; ".join(crashes)
+            self.progress.say(f"{group.name}: {why}")
+            for name in members:
+                c = self.configs[name]
+                c.error = (why + (f"; then: {c.error}" if c.error else ""))[:4000]
+        self.progress.stage(f"stopping {group.name}")
+        group.stop()
+
+    def run_single(self, members: list[str]) -> None:
+        """`single`: every workload's reference, warm-up and c1 (the SLOs), then
+        its own sweep when it is a configuration of the run."""
+        from rapidkv.bench.serve.configs import CONFIGS
+
+        n = self.opts.requests
+        group = self.start("single", members, set())
+        if isinstance(group, str):
+            for w in self.workloads.values():
+                w.error = group[:4000]
+            self.progress.advance(len(self.workloads) * (2 * n + self.opts.warmup))
+            self.progress.advance(sum(self.config_units(m) for m in members))
+            return
+        try:
+            url = group.url(CONFIGS["single"])
+            for w in self.workloads.values():
+                self.reference(w, url)
+                self.warm_up("single", w, url, CONFIGS["single"])
+                self.single_c1(w, url, group)
+                if w.slo is not None:
+                    self.progress.say(
+                        f"{w.name}: SLOs TTFT {w.slo.ttft_ms:.1f} ms, TPOT {w.slo.tpot_ms:.2f} ms"
+                    )
+            if "single" in members:
+                self.sweep(group, ["single"])
+        except Exception as e:
+            why = f"single failed: {type(e).__name__}: {e}"
+            self.progress.say(why[:3000])
+            self.fail(members, why)
+            for w in self.workloads.values():
+                if w.slo is None and w.error is None:
+                    w.error = why[:4000]
+        finally:
+            self.stop(group, members)
+
+    def run_group(self, group_name: str, members: list[str]) -> None:
+        from rapidkv.bench.serve.configs import CONFIGS
+
+        fixed = {CONFIGS[m].front for m in members} - {ADAPTIVE_FRONT}
+        group = self.start(group_name, members, fixed)
+        if isinstance(group, str):
+            self.progress.advance(sum(self.config_units(m) for m in members))
+            return
+        try:
+            self.sweep(group, members)
+        except Exception as e:  # a server died, /metrics failed...: the next group still runs
+            why = f"{group_name} failed while measured: {type(e).__name__}: {e}"
+            self.progress.say(why[:3000])
+            self.fail(members, why)
+        finally:
+            self.stop(group, members)
+
+    def sweep(self, group: Any, members: list[str]) -> None:
+        """Per workload: (re)start the adaptive router with its SLOs, warm every
+        member up, then each rate on each member in turn, rates ascending."""
+        from rapidkv.bench.serve.configs import CONFIGS
+
+        for w in self.workloads.values():
+            live = [m for m in members if not self.configs[m].error]
+            skipped = [m for m in members if m not in live]
+            self.progress.advance(
+                sum(self.opts.requests * len(self.opts.rates[w.name]) for _ in skipped)
+            )
+            if w.slo is None:
+                for m in live:
+                    self.configs[m].rates.setdefault(w.name, {})
+                self.progress.advance(
+                    len(live) * (self.opts.requests * len(self.opts.rates[w.name]))
+                )
+                continue
+            for m in live:
+                if CONFIGS[m].front == ADAPTIVE_FRONT:
+                    extra = ["--ttft-slo-ms", f"{w.slo.ttft_ms:.3f}"]
+                    extra += ["--tpot-slo-ms", f"{w.slo.tpot_ms:.3f}"]
+                    self.progress.stage(f"{w.name}: starting {m}'s router ({' '.join(extra)})")
+                    group.start_front(ADAPTIVE_FRONT, extra, label=f"{ADAPTIVE_FRONT}.{w.name}")
+                    self.configs[m].router_args[w.name] = extra
+                    self.configs[m].affinity = group.affinity()  # its router's too
+                if m != "single":
+                    self.warm_up(m, w, group.url(CONFIGS[m]), CONFIGS[m])
+            for rate in self.opts.rates[w.name]:
+                for m in live:
+                    if self.configs[m].error:  # timed out at a lower rate: the rest is skipped
+                        self.progress.advance(self.opts.requests)
+                        continue
+                    self.measure(m, group, w, rate)
+
+    # -------------------------------------------------------------- requests
+
+    def reference(self, w: WorkloadRun, url: str) -> None:
+        """`single`'s greedy outputs with top-2 margins, at the workload's longest
+        `max_tokens`; each request's reference is its prefix of that."""
+        from rapidkv.bench.serve.run import take_references
+
+        self.progress.stage(f"{w.name}: reference (single, logprobs=2)")
+        try:
+            refs = take_references(url, w.prompts, max(w.max_tokens), self.opts.timeout)
+        except Exception as e:
+            w.error = f"reference pass failed: {type(e).__name__}: {e}"[:4000]
+            self.progress.say(w.error)
+        else:
+            w.references = [r.prefix(m) for r, m in zip(refs, w.max_tokens, strict=True)]
+        self.progress.advance(len(w.prompts))
+
+    def warm_up(self, name: str, w: WorkloadRun, url: str, config: Any) -> None:
+        from rapidkv.bench.serve.configs import helper_cpus
+        from rapidkv.bench.serve.loads import Load, run_load
+
+        k = min(self.opts.warmup, len(w.prompts))
+        if k == 0:
+            return
+        self.progress.stage(f"{w.name}: warm-up {name}")
+        results, _ = run_load(
+            url,
+            w.prompts[:k],
+            w.max_tokens[:k],
+            Load("warmup", concurrency=1),
+            params=config.params,
+            timeout_s=self.opts.timeout,
+            on_done=self.progress.advance,
+            cpus=helper_cpus(config.group),
+        )
+        for r in results:
+            if r.error:
+                self.progress.say(f"{name}: {w.name} warm-up request failed: {r.error}")
+                if name in self.configs:
+                    self.configs[name].warmup_errors.append(r.error)
+
+    def single_c1(self, w: WorkloadRun, url: str, group: Any) -> None:
+        """Every request once on `single`, one at a time: the SLOs' base."""
+        from rapidkv.bench.goodput.slo import derive
+        from rapidkv.bench.serve.configs import CONFIGS, helper_cpus
+        from rapidkv.bench.serve.loads import Load, run_load
+        from rapidkv.bench.serve.run import PAIR_PAUSE_S
+        from rapidkv.bench.serve.stats import summarize
+
+        self.progress.stage(f"{w.name}: single c1 (the SLOs)")
+        time.sleep(PAIR_PAUSE_S)  # vLLM spins on its queues for 1 s after a step
+        cpu = CpuWindow(group)
+        results, wall = run_load(
+            url,
+            w.prompts,
+            w.max_tokens,
+            Load("c1", concurrency=1),
+            timeout_s=self.opts.timeout,
+            on_done=self.progress.advance,
+            cpus=helper_cpus(CONFIGS["single"].group),
+        )
+        w.single_c1, w.single_c1_wall_s = results, wall
+        w.single_c1_other_cpu_s = cpu.close()[2]
+        ok = [r for r in results if r.error is None]
+        try:
+            w.slo = derive(
+                summarize([r.ttft_ms for r in ok])["p50"],
+                summarize([r.tpot_ms for r in ok])["p50"],
+                self.opts.ttft_slo_factor,
+                self.opts.tpot_slo_factor,
+            )
+        except ValueError as e:
+            w.error = f"{e} ({len(results) - len(ok)} of {len(results)} c1 requests failed)"
+            self.progress.say(f"{w.name}: {w.error}")
+
+    def measure(self, name: str, group: Any, w: WorkloadRun, rate: float) -> None:
+        """All the workload's requests on `name`, open loop at `rate`."""
+        from rapidkv.bench.goodput.arrivals import poisson_arrivals
+        from rapidkv.bench.goodput.slo import rate_key
+        from rapidkv.bench.serve.configs import CONFIGS, helper_cpus
+        from rapidkv.bench.serve.loads import TIMEOUT, Load, run_load
+        from rapidkv.bench.serve.run import PAIR_PAUSE_S
+
+        config = CONFIGS[name]
+        self.progress.stage(f"{w.name}: {name} at {rate_key(rate)} req/s")
+        arrivals = poisson_arrivals(len(w.prompts), rate, w.arrival_seed)
+        url = group.url(config)
+        router = (config.front or "").startswith("router")
+        time.sleep(PAIR_PAUSE_S)  # vLLM spins on its queues for 1 s after a step
+        before = placements(url) if router else None
+        cpu = CpuWindow(group)
+        results, wall = run_load(
+            url,
+            w.prompts,
+            w.max_tokens,
+            Load(f"poisson{rate_key(rate)}", rate=rate),
+            params=config.params,
+            timeout_s=self.opts.timeout,
+            on_done=self.progress.advance,
+            cpus=helper_cpus(config.group),
+            arrivals=arrivals,
+        )
+        run = RateRun(rate, arrivals, results, wall)
+        run.server_cpu_s, run.client_cpu_s, run.other_cpu_s = cpu.close()
+        if before is not None:
+            after = placements(url)
+            run.placements = {k: after[k] - before.get(k, 0.0) for k in after}
+        self.configs[name].rates.setdefault(w.name, {})[rate] = run
+        if any(r.error and r.error.startswith(TIMEOUT) for r in results):
+            why = (
+                f"{name}: a request at {rate_key(rate)} req/s ({w.name}) had no complete "
+                f"answer within {self.opts.timeout:.0f}s; its higher rates were not run"
+            )
+            self.progress.say(why)
+            self.configs[name].error = why
+
+
+class CpuWindow:
+    """CPU seconds used from its creation to `close`: by each of the group's
+    process trees, by this process (the client), and by everything else on the
+    machine (another user's work: noise that lands on some configurations and
+    not on others)."""
+
+    def __init__(self, group: Any) -> None:
+        from rapidkv.harness.procs import machine_busy_cpu_seconds, tree_cpu_seconds
+
+        self.group = group
+        self.busy = machine_busy_cpu_seconds()
+        self.client = tree_cpu_seconds([os.getpid()])
+        self.trees = group.cpu_seconds()
+
+    def close(self) -> tuple[dict[str, float], float, float]:
+        """(server CPU s per tree, client CPU s, other CPU s)."""
+        from rapidkv.harness.procs import machine_busy_cpu_seconds, tree_cpu_seconds
+
+        trees = self.group.cpu_seconds()
+        client = tree_cpu_seconds([os.getpid()]) - self.client
+        busy = machine_busy_cpu_seconds() - self.busy
+        servers = {k: v - self.trees.get(k, 0.0) for k, v in trees.items()}
+        return servers, client, busy - sum(servers.values()) - client
+
+
+PLACEMENT_KINDS = ("local", "pd", "split")
+
+
+def placements(router_url: str) -> dict[str, float]:
+    """A rapidkv router's requests so far by placement kind (its /metrics)."""
+    from rapidkv.harness import get_metrics, metric_sum
+
+    m = get_metrics(router_url)
+    return {k: metric_sum(m, "rapidkv_router_placements_total", kind=k) for k in PLACEMENT_KINDS}

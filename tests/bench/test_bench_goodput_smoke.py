@@ -1,0 +1,84 @@
+"""`rapidkv bench goodput`: a smoke run of the command (its pure parts are
+tested in test_goodput_slo.py and test_goodput_report.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_bench_goodput_sweeps_single_and_rapidkv_adaptive_and_matches(tmp_path: Path) -> None:
+    """`--quick` on one workload, `single` and `rapidkv-adaptive` only: the
+    SLOs come from `single`'s c1, the adaptive router runs with them, every
+    rate of both configurations is measured, every output equals the
+    reference, and the JSON has the documented keys."""
+    out = tmp_path / "goodput.json"
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rapidkv.cli",
+            "bench",
+            "goodput",
+            "--quick",
+            "--workloads",
+            "prefill-heavy",
+            "--configs",
+            "single,rapidkv-adaptive",
+            "--json",
+            str(out),
+            "--plot",
+            str(tmp_path / "goodput.png"),
+            "--log-dir",
+            str(tmp_path / "logs"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["ok"] is True and report["meta"]["cpu"]
+    assert report["acceptance"]["hard_mismatches_all_configs"] == 0
+    w = report["workloads"]["prefill-heavy"]
+    assert w["error"] is None and w["rates"] == [2.0, 8.0]
+    slo, c1 = w["slo"], w["single_c1"]
+    assert slo["ttft_ms"] == pytest.approx(4 * c1["ttft_ms"]["p50"])
+    assert slo["tpot_ms"] == pytest.approx(1.5 * c1["tpot_ms"]["p50"])
+    assert c1["requests"] == 8 and c1["errors"] == 0 and c1["hard_mismatches"] == 0
+    assert set(w["configs"]) == {"single", "rapidkv-adaptive"}
+    for name, c in w["configs"].items():
+        assert c["error"] is None and c["errors"] == 0 and c["hard_mismatches"] == 0, name
+        assert set(c["attainment"]) == {"2", "8"} and set(c["rates"]) == {"2", "8"}, name
+        assert all(0.0 <= a <= 1.0 for a in c["attainment"].values()), name
+        assert c["goodput_req_s"] in (0.0, 2.0, 8.0), name
+        for s in c["rates"].values():
+            assert s["requests"] == 8 and s["errors"] == 0 and s["hard_mismatches"] == 0
+            assert s["ttft_ms"]["p50"] > 0 and s["tpot_ms"]["p90"] > 0
+            assert s["server_cpu_s"] and s["other_cpu_cores"] is not None
+    adaptive = w["configs"]["rapidkv-adaptive"]
+    assert adaptive["router_args"] == [
+        "--ttft-slo-ms",
+        f"{slo['ttft_ms']:.3f}",
+        "--tpot-slo-ms",
+        f"{slo['tpot_ms']:.3f}",
+    ]
+    for s in adaptive["rates"].values():  # the router placed every request
+        assert sum(s["placements"].values()) == 8
+    assert w["configs"]["single"]["rates"]["2"]["placements"] is None
+    # P and the router on core 0, D alone on core 1
+    assert adaptive["affinity"] == {"prefill": ["0"], "decode": ["1"], "router-adaptive": ["0"]}
+    fronts = sorted(p.name for p in (tmp_path / "logs").rglob("rapidkv.router*.log"))
+    assert fronts == ["rapidkv.router-adaptive.prefill-heavy.log"]
+    assert (tmp_path / "goodput.png").stat().st_size > 0
+    assert "result: OK" in proc.stdout
+    print(f"bench goodput smoke: {elapsed:.0f}s")
