@@ -601,6 +601,7 @@ def test_health_needs_one_answering_p_and_one_answering_d(
             "healthy": True,
             "detail": "HTTP 200",
             "dispatching": True,
+            "draining": False,
             "transfers": "unknown",  # no control address: not watched
         }
     ]
