@@ -51,6 +51,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -101,6 +102,63 @@ class NetnsLink:
             "rate": self.rate,
             "qdisc": " ".join(self.tbf) if self.tbf else None,
         }
+
+
+_SINK = """
+import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], 0)); s.listen(); print(s.getsockname()[1], flush=True)
+c, _ = s.accept(); n = 0
+while (d := c.recv(1 << 20)):
+    n += len(d)
+print(n, flush=True)
+"""
+_SOURCE = """
+import socket, sys, time
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+buf = bytes(1 << 20); t = time.perf_counter()
+for _ in range(int(sys.argv[3])):
+    c.sendall(buf)
+c.shutdown(socket.SHUT_WR); c.recv(1); c.close()  # the sink has read it all
+print(time.perf_counter() - t, flush=True)
+"""
+
+
+def tcp_throughput(link: NetnsLink, mib: int = 64, timeout: float = 120.0) -> dict[str, float]:
+    """One TCP stream A -> B of `mib` MiB (plain sockets, one process per side):
+    GB/s from the first send to the sink's end of reading, and the bytes A's
+    veth end sent meanwhile."""
+    sink = subprocess.Popen(
+        [*netns_exec_prefix(link.b.name), sys.executable, "-c", _SINK, link.b.host],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert sink.stdout is not None
+        port = sink.stdout.readline().strip()
+        if not port:
+            raise RuntimeError("the sink in namespace B did not start")
+        before = link.tx_bytes(link.a)
+        source = [sys.executable, "-c", _SOURCE, link.b.host, port, str(mib)]
+        out = subprocess.run(
+            [*netns_exec_prefix(link.a.name), *source],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=True,
+        )
+        got = int(sink.stdout.readline())
+        if got != mib << 20:
+            raise RuntimeError(f"the sink read {got} bytes of {mib << 20}")
+        return {
+            "gbps": round((mib << 20) / float(out.stdout) / 1e9, 4),
+            "veth_bytes": link.tx_bytes(link.a) - before,
+            "bytes": mib << 20,
+        }
+    finally:
+        sink.kill()
+        sink.wait(10)
 
 
 def netns_exec_prefix(netns: str | None) -> list[str]:
