@@ -316,6 +316,7 @@ def test_spec_in_a_network_namespace_runs_behind_ip_netns_exec(tmp_path: Path) -
     server6 = VLLMServer(spec.replace(host="::1"), tmp_path)
     server6.port = 8001
     assert server6.base_url == "http://[::1]:8001"
+    assert spec.environment()["VLLM_HOST_IP"] == "10.77.1.1"
     plain = ServerSpec(model=tmp_path).argv(1)
     assert "netns" not in plain and plain[plain.index("--host") + 1] == "127.0.0.1"
     with pytest.raises(ValueError, match="namespace name"):

@@ -162,6 +162,8 @@ class ServerSpec:
         env["RAPIDKV_ROLE"] = self.role
         if self.cpus is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = _cpu_list(self.cpus)
+        if self.netns is not None:  # vLLM guesses its address by a default route; none here
+            env["VLLM_HOST_IP"] = self.host
         env.update(self.env)
         return env
 
