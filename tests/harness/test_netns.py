@@ -91,3 +91,37 @@ def test_a_real_link_caps_a_to_b_and_is_gone_afterwards() -> None:
     assert not set(names) & set(left)
     links = subprocess.run(["ip", "-br", "link"], capture_output=True, text=True).stdout
     assert f"rkv{link.index}r" not in links
+
+
+def test_where_namespaces_are_not_allowed_the_reason_is_given_and_nothing_left(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Not root, or `ip netns add` refused (a container without CAP_SYS_ADMIN):
+    `NetnsUnavailable` says which; whatever was created is deleted again."""
+    from rapidkv.harness import netns
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(NetnsUnavailable, match="needs root"), netns_link():
+        pass
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(netns.shutil, "which", lambda tool: f"/usr/sbin/{tool}")
+    monkeypatch.setattr(netns, "_existing", lambda: [])
+    monkeypatch.setattr(netns, "sweep_stale", lambda: [])
+    deleted = []
+    monkeypatch.setattr(netns, "_delete", lambda n, names: deleted.append((n, list(names))))
+
+    def refuse(args, tool="ip"):
+        if args[:2] == ["netns", "add"]:
+            raise netns._Refused(
+                "`ip netns add x` failed: mount --make-shared /run/netns failed: "
+                "Operation not permitted"
+            )
+        return ""
+
+    monkeypatch.setattr(netns, "_ip", refuse)
+    with (
+        pytest.raises(NetnsUnavailable, match=r"does not allow the link.*Operation not permitted"),
+        netns_link(rate="1gbit"),
+    ):
+        pass
+    assert deleted and deleted[0][0] == 1 and len(deleted[0][1]) == 2

@@ -311,6 +311,8 @@ def _create(n: int, pid: int, rate: str | None, latency: str) -> NetnsLink:
             _ip(["link", "set", dev, "up"])
         _ip(["route", "add", f"{addr['a']}/32", "via", addr["a_root"], "dev", f"rkv{n}ra"])
         _ip(["route", "add", f"{addr['b']}/32", "via", addr["b_root"], "dev", f"rkv{n}rb"])
+        # a command must run in it (`ip netns exec` mounts the namespace's /sys)
+        _ip(["netns", "exec", a, "ip", "link", "show", "dev", dev_a])
         if tbf:
             if shutil.which("tc") is None:
                 raise NetnsUnavailable("a rate cap needs `tc` (iproute2), not on this machine")
