@@ -475,3 +475,49 @@ def test_the_paired_ratio_interval_is_seeded_and_brackets_what_the_blocks_show()
     assert lo == pytest.approx(1.2) and hi == pytest.approx(1.2)
     assert all(math.isnan(v) for v in paired_ratio_interval([]))
     assert all(math.isnan(v) for v in paired_ratio_interval([([], [5.0])]))
+
+
+@pytest.mark.unit
+def test_netns_link_places_rapidkv_and_refuses_the_nixl_baselines() -> None:
+    """`--netns-link RATE`: by default `single` and `rapidkv`; configurations of
+    vLLM's NIXL groups would run on one host and are refused; a bad rate too.
+    rapidkv's P binds every interface in namespace A and advertises its link
+    address, D binds its own; both data planes get their link address."""
+    from types import SimpleNamespace
+
+    from rapidkv.bench.serve import register
+    from rapidkv.bench.serve.configs import _group_plan, rapidkv_control
+    from rapidkv.harness.netns import NetnsLink, Side
+
+    parser = argparse.ArgumentParser()
+    register(parser)
+    opts = Options.from_args(parser.parse_args(["--quick", "--netns-link", "1gbit"]))
+    assert opts.configs == ("single", "rapidkv") and opts.netns_link == "1gbit"
+    assert "vllm-nixl" in Options.from_args(parser.parse_args(["--quick"])).configs
+    with pytest.raises(ValueError, match="vllm-nixl"):
+        Options.from_args(parser.parse_args(["--netns-link", "1gbit", "--configs", "vllm-nixl"]))
+    with pytest.raises(ValueError, match="rate"):
+        Options.from_args(parser.parse_args(["--netns-link", "1gb"]))
+
+    link = NetnsLink(
+        3, Side("ns-a", "10.77.3.1", "rkv3a"), Side("ns-b", "10.77.3.2", "rkv3b"), "1gbit", ()
+    )
+    keyed, fronts = _group_plan("rapidkv", Path("/m"), Path("/logs"), (), link)
+    (_, p), (_, d) = keyed
+    assert (p.netns, p.host, d.netns, d.host) == ("ns-a", "10.77.3.1", "ns-b", "10.77.3.2")
+    p_extra = p.kv_transfer_config["kv_connector_extra_config"]
+    d_extra = d.kv_transfer_config["kv_connector_extra_config"]
+    assert p_extra["control_host"] == "0.0.0.0" and p_extra["kvt_host"] == "10.77.3.1"
+    assert d_extra["control_host"] == "10.77.3.2" and d_extra["kvt_host"] == "10.77.3.2"
+    p_control = rapidkv_control(p.kv_transfer_config)
+    assert p_control == f"10.77.3.1:{p_extra['control_port']}"
+    servers = {
+        "prefill": SimpleNamespace(base_url="http://10.77.3.1:1"),
+        "decode": SimpleNamespace(base_url="http://10.77.3.2:2"),
+    }
+    dual = dict(fronts(SimpleNamespace(servers=servers)))["router-dual"]
+    assert dual[dual.index("--prefill") + 1] == f"http://10.77.3.1:1={p_control}"
+    local, _ = _group_plan("rapidkv", Path("/m"), Path("/logs"), ())
+    assert local[0][1].netns is None and rapidkv_control(local[0][1].kv_transfer_config)[:10] == (
+        "127.0.0.1:"
+    )

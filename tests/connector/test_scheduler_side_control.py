@@ -338,3 +338,23 @@ def test_with_a_secret_a_peer_without_it_can_do_nothing(
         for client in strangers:
             client.close()
         side.close()
+
+
+def test_a_wildcard_bind_advertises_the_configured_host() -> None:
+    """Bound to every interface, the control plane tells routers (the discovery
+    answer, every P answer) and P (D's handshakes) the advertised host, at the
+    port it bound; the wildcard itself is never given out."""
+    config = ConnectorConfig(
+        transport="tcp", control_host="0.0.0.0", control_advertise_host="127.0.0.1"
+    )
+    side = SchedulerSide(config, "P", 16, 1, "fingerprint")
+    try:
+        bound = side.server.address
+        port = int(bound.rpartition(":")[2])
+        assert bound.startswith("0.0.0.0:")
+        assert side.identity()["rapidkv"]["control"] == f"127.0.0.1:{port}"
+        assert side.shared.control_address == f"127.0.0.1:{port}"
+        with RpcClient() as client:  # reached at the advertised address
+            assert client.call(f"127.0.0.1:{port}", StatsRequest(), 5).counters is not None
+    finally:
+        side.close()

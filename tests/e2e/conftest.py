@@ -17,6 +17,7 @@ from pd_harness import (
     LENGTHS,
     MAX_TOKENS,
     MODE_RUNS,
+    NETNS_LENGTHS,
     SMALL_P_WORKLOADS,
     Pair,
     connector_config,
@@ -98,6 +99,12 @@ def workloads(tiny_model: Path, single_server_starter) -> dict[str, tuple[list, 
     out["fleet"] = (fleet, complete_many(single.base_url, fleet, MAX_TOKENS, concurrency=4))
     fleet3 = random_prompts(tiny_model, [300, 500, 700, 200, 600, 400, 800, 250], seed=2301)
     out["fleet-3"] = (fleet3, complete_many(single.base_url, fleet3, MAX_TOKENS, concurrency=4))
+    # P and D in two network namespaces (test_pd_netns): at concurrency 4, then
+    # one at a time (split prefills across the capped link)
+    netns = random_prompts(tiny_model, NETNS_LENGTHS, seed=2400)
+    out["netns"] = (netns, complete_many(single.base_url, netns, MAX_TOKENS, concurrency=4))
+    netns_split = random_prompts(tiny_model, [450, 800], seed=2401)
+    out["netns-split"] = (netns_split, complete_many(single.base_url, netns_split, MAX_TOKENS))
     split_fail = random_prompts(tiny_model, [600, 700], seed=2100)
     out["split_fail"] = (split_fail, complete_many(single.base_url, split_fail, MAX_TOKENS))
     # text prompts (the router tokenizes them on P): random ids, detokenized

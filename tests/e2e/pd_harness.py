@@ -69,19 +69,21 @@ LATE_LENGTHS = [300, 450, 250, 500, 380, 420, 260, 480]
 # a mixed load for adaptive placement: short prompts first (local), then long
 # ones (split when the fleet is idle), then all of them at once
 FLEET_LENGTHS = [40, 900, 60, 850, 30, 900, 800, 50, 700, 880, 650, 45, 900, 760, 35, 820]
+# P and D in two network namespaces: short, one block, many blocks, the longest
+NETNS_LENGTHS = [5, 129, 300, 640, 900, 256, 500, 1000 - MAX_TOKENS]
 
 
-def connector_config(control_port: int) -> dict:
+def connector_config(control_port: int, **extra: object) -> dict:
     # every TTL well above the 2 s leak window: a timeout cannot hide a leak;
     # 5 ms after each layer: a step's layer-by-layer sends are observable;
     # D gives up on a silent P after 10 s (a frozen P's test waits that long)
-    return kv_transfer_config(
-        control_port,
-        park_ttl_s=30.0,
-        finished_ttl_s=60.0,
-        rpc_timeout_s=10.0,
-        debug_layer_delay_s=0.005,
-    )
+    settings = {
+        "park_ttl_s": 30.0,
+        "finished_ttl_s": 60.0,
+        "rpc_timeout_s": 10.0,
+        "debug_layer_delay_s": 0.005,
+    }
+    return kv_transfer_config(control_port, **{**settings, **extra})
 
 
 class Pair:

@@ -298,3 +298,26 @@ def test_random_prompts_are_deterministic_and_valid(tiny_model: Path) -> None:
     specials = {config["bos_token_id"], config["eos_token_id"]}
     assert all(t in vocab and t not in specials for p in a for t in p)
     assert all(0 <= t < config["vocab_size"] for p in a for t in p)
+
+
+def test_spec_in_a_network_namespace_runs_behind_ip_netns_exec(tmp_path: Path) -> None:
+    """`netns`: `ip netns exec NS` first (it execs: the server keeps its pid and
+    group), then taskset; `host` is what the server binds and its URL names."""
+    spec = ServerSpec(model=tmp_path, cpus=(0,), netns="rapidkv-1-2-a", host="10.77.1.1")
+    argv = spec.argv(8000)
+    assert argv[0].endswith("/ip") and argv[1:4] == ["netns", "exec", "rapidkv-1-2-a"]
+    assert argv[4].endswith("taskset") and argv[5:7] == ["-c", "0"]
+    assert argv[argv.index("--host") + 1] == "10.77.1.1"
+    from rapidkv.harness import VLLMServer
+
+    server = VLLMServer(spec, tmp_path)
+    server.port = 8000
+    assert server.base_url == "http://10.77.1.1:8000"
+    server6 = VLLMServer(spec.replace(host="::1"), tmp_path)
+    server6.port = 8001
+    assert server6.base_url == "http://[::1]:8001"
+    assert spec.environment()["VLLM_HOST_IP"] == "10.77.1.1"
+    plain = ServerSpec(model=tmp_path).argv(1)
+    assert "netns" not in plain and plain[plain.index("--host") + 1] == "127.0.0.1"
+    with pytest.raises(ValueError, match="namespace name"):
+        spec.replace(netns="../x").argv(1)

@@ -13,14 +13,25 @@
 
 The sender runs in this process, pinned to `--sender-cpu`; the receiver in a
 spawned process pinned to `--receiver-cpu`. Results: JSON on stdout.
+
+With `--netns-link RATE` (e.g. ``1gbit``) the two run as on two hosts: the
+sender in one network namespace, the receiver in another, joined by a veth
+pair capped at RATE (`harness.netns`); each transport is given its side's
+address on that link, as the connector's ``kvt_host`` does (NIXL: UCX over TCP
+on that interface). This process creates the link, measures one plain TCP
+stream across it (`link.tcp`), runs the measurement in namespace A (the same
+command, `--netns-peer`), and removes the link. Needs root; says why not
+otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
+import signal
 import sys
 import threading
 import time
@@ -41,10 +52,21 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     parser.add_argument("--sender-cpu", type=int, default=0)
     parser.add_argument("--receiver-cpu", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="print only the JSON result")
+    parser.add_argument(
+        "--netns-link",
+        metavar="RATE",
+        default=None,
+        help="sender and receiver in two network namespaces joined by a veth capped at "
+        "RATE (tc rate: 1gbit, 500mbit, ...); needs root",
+    )
+    parser.add_argument("--netns-peer", default=None, help=argparse.SUPPRESS)
     return run
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.netns_link is not None:
+        return run_across_link(args)
+    peer = json.loads(args.netns_peer) if args.netns_peer else None
     result = measure(
         transports=[t for t in args.transports.split(",") if t],
         repeats=args.repeats,
@@ -53,7 +75,75 @@ def run(args: argparse.Namespace) -> int:
         sender_cpu=args.sender_cpu,
         receiver_cpu=args.receiver_cpu,
         progress=None if args.json else lambda msg: print(msg, file=sys.stderr),
+        peer=peer,
     )
+    print(json.dumps(result, indent=None if args.json else 2))
+    return 0
+
+
+def run_across_link(args: argparse.Namespace) -> int:
+    """`--netns-link`: the link, a plain TCP stream across it, then this very
+    command in namespace A with the receiver's side named (`--netns-peer`)."""
+    import subprocess
+
+    from rapidkv.harness.netns import (
+        NetnsUnavailable,
+        netns_exec_prefix,
+        netns_link,
+        rate_bits,
+        tcp_throughput,
+    )
+    from rapidkv.harness.server import SRC_DIR
+
+    say = (lambda msg: None) if args.json else (lambda msg: print(msg, file=sys.stderr))
+    # SIGTERM (a `timeout`) unwinds like Ctrl-C: the link is removed, the run in A stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        link_cm = netns_link(rate=args.netns_link)
+        link = link_cm.__enter__()
+    except (NetnsUnavailable, ValueError) as e:
+        print(f"rapidkv bench kvt: --netns-link: {e}", file=sys.stderr)
+        return 2
+    child: subprocess.Popen | None = None
+    try:
+        say(f"link {link.a.name} <-> {link.b.name}: {' '.join(link.tbf) or 'no cap'}")
+        say("one TCP stream across the link ...")
+        tcp = tcp_throughput(link)
+        # a full send is one write of 1 GiB: it must be confirmed within the
+        # worker's write timeout, 10 s by default, ~9 s at 1 Gbit/s
+        link_s = LAYERS * BLOCKS * BLOCK_BYTES * 8 / rate_bits(args.netns_link)
+        peer = {
+            "a_host": link.a.host,
+            "b_host": link.b.host,
+            "b_netns": link.b.name,
+            "write_timeout_s": max(10.0, 4 * link_s),
+        }
+        argv = [sys.executable, "-m", "rapidkv.cli", "bench", "kvt", "--json"]
+        argv += ["--transports", args.transports, "--repeats", str(args.repeats)]
+        argv += ["--steps", str(args.steps), "--layer-ms", str(args.layer_ms)]
+        argv += ["--sender-cpu", str(args.sender_cpu), "--receiver-cpu", str(args.receiver_cpu)]
+        argv += ["--netns-peer", json.dumps(peer)]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC_DIR), env.get("PYTHONPATH")]))
+        say(f"measuring in {link.a.name} ...")
+        child = subprocess.Popen(
+            [*netns_exec_prefix(link.a.name), *argv], env=env, stdout=subprocess.PIPE, text=True
+        )
+        out, _ = child.communicate()
+        if child.returncode != 0:
+            print(f"rapidkv bench kvt: the run in {link.a.name} failed", file=sys.stderr)
+            return child.returncode or 1
+        # the JSON is the last line (NIXL logs to stdout too)
+        result = json.loads(next(x for x in reversed(out.splitlines()) if x.startswith("{")))
+        result["link"] = {**link.describe(), "tcp": tcp}
+        for entry in result["transports"].values():
+            for key in ("contiguous", "scattered"):
+                entry[f"{key}_vs_link_tcp"] = round(entry[f"{key}_gbps"] / tcp["gbps"], 3)
+    finally:
+        if child is not None and child.poll() is None:
+            child.kill()
+            child.wait(30)
+        link_cm.__exit__(None, None, None)
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
 
@@ -81,7 +171,12 @@ def kv_buffers(fill: bool) -> tuple[Any, Any]:
     return storage, Layout(layers, BLOCKS)
 
 
-def receiver_main(kind: str, cpu: int, conn: Any) -> None:
+def transport_options(kind: str, host: str | None) -> dict[str, Any]:
+    """What the connector gives a transport for `kvt_host` = `host` (None: nothing)."""
+    return {} if host is None else {"host": host}
+
+
+def receiver_main(kind: str, cpu: int, conn: Any, host: str | None = None) -> None:
     """The destination: a KvtWorker over zeroed memory; answers checksum requests."""
     import msgspec
 
@@ -91,7 +186,10 @@ def receiver_main(kind: str, cpu: int, conn: Any) -> None:
     os.sched_setaffinity(0, {cpu})
     storage, layout = kv_buffers(fill=False)
     worker = KvtWorker(
-        create_transport(kind, "bench-dst"), layout, rank=0, block_size=TOKENS_PER_BLOCK
+        create_transport(kind, "bench-dst", **transport_options(kind, host)),
+        layout,
+        rank=0,
+        block_size=TOKENS_PER_BLOCK,
     )
     conn.send((worker.metadata, msgspec.msgpack.encode(layout)))
     while True:
@@ -140,7 +238,7 @@ def memcpy_gbps(repeats: int) -> float:
 class Sender:
     """This process's side: a KvtWorker connected to a spawned receiver."""
 
-    def __init__(self, kind: str, receiver_cpu: int) -> None:
+    def __init__(self, kind: str, receiver_cpu: int, peer: dict[str, Any] | None = None) -> None:
         import multiprocessing as mp
 
         import msgspec
@@ -151,20 +249,35 @@ class Sender:
 
         self.storage, layout = kv_buffers(fill=True)
         ctx = mp.get_context("spawn")
+        self.script = None  # removed at close: /bin/sh opens it after the exec
+        if peer is not None:  # the receiver's interpreter runs in namespace B
+            self.script = netns_python(peer["b_netns"])
+            ctx.set_executable(self.script)
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=receiver_main, args=(kind, receiver_cpu, child))
+        b_host = peer["b_host"] if peer else None
+        self.proc = ctx.Process(target=receiver_main, args=(kind, receiver_cpu, child, b_host))
         self.proc.start()
-        meta, dst_layout = self.conn.recv()
+        child.close()  # a receiver that dies is an EOF here
+        try:
+            if not self.conn.poll(120):
+                raise TimeoutError("the receiver did not start in 120 s")
+            meta, dst_layout = self.conn.recv()
+        except BaseException:
+            self.proc.kill()
+            self._remove_script()
+            raise
         self.posted: list[tuple[str, float, float, int]] = []
         self.done: dict[str, Any] = {}
         self.done_cond = threading.Condition()
+        a_host = peer["a_host"] if peer else None
         self.worker = KvtWorker(
-            create_transport(kind, "bench-src"),
+            create_transport(kind, "bench-src", **transport_options(kind, a_host)),
             layout,
             rank=0,
             block_size=TOKENS_PER_BLOCK,
             on_send_done=self._on_done,
             on_posted=lambda *a: self.posted.append(a),
+            write_timeout_s=float(peer["write_timeout_s"]) if peer else 10.0,
         )
         self.peer = self.worker.add_peer(meta, msgspec.msgpack.decode(dst_layout, type=Layout))
         self.n = 0
@@ -317,6 +430,30 @@ class Sender:
         self.proc.join(10)
         if self.proc.is_alive():
             self.proc.kill()
+        self._remove_script()
+
+    def _remove_script(self) -> None:
+        if self.script is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.script)
+            self.script = None
+
+
+def netns_python(netns: str) -> str:
+    """An executable that runs this Python in network namespace `netns` (for
+    multiprocessing's spawn: a script exec-ing ``ip netns exec NETNS python``,
+    which keeps the file descriptors spawn hands over)."""
+    import shlex
+    import tempfile
+
+    from rapidkv.harness.netns import netns_exec_prefix
+
+    fd, path = tempfile.mkstemp(prefix="rapidkv-netns-python-", suffix=".sh")
+    cmd = shlex.join([*netns_exec_prefix(netns), sys.executable])
+    with os.fdopen(fd, "w") as f:
+        f.write(f'#!/bin/sh\nexec {cmd} "$@"\n')
+    os.chmod(path, 0o755)
+    return path
 
 
 def measure(
@@ -327,6 +464,7 @@ def measure(
     sender_cpu: int,
     receiver_cpu: int,
     progress: Callable[[str], None] | None,
+    peer: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     say = progress or (lambda msg: None)
     os.sched_setaffinity(0, {sender_cpu})
@@ -334,7 +472,7 @@ def measure(
     result: dict[str, Any] = {"memcpy_gbps": round(memcpy_gbps(repeats), 2), "transports": {}}
     for kind in transports:
         say(f"{kind}: full sends ...")
-        sender = Sender(kind, receiver_cpu)
+        sender = Sender(kind, receiver_cpu, peer)
         try:
             entry: dict[str, Any] = {
                 "contiguous_gbps": round(sender.full_send_gbps(False, repeats), 2),

@@ -10,16 +10,27 @@ from typing import Any, Literal
 
 import msgspec
 
+from rapidkv.control.address import WILDCARD_HOSTS
+
 TransferKVMode = Literal["step", "bypass", "substep"]
 
 
 class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    # control plane: where this instance's RPC server listens (P side)
+    # control plane: where this instance's RPC server listens (P side), and the
+    # host peers and routers are told to reach it at (default: control_host;
+    # required when control_host is a wildcard such as 0.0.0.0)
     control_host: str = "127.0.0.1"
+    control_advertise_host: str | None = None
     control_port: int = 0  # 0: pick a free port (logged); give one for the router
     secret: str | None = None  # shared secret authenticating control messages
     # data plane
     transport: Literal["nixl", "tcp"] = "nixl"
+    # the data plane's address (None: loopback for tcp, UCX's own choice for
+    # nixl). tcp binds it and advertises kvt_advertise_host (default: kvt_host;
+    # required with a wildcard); nixl runs UCX over TCP on the interface holding
+    # it (`transport_options`)
+    kvt_host: str | None = None
+    kvt_advertise_host: str | None = None
     transfer_kv_mode: TransferKVMode = "substep"
     write_timeout_s: float = 10.0
     hugepages: bool = True  # back registered KV memory with huge pages
@@ -57,12 +68,66 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     debug_send_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
+        for problem in self.address_problems():
+            raise ValueError(problem)
         if not 0.0 <= self.debug_fail_transfer_rate <= 1.0:
             raise ValueError("debug_fail_transfer_rate must be between 0 and 1")
         if self.debug_send_delay_s < 0:
             raise ValueError("debug_send_delay_s must be >= 0")
         if not self.peer_idle_ttl_s > 0:
             raise ValueError("peer_idle_ttl_s must be > 0")
+
+    def address_problems(self) -> list[str]:
+        """What is wrong with the bind and advertised addresses (empty: nothing)."""
+        out = []
+        if not self.control_host:
+            out.append("control_host must name a host (0.0.0.0 for every interface)")
+        elif self.control_host in WILDCARD_HOSTS and not self.control_advertise_host:
+            out.append(
+                f"control_host {self.control_host!r} binds every interface: give "
+                "control_advertise_host, the address peers and routers reach this instance at"
+            )
+        if self.control_advertise_host is not None and (
+            self.control_advertise_host in WILDCARD_HOSTS
+        ):
+            out.append(f"control_advertise_host {self.control_advertise_host!r} names no host")
+        if self.kvt_advertise_host is not None and self.kvt_host is None:
+            out.append("kvt_advertise_host needs kvt_host (the address to bind)")
+        if self.kvt_advertise_host is not None and self.kvt_advertise_host in WILDCARD_HOSTS:
+            out.append(f"kvt_advertise_host {self.kvt_advertise_host!r} names no host")
+        if self.kvt_host is None:
+            return out
+        if self.transport == "nixl":
+            if self.kvt_host in WILDCARD_HOSTS:
+                out.append(
+                    f"kvt_host {self.kvt_host!r} with transport nixl: give the address of "
+                    "one interface (UCX runs over TCP on the interface holding it)"
+                )
+            if self.kvt_advertise_host not in (None, self.kvt_host):
+                out.append(
+                    "kvt_advertise_host with transport nixl: UCX advertises the interface's "
+                    "own address; only transport tcp can advertise another"
+                )
+        elif self.kvt_host in WILDCARD_HOSTS and not self.kvt_advertise_host:
+            out.append(
+                f"kvt_host {self.kvt_host!r} binds every interface: give kvt_advertise_host, "
+                "the address peers write to"
+            )
+        return out
+
+    @property
+    def control_advertised_host(self) -> str:
+        """The host of the control address this instance gives peers and routers."""
+        return self.control_advertise_host or self.control_host
+
+    def transport_options(self) -> dict[str, Any]:
+        """Options of `create_transport` for this instance's data plane: tcp's
+        bind and advertised hosts, nixl's interface address (None: defaults)."""
+        if self.kvt_host is None:
+            return {}
+        if self.transport == "tcp":
+            return {"host": self.kvt_host, "advertise_host": self.kvt_advertise_host}
+        return {"host": self.kvt_host}
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorConfig:

@@ -35,6 +35,7 @@ from rapidkv.connector.control_handlers import ControlHandlers
 from rapidkv.connector.metadata import RankInfo, StepMeta, WorkerMeta
 from rapidkv.connector.producer_side import ProducerSide
 from rapidkv.connector.shared_state import SharedState
+from rapidkv.control.address import format_address, parse_address
 from rapidkv.control.messages import (
     KVSpec,
     RankEndpoint,
@@ -88,8 +89,15 @@ class SchedulerSide:
             self.control.handle, config.control_host, config.control_port, secret=config.secret
         )
         self.server.start()
-        self.shared.control_address = self.server.address
-        log.info("rapidkv %s: control plane on %s", instance_id, self.server.address)
+        # what peers and routers are told (the bound host unless another is advertised)
+        port = parse_address(self.server.address)[1]
+        self.shared.control_address = format_address(config.control_advertised_host, port)
+        log.info(
+            "rapidkv %s: control plane on %s, advertised as %s",
+            instance_id,
+            self.server.address,
+            self.shared.control_address,
+        )
 
     @property
     def spec(self) -> KVSpec | None:
@@ -200,7 +208,7 @@ class SchedulerSide:
         our control plane listens, who we are, our block size."""
         return {
             "rapidkv": {
-                "control": self.server.address,
+                "control": self.shared.control_address,
                 "instance_id": self.instance_id,
                 "incarnation": self.incarnation,
                 "block_size": self.block_size,

@@ -114,7 +114,11 @@ class WorkerSide:
         layout = Layout(tuple(layouts), num_blocks)
         first = next(iter(kv_caches.values()))
         self.kvt = KvtWorker(
-            create_transport(self.config.transport, peer_name(self.instance_id, self.rank)),
+            create_transport(
+                self.config.transport,
+                peer_name(self.instance_id, self.rank),
+                **self.config.transport_options(),
+            ),
             layout,
             rank=self.rank,
             block_size=self.block_size,

@@ -6,9 +6,12 @@
         complete(srv.base_url, [1, 2, 3], 16)
 
 Invariants:
-* A server listens on 127.0.0.1 only, on a port that was free when chosen (a
-  port clash at bind time is retried with a new port when the spec left the port
-  open).
+* A server listens on `ServerSpec.host` only (127.0.0.1 unless told), on a port
+  that was free on 127.0.0.1 when chosen (a port clash at bind time is retried
+  with a new port when the spec left the port open).
+* With `netns` set, the whole tree runs in that network namespace (`ip netns
+  exec`, which execs: the pid and process group are the server's own, stopped
+  by group as any other); see `harness.netns`.
 * `VLLM_CPU_KVCACHE_SPACE` is never passed on (it would override
   `--kv-cache-memory-bytes`); the clone's `src` is first on `PYTHONPATH`, so
   `kv_connector_module_path: rapidkv.connector` imports this checkout's code.
@@ -43,6 +46,8 @@ from typing import Any, Literal
 
 import httpx
 
+from rapidkv.control.address import format_address
+from rapidkv.harness.netns import netns_exec_prefix
 from rapidkv.harness.ports import LOOPBACK, free_port
 from rapidkv.harness.process import ManagedProcess
 from rapidkv.harness.watchdog import get_watchdog
@@ -77,6 +82,9 @@ class ServerSpec:
     `dtype` None means "the dtype in the model's config.json", passed
     explicitly: left to itself the CPU backend downcasts a float32 model to
     bfloat16, which breaks the float32 correctness oracle.
+
+    `host` is the address the HTTP server binds and `base_url` names; `netns`
+    a network namespace to run the server in (None: this process's).
     """
 
     model: Path
@@ -95,13 +103,16 @@ class ServerSpec:
     dtype: str | None = None
     quiet: bool = True
     startup_timeout: float = 240.0
+    host: str = LOOPBACK
+    netns: str | None = None
 
     def replace(self, **changes: Any) -> ServerSpec:
         """A copy with `changes` applied."""
         return dataclasses.replace(self, **changes)
 
     def argv(self, port: int) -> list[str]:
-        """The command line for a server on `port` (with `taskset` when pinned)."""
+        """The command line for a server on `port` (with `taskset` when pinned,
+        behind `ip netns exec` with a namespace)."""
         cmd = [
             sys.executable,
             "-m",
@@ -109,7 +120,7 @@ class ServerSpec:
             "--model",
             str(self.model),
             "--host",
-            LOOPBACK,
+            self.host,
             "--port",
             str(port),
             "--max-model-len",
@@ -133,7 +144,9 @@ class ServerSpec:
         if self.kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(dict(self.kv_transfer_config))]
         cmd += list(self.extra_args)
-        return cmd if self.cpus is None else pinned(cmd, self.cpus)
+        if self.cpus is not None:
+            cmd = pinned(cmd, self.cpus)
+        return netns_exec_prefix(self.netns) + cmd
 
     def environment(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
         """The server's environment, built from `base` (default: this process's)."""
@@ -149,6 +162,8 @@ class ServerSpec:
         env["RAPIDKV_ROLE"] = self.role
         if self.cpus is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = _cpu_list(self.cpus)
+        if self.netns is not None:  # vLLM guesses its address by a default route; none here
+            env["VLLM_HOST_IP"] = self.host
         env.update(self.env)
         return env
 
@@ -325,8 +340,8 @@ class VLLMServer:
 
     @property
     def base_url(self) -> str:
-        """`http://127.0.0.1:PORT` (no trailing slash)."""
-        return f"http://{LOOPBACK}:{self.port}"
+        """`http://HOST:PORT` (no trailing slash; HOST: the spec's, 127.0.0.1 by default)."""
+        return f"http://{format_address(self.spec.host, self.port)}"
 
     @property
     def pid(self) -> int:

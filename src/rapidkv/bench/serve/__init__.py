@@ -31,6 +31,16 @@ to go quiet; block order alternates). Those `single` samples are the
 configuration's `paired_single`, and the acceptance's TPOT ratios use them;
 the unpaired ratios stay in the JSON as context.
 
+Separate hosts (`--netns-link RATE`): rapidkv's P runs in one Linux network
+namespace and D in another, joined by a veth pair capped at RATE
+(`harness.netns`); their control and data planes (NIXL/UCX over TCP on that
+interface) cross it, the routers and the client reach both from the root
+namespace over uncapped veths. The other groups that run (`single`,
+`single-noop-connector`, `dp2`) are single-host configurations and run as
+always; vLLM's NIXL baselines are refused (not placed across namespaces). The
+JSON's `meta.netns_link` has the link and one plain TCP stream's throughput
+across it.
+
 Output (`report`): a summary table (stdout), a progress line (stderr),
 `--json PATH|-`, `--plot PATH` (`plot`) and `--trace PATH` (one JSON
 line per request, with the rapidkv router's `xfer_id` to join server-side
@@ -48,7 +58,14 @@ from pathlib import Path
 
 def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
     from rapidkv.bench.serve.configs import CONFIGS
-    from rapidkv.bench.serve.run import DEFAULT_LOADS, DTYPES, MODELS, QUICK_LOADS, run
+    from rapidkv.bench.serve.run import (
+        DEFAULT_LOADS,
+        DTYPES,
+        MODELS,
+        NETNS_DEFAULT_CONFIGS,
+        QUICK_LOADS,
+        run,
+    )
 
     parser.description = (__doc__ or "").split("\n\n")[0]
     parser.add_argument("--models", default="tiny", help=f"comma-separated, of {', '.join(MODELS)}")
@@ -57,8 +74,17 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     )
     parser.add_argument(
         "--configs",
-        default=",".join(name for name, c in CONFIGS.items() if c.default),
-        help=f"comma-separated, of {', '.join(CONFIGS)} (default: %(default)s)",
+        default=None,
+        help=f"comma-separated, of {', '.join(CONFIGS)} (default: "
+        f"{','.join(name for name, c in CONFIGS.items() if c.default)}; "
+        f"with --netns-link: {','.join(NETNS_DEFAULT_CONFIGS)})",
+    )
+    parser.add_argument(
+        "--netns-link",
+        metavar="RATE",
+        default=None,
+        help="rapidkv's P and D in two network namespaces joined by a veth capped at RATE "
+        "(tc rate: 1gbit, 500mbit, ...), as on two hosts; needs root",
     )
     parser.add_argument(
         "--loads",

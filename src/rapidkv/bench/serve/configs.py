@@ -301,19 +301,21 @@ def start_group(
     log_dir: Path,
     extra_args: Sequence[str] = (),
     fronts: set[str | None] | None = None,
+    link: Any = None,
 ) -> RunningGroup:
     """Start group `name` and wait until everything in it is healthy; of its
-    HTTP fronts, only those named in `fronts` (all when None)."""
+    HTTP fronts, only those named in `fronts` (all when None). With `link`
+    (`harness.netns.NetnsLink`), rapidkv's P runs in its namespace A, D in B."""
     from rapidkv.harness import start_servers
 
     t0 = time.monotonic()
-    keyed, plan = _group_plan(name, model, log_dir, tuple(extra_args))
+    keyed, plan = _group_plan(name, model, log_dir, tuple(extra_args), link)
     cpus = helper_cpus(name)
     servers = start_servers([spec for _, spec in keyed], log_dir)
     group = RunningGroup(name, {key: s for (key, _), s in zip(keyed, servers, strict=True)})
     group.plan, group.log_dir = plan, log_dir
     group.controls = {
-        key: f"127.0.0.1:{spec.kv_transfer_config['kv_connector_extra_config']['control_port']}"
+        key: rapidkv_control(spec.kv_transfer_config)
         for key, spec in keyed
         if (spec.kv_transfer_config or {}).get("kv_connector") == "RapidKVConnector"
     }
@@ -326,6 +328,15 @@ def start_group(
         raise
     group.startup_s = time.monotonic() - t0
     return group
+
+
+def rapidkv_control(kv_transfer_config: Any) -> str:
+    """The control address a RapidKVConnector instance advertises (its fixed port)."""
+    from rapidkv.connector.config import ConnectorConfig
+    from rapidkv.control.address import format_address
+
+    config = ConnectorConfig.from_extra(kv_transfer_config["kv_connector_extra_config"])
+    return format_address(config.control_advertised_host, config.control_port)
 
 
 COMMON_ARGS = ("--no-enable-prefix-caching",)
@@ -347,7 +358,7 @@ FrontPlan = Callable[[RunningGroup], list[tuple[str, list[str]]]]
 
 
 def _group_plan(
-    name: str, model: Path, log_dir: Path, extra: tuple[str, ...]
+    name: str, model: Path, log_dir: Path, extra: tuple[str, ...], link: Any = None
 ) -> tuple[list[tuple[str, Any]], FrontPlan]:
     """The group's servers as (key, ServerSpec) and a function giving its fronts' argv."""
     from rapidkv.connector.config import kv_transfer_config
@@ -379,12 +390,27 @@ def _group_plan(
         return specs, dp2_front
     if name == "rapidkv":
         pc, dc = free_port(), free_port()
-        specs = pd_specs(model, kv_transfer_config(pc), kv_transfer_config(dc), args)
+        if link is None:
+            p_cfg, d_cfg = kv_transfer_config(pc), kv_transfer_config(dc)
+        else:  # as on two hosts: P binds everywhere, advertises its link address
+            p_cfg = kv_transfer_config(
+                pc,
+                control_host="0.0.0.0",
+                control_advertise_host=link.a.host,
+                kvt_host=link.a.host,
+            )
+            d_cfg = kv_transfer_config(dc, control_host=link.b.host, kvt_host=link.b.host)
+        specs = pd_specs(model, p_cfg, d_cfg, args)
+        if link is not None:
+            specs = [
+                s.replace(netns=side.name, host=side.host)
+                for s, side in zip(specs, (link.a, link.b), strict=True)
+            ]
         specs = [(s.role, s.replace(name=f"rapidkv-{s.name}")) for s in specs]
 
         def rapidkv_fronts(g: RunningGroup) -> list[tuple[str, list[str]]]:
-            p = [f"{g.servers['prefill'].base_url}=127.0.0.1:{pc}"]
-            d = [f"{g.servers['decode'].base_url}=127.0.0.1:{dc}"]
+            p = [f"{g.servers['prefill'].base_url}={rapidkv_control(p_cfg)}"]
+            d = [f"{g.servers['decode'].base_url}={rapidkv_control(d_cfg)}"]
             adaptive = _router_argv("dual", [], [], instances=p + d)
             return [
                 ("router-dual", _router_argv("dual", p, d)),

@@ -7,8 +7,10 @@ The method and its outputs are in the package's docstring (`rapidkv.bench.serve`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
+import signal
 import sys
 import tempfile
 import time
@@ -21,6 +23,9 @@ MODELS = ("tiny", "small")
 DTYPES = {"float32": "float32", "bf16": "bfloat16"}
 DEFAULT_LOADS = "c1,c4,poisson8"
 QUICK_LOADS = "c1,c4"
+NETNS_DEFAULT_CONFIGS = ("single", "rapidkv")
+NETNS_GROUPS = ("single", "single-noop-connector", "dp2", "rapidkv")
+"""The groups `--netns-link` runs: rapidkv across the link, the others on one host."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,7 @@ class Options:
     seed: int
     timeout: float
     server_args: tuple[str, ...]
+    netns_link: str | None = None  # tc rate: rapidkv's P and D in two namespaces
 
     def paired(self, name: str) -> bool:
         """Whether configuration `name` is measured in blocks paired with `single`."""
@@ -65,7 +71,13 @@ class Options:
         from rapidkv.bench.serve.loads import Load
 
         models = tuple(m for m in args.models.split(",") if m)
-        configs = tuple(c for c in args.configs.split(",") if c)
+        netns = getattr(args, "netns_link", None)
+        if args.configs is not None:
+            configs = tuple(c for c in args.configs.split(",") if c)
+        elif netns:
+            configs = NETNS_DEFAULT_CONFIGS
+        else:
+            configs = tuple(name for name, c in CONFIGS.items() if c.default)
         for m in models:
             if m not in MODELS:
                 raise ValueError(f"unknown model {m!r} (known: {', '.join(MODELS)})")
@@ -74,6 +86,16 @@ class Options:
                 raise ValueError(f"unknown configuration {c!r} (known: {', '.join(CONFIGS)})")
         if not models or not configs:
             raise ValueError("give at least one model and one configuration")
+        if netns:
+            from rapidkv.harness.netns import rate_bits
+
+            rate_bits(netns)  # ValueError naming the rate
+            refused = [c for c in configs if CONFIGS[c].group not in NETNS_GROUPS]
+            if refused:
+                raise ValueError(
+                    f"--netns-link places rapidkv's P and D only; {', '.join(refused)} "
+                    "would run on one host (leave them out)"
+                )
         loads = args.loads or (QUICK_LOADS if args.quick else DEFAULT_LOADS)
         requests = args.requests if args.requests is not None else (8 if args.quick else 64)
         warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
@@ -98,6 +120,7 @@ class Options:
             seed=args.seed,
             timeout=args.timeout,
             server_args=tuple(shlex.split(args.server_args)),
+            netns_link=netns,
         )
 
 
@@ -110,8 +133,25 @@ def run(args: argparse.Namespace) -> int:
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="rapidkv-bench-serve-"))
     progress = Progress(total_units(opts))
     trace = open(args.trace, "w") if args.trace else None  # noqa: SIM115 - closed below
+    link_info: dict[str, Any] | None = None
     try:
-        runs = [ModelRun(model, opts, log_dir, progress, trace).run() for model in opts.models]
+        with contextlib.ExitStack() as stack:
+            link = None
+            if opts.netns_link:
+                from rapidkv.harness.netns import NetnsUnavailable, netns_link, tcp_throughput
+
+                # SIGTERM (a `timeout`) unwinds like Ctrl-C: servers stopped, link removed
+                signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+                try:
+                    link = stack.enter_context(netns_link(rate=opts.netns_link))
+                except NetnsUnavailable as e:
+                    print(f"rapidkv bench serve: --netns-link: {e}", file=sys.stderr)
+                    return 2
+                progress.stage(f"link {link.a.name} <-> {link.b.name}: {' '.join(link.tbf)}")
+                link_info = {**link.describe(), "tcp": tcp_throughput(link)}
+            runs = [
+                ModelRun(model, opts, log_dir, progress, trace, link).run() for model in opts.models
+            ]
     finally:
         progress.close()
         if trace:
@@ -119,7 +159,15 @@ def run(args: argparse.Namespace) -> int:
     from rapidkv.bench.serve.report import build_report, print_report, to_json
 
     report = build_report(runs, opts, log_dir)
-    print_report(report, sys.stderr if args.json == "-" else sys.stdout)
+    report["meta"]["netns_link"] = link_info
+    out = sys.stderr if args.json == "-" else sys.stdout
+    if link_info is not None:
+        print(
+            f"rapidkv's P in {link_info['a']['netns']}, D in {link_info['b']['netns']}: "
+            f"{link_info['qdisc']}; one TCP stream across it: {link_info['tcp']['gbps']} GB/s",
+            file=out,
+        )
+    print_report(report, out)
     if args.json == "-":
         print(to_json(report, indent=1))
     elif args.json:
@@ -176,7 +224,13 @@ class ModelRun:
     """The benchmark on one model: every group, every round."""
 
     def __init__(
-        self, model: str, opts: Options, log_dir: Path, progress: Progress, trace: IO[str] | None
+        self,
+        model: str,
+        opts: Options,
+        log_dir: Path,
+        progress: Progress,
+        trace: IO[str] | None,
+        link: Any = None,  # harness.netns.NetnsLink: rapidkv's P and D across it
     ) -> None:
         from rapidkv.harness import random_prompts
         from rapidkv.models import ensure_model
@@ -186,6 +240,7 @@ class ModelRun:
         self.log_dir = log_dir / model
         self.progress = progress
         self.trace = trace
+        self.link = link
         self.model_dir = ensure_model(model, dtype=opts.dtype)
         self.prompts = random_prompts(self.model_dir, prompt_lengths(opts), seed=opts.seed)
         self.references: list[Any] | None = None  # stats.Reference per prompt
@@ -254,6 +309,7 @@ class ModelRun:
                 self.log_dir,
                 self.opts.server_args,
                 fronts={CONFIGS[name].front for name in members},
+                link=self.link,
             )
         except Exception as e:
             why = f"{group_name} did not start: {type(e).__name__}: {e}"

@@ -150,6 +150,19 @@ def apply_ucx_env_defaults(env: MutableMapping[str, str] | None = None) -> dict[
     return applied
 
 
+def ucx_interface_env(interface: str, env: Mapping[str, str]) -> dict[str, str]:
+    """The UCX settings that keep this process's NIXL traffic on `interface`,
+    over TCP: ``UCX_NET_DEVICES=<interface>`` (UCX's network devices; its
+    default is every device, and an agent advertises an address on each) and
+    ``UCX_TLS=tcp`` (without it UCX writes through shared memory / cross-memory
+    attach whenever it finds the peer on the same host, even in another network
+    namespace: nothing crosses the interface). A variable already in `env`
+    stays as it is (left out of the result): the user's choice wins, e.g.
+    ``UCX_TLS=rc,tcp`` for RDMA with ``UCX_NET_DEVICES`` naming the HCA too."""
+    wanted = {"UCX_NET_DEVICES": interface, "UCX_TLS": "tcp"}
+    return {k: v for k, v in wanted.items() if k not in env}
+
+
 def coalesce(descs: np.ndarray) -> np.ndarray:
     """Merge consecutive rows `(src, dst, nbytes)` whose source *and* destination
     ranges follow each other, keeping row order. Returns `descs` itself when no row
@@ -206,6 +219,12 @@ class NixlTransport(Transport):
       apply_env_defaults  put `UCX_ENV_DEFAULTS` into os.environ first (True).
       backend_params    extra UCX backend init parameters (strings), e.g.
                         ``{"num_workers": "1"}``.
+      host              an address of this host: UCX runs over TCP on the interface
+                        holding it (`ucx_interface_env`, put into os.environ before
+                        the backend starts; UCX variables already set win). None
+                        (default): UCX's own choice (on one host: shared memory).
+                        The backend parameter ``ucx_devices`` does not do this: with
+                        nixl 1.5.1 it changed nothing over TCP (a bogus name too).
     """
 
     def __init__(
@@ -218,6 +237,7 @@ class NixlTransport(Transport):
         coalesce: bool = True,
         apply_env_defaults: bool = True,
         backend_params: Mapping[str, str] | None = None,
+        host: str | None = None,
     ) -> None:
         if mem_type not in MEM_TYPES:
             raise ValueError(f"mem_type must be one of {MEM_TYPES}, not {mem_type!r}")
@@ -227,10 +247,13 @@ class NixlTransport(Transport):
             )
         if apply_env_defaults:
             apply_ucx_env_defaults()
+        self.name = name
+        self.interface: str | None = None
+        if host is not None:
+            self.interface = self._use_interface(host)
         from nixl._api import nixl_agent, nixl_agent_config
         from nixl._bindings import nixlXferDList
 
-        self.name = name
         self.mem_type = mem_type
         self.device_id = int(device_id)
         self._coalesce = coalesce
@@ -253,6 +276,32 @@ class NixlTransport(Transport):
         self._stuck: list[Any] = []  # NIXL requests whose release failed; retried at close
         self._ids = itertools.count(1)
         self._closed = False
+
+    def _use_interface(self, host: str) -> str:
+        from rapidkv.kvt.netif import interface_of
+
+        try:
+            interface = interface_of(host)
+        except (ValueError, OSError) as e:
+            raise TransportError(f"NIXL agent {self.name!r}: {e}") from None
+        os.environ.update(ucx_interface_env(interface, os.environ))
+        devices = os.environ["UCX_NET_DEVICES"]
+        if interface not in devices.split(",") and devices != "all":
+            log.warning(
+                "UCX_NET_DEVICES=%s is set and leaves out %s, the interface holding %s",
+                devices,
+                interface,
+                host,
+            )
+        log.info(
+            "NIXL agent %s: UCX on %s (%s): UCX_NET_DEVICES=%s UCX_TLS=%s",
+            self.name,
+            interface,
+            host,
+            devices,
+            os.environ["UCX_TLS"],
+        )
+        return interface
 
     # --- setup -----------------------------------------------------------------------------
 
@@ -480,4 +529,5 @@ __all__ = [
     "NixlTransport",
     "apply_ucx_env_defaults",
     "coalesce",
+    "ucx_interface_env",
 ]

@@ -1,0 +1,63 @@
+"""`ConnectorConfig`: bind and advertised addresses of the control and data planes."""
+
+from __future__ import annotations
+
+import pytest
+
+from rapidkv.connector.config import ConnectorConfig, kv_transfer_config
+
+pytestmark = pytest.mark.unit
+
+
+def config(**extra: object) -> ConnectorConfig:
+    return ConnectorConfig.from_extra(extra)
+
+
+def test_defaults_keep_loopback_and_the_transports_own_choices() -> None:
+    c = config()
+    assert c.control_host == "127.0.0.1" and c.control_advertised_host == "127.0.0.1"
+    assert c.kvt_host is None and c.transport_options() == {}
+    assert config(transport="tcp").transport_options() == {}
+
+
+def test_the_control_plane_binds_one_address_and_advertises_another() -> None:
+    c = config(control_host="0.0.0.0", control_advertise_host="10.77.0.1")
+    assert c.control_advertised_host == "10.77.0.1"
+    assert config(control_host="10.77.0.2").control_advertised_host == "10.77.0.2"
+
+
+@pytest.mark.parametrize("wildcard", ["0.0.0.0", "::"])
+def test_a_wildcard_control_bind_needs_an_advertised_host(wildcard: str) -> None:
+    with pytest.raises(ValueError, match="control_advertise_host"):
+        config(control_host=wildcard)
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"control_host": ""}, "control_host must name a host"),
+        ({"control_advertise_host": "0.0.0.0"}, "names no host"),
+        ({"kvt_advertise_host": "10.0.0.1"}, "needs kvt_host"),
+        ({"kvt_host": "0.0.0.0"}, "one interface"),
+        ({"kvt_host": "10.0.0.1", "kvt_advertise_host": "10.0.0.2"}, "only transport tcp"),
+        ({"transport": "tcp", "kvt_host": "0.0.0.0"}, "kvt_advertise_host"),
+        ({"transport": "tcp", "kvt_host": "::", "kvt_advertise_host": "::"}, "names no host"),
+    ],
+)
+def test_addresses_that_cannot_work_are_refused_with_the_reason(extra: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        config(**extra)
+    with pytest.raises(ValueError, match=match):  # as the harness builds the flag
+        kv_transfer_config(9100, **extra)
+
+
+def test_the_data_plane_address_reaches_the_transport() -> None:
+    assert config(kvt_host="10.77.0.1").transport_options() == {"host": "10.77.0.1"}
+    same = config(kvt_host="10.77.0.1", kvt_advertise_host="10.77.0.1")
+    assert same.transport_options() == {"host": "10.77.0.1"}
+    tcp = config(transport="tcp", kvt_host="0.0.0.0", kvt_advertise_host="10.77.0.1")
+    assert tcp.transport_options() == {"host": "0.0.0.0", "advertise_host": "10.77.0.1"}
+    assert config(transport="tcp", kvt_host="10.77.0.2").transport_options() == {
+        "host": "10.77.0.2",
+        "advertise_host": None,
+    }
