@@ -25,6 +25,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "a soak through the router: client aborts, injected transfer faults, P and D killed",
         "rapidkv.bench.chaos",
     ),
+    "simulate": (
+        "the placement policies on simulated fleets of 2-64 instances fitted from this machine",
+        "rapidkv.bench.simulate",
+    ),
 }
 
 
