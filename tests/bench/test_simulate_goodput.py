@@ -162,3 +162,35 @@ def test_every_policy_is_known() -> None:
         make_router("round-robin", 2, FIT, SLO())
     with pytest.raises(ValueError):
         make_router("fixed-pd", 1, FIT, SLO())
+
+
+def test_fit_priors_start_the_models_from_the_simulation_costs() -> None:
+    router = make_router("adaptive-fit-priors", 2, FIT, SLO())
+    assert isinstance(router, AdaptiveRouter) and router.name == "adaptive-fit-priors"
+    assert router.models.prefill[1].slope == pytest.approx(FIT.prefill_ms_per_token)
+    assert router.models.step[0].predict(4) == pytest.approx(FIT.step_time(4, 0))
+    plain = make_router("adaptive", 2, FIT, SLO())
+    assert isinstance(plain, AdaptiveRouter)
+    assert plain.models.prefill[1].slope > FIT.prefill_ms_per_token  # the placement's prior
+
+
+def test_adaptive_concentrates_on_the_instances_it_has_learned() -> None:
+    """What the simulator finds (docs/benchmarks.md, rapidkv bench simulate):
+    an instance never observed keeps the placement's prior (0.12 ms a prompt
+    token), one observed learns the fit's 0.094, and `decide` ranks TTFT before
+    load, so at low load a 16-instance fleet decodes on its first few instances
+    and leaves the others nearly idle; from priors equal to the truth it spreads."""
+    n, slo = 16, SLO(220.0, 8.1)
+    specs = requests(HEAVY, 250, 0)
+    spread_of = {}
+    for policy in ("adaptive", "adaptive-fit-priors"):
+        out = run_router(make_router(policy, n, FIT, slo), n, specs, 16.0)
+        used = sorted(sum(o.decode == i for o in out) for i in range(n))
+        spread_of[policy] = used
+    lazy = spread_of["adaptive"]
+    assert sum(lazy[: n // 2]) < 0.15 * len(specs)  # half the fleet decodes under 15 %
+    assert sum(spread_of["adaptive-fit-priors"][: n // 2]) > 0.3 * len(specs)
+
+
+def run_router(router, n: int, specs, rate: float) -> list[Outcome]:
+    return simulate(FIT, n, router, specs, arrivals=poisson_arrivals(len(specs), rate, 0))

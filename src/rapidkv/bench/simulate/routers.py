@@ -19,7 +19,11 @@ token), `finished` (D's answer over). Policies (`POLICIES`):
   fed by the same events at the same points as the router's `placer.Placer`
   feeds it, and `Models` learning from what those events return; every
   instance may prefill and decode, block sizes known, requests splittable
-  (`bench goodput` sends token-id completions), the run's SLOs.
+  (`bench goodput` sends token-id completions), the run's SLOs;
+- ``adaptive-fit-priors``: the same, its `Models` starting from priors that
+  are the simulation's own prefill and step costs (`Fit`) instead of the
+  placement's (`Priors()`; the transfer prior unchanged): a what-if, for a
+  router that knew its instances before observing them.
 
 A router never sees the simulation's truth (`Fit`): the adaptive one starts
 from the placement's own priors and learns, as the real one does.
@@ -39,13 +43,14 @@ from rapidkv.router.placement import (
     Models,
     Placement,
     Policy,
+    Priors,
     Request,
     decide,
 )
 from rapidkv.router.split import split_point
 
-PolicyName = Literal["dp", "fixed-pd", "nixl", "adaptive"]
-POLICIES: tuple[str, ...] = ("dp", "fixed-pd", "nixl", "adaptive")
+PolicyName = Literal["dp", "fixed-pd", "nixl", "adaptive", "adaptive-fit-priors"]
+POLICIES: tuple[str, ...] = ("dp", "fixed-pd", "nixl", "adaptive", "adaptive-fit-priors")
 Connector = Literal["rapidkv", "nixl"]
 
 
@@ -140,14 +145,21 @@ class AdaptiveRouter(Router):
 
     name = "adaptive"
 
-    def __init__(self, n: int, fit: Fit, slo: SLO, policy: Policy | None = None) -> None:
+    def __init__(
+        self,
+        n: int,
+        fit: Fit,
+        slo: SLO,
+        policy: Policy | None = None,
+        priors: Priors | None = None,
+    ) -> None:
         super().__init__(n)
         self.slo = slo
         self.policy = Policy() if policy is None else policy
         self.fleet = FleetState(n)
         for i in range(n):
             self.fleet.set_block_size(i, fit.block_size)
-        self.models = Models(n)
+        self.models = Models(n, priors)
         self.check = False  # FleetState.check() after every event (tests)
         self.reasons: Counter[str] = Counter()
         self.decide_s = 0.0
@@ -206,7 +218,21 @@ def make_router(policy: str, n: int, fit: Fit, slo: SLO) -> Router:
         return FixedPdRouter(n, fit, nixl=True)
     if policy == "adaptive":
         return AdaptiveRouter(n, fit, slo)
+    if policy == "adaptive-fit-priors":
+        router = AdaptiveRouter(n, fit, slo, priors=fit_priors(fit))
+        router.name = policy
+        return router
     raise ValueError(f"policy must be one of {POLICIES}, not {policy!r}")
+
+
+def fit_priors(fit: Fit) -> Priors:
+    """The placement's priors with the prefill and step lines of `fit` (the transfer's kept)."""
+    return Priors(
+        prefill_ms=fit.prefill_ms,
+        prefill_ms_per_token=fit.prefill_ms_per_token,
+        step_ms=fit.step_ms,
+        step_ms_per_request=fit.step_ms_per_seq,
+    )
 
 
 def _mean(values: object) -> float | None:
