@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from rapidkv.bench.simulate.compare import compare, policy_for, rates_of, relative_error, table
+from rapidkv.bench.simulate.compare import (
+    Target,
+    compare,
+    policy_for,
+    rates_of,
+    relative_error,
+    table,
+    target_for,
+)
 from rapidkv.bench.simulate.fit import DEFAULT_FIT
 
 pytestmark = pytest.mark.unit
@@ -23,7 +31,10 @@ def test_configurations_map_to_policies() -> None:
     assert policy_for("rapidkv") == "fixed-pd"
     assert policy_for("rapidkv-fixed") == "fixed-pd"
     assert policy_for("rapidkv-adaptive") == "adaptive"
-    assert policy_for("single") is None
+    assert policy_for("single") == "dp"
+    assert target_for("single") == Target("dp", 1, routed=False, shared_core=False)
+    assert target_for("dp2") == Target("dp", 2)
+    assert target_for("baseline") is None
 
 
 def test_rates_are_read_tolerantly() -> None:
@@ -42,7 +53,8 @@ def real_run() -> dict:
                     "dp2": {"goodput_req_s": 4.0, "attainment": {"2": 0.97, "4": 0.93, "8": 0.7}},
                     # no goodput_req_s: taken from the attainment
                     "rapidkv": {"attainment": {"4": 0.99, "8": 0.95, "16": 0.4}},
-                    "single": {"attainment": {"4": 1.0}},
+                    "single": {"attainment": {"1": 1.0, "4": 0.5}},
+                    "baseline": {"attainment": {"4": 1.0}},
                     "rapidkv-adaptive": {"goodput_req_s": 3.0},
                 },
             },
@@ -55,7 +67,8 @@ def test_compare_simulates_the_real_rates_and_reports_the_errors() -> None:
     out = compare(real_run(), DEFAULT_FIT, seed=0)
     w = out["workloads"]["prefill-heavy"]
     assert w["slo"] == {"ttft_ms": 220.0, "tpot_ms": 8.1, "source": "the real run's"}
-    assert set(w["configs"]) == {"dp2", "rapidkv"}
+    assert set(w["configs"]) == {"dp2", "rapidkv", "single"}
+    assert w["configs"]["single"]["instances"] == 1
     dp2, pd = w["configs"]["dp2"], w["configs"]["rapidkv"]
     assert (dp2["policy"], dp2["instances"], dp2["requests"]) == ("dp", 2, 100)
     assert pd["measured"]["goodput_req_s"] == 8.0  # highest rate at >= 90 %
@@ -72,7 +85,7 @@ def test_compare_simulates_the_real_rates_and_reports_the_errors() -> None:
     assert out["max_abs_error"] == pytest.approx(max(errors))
     assert out["within"] == all(e <= 0.15 for e in errors)
     skipped = "\n".join(out["skipped"])
-    assert "single" in skipped and "rapidkv-adaptive" in skipped and "long-context" in skipped
+    assert "baseline" in skipped and "rapidkv-adaptive" in skipped and "long-context" in skipped
     text = table(out)
     assert "dp2" in text and "rapidkv" in text and "skipped" in text
 
@@ -108,3 +121,17 @@ def test_nothing_to_compare_is_said_not_raised() -> None:
     chat = no_slo["workloads"]["chat"]
     assert chat["slo"]["source"].startswith("simulated single c1")
     assert chat["configs"]["dp2"]["requests"] == 40
+
+
+def test_requests_per_rate_come_from_the_real_run_meta() -> None:
+    real = {
+        "meta": {"requests_per_rate": 30},
+        "workloads": {
+            "chat": {
+                "slo": {"ttft_ms": 200.0, "tpot_ms": 9.0},
+                "configs": {"dp2": {"attainment": {"1": 1.0}, "requests": 150}},
+            }
+        },
+    }
+    c = compare(real, DEFAULT_FIT)["workloads"]["chat"]["configs"]["dp2"]
+    assert c["requests"] == 30  # per rate, not the configuration's total over its rates

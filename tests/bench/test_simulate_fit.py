@@ -98,3 +98,26 @@ def test_a_simulate_json_gives_its_fit_back(tmp_path: Path) -> None:
     assert warnings == []
     assert dataclasses.replace(fit, source=mine.source) == mine
     assert isinstance(fit, Fit)
+
+
+def test_a_goodput_json_gives_single_c1_and_the_prompt_range(tmp_path: Path) -> None:
+    single_c1 = {"ttft_ms": {"p50": 50.0}, "tpot_ms": {"p50": 6.0}}
+    chat_c1 = {"ttft_ms": {"p50": 48.0}, "tpot_ms": {"p50": 5.9}}
+    data = {
+        "workloads": {
+            "chat": {"prompt_len": [100, 900], "single_c1": chat_c1, "configs": {}},
+            "prefill-heavy": {
+                "prompt_len": [128, 900],
+                "single_c1": single_c1,
+                "configs": {"single": {"attainment": {"2": 1.0}}},
+            },
+        }
+    }
+    path = tmp_path / "goodput.json"
+    path.write_text(json.dumps(data))
+    fit, warnings = load_fit(path)
+    m = fit.measurements
+    assert (m.single_c1_ttft_p50, m.single_c1_tpot_p50, m.prompt_mean) == (50.0, 6.0, 514.0)
+    assert m.single_c4_tpot_p50 == Measurements().single_c4_tpot_p50
+    assert any("single c4" in w for w in warnings)
+    assert not any("prompt_len" in w for w in warnings)

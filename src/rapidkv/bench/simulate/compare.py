@@ -4,7 +4,8 @@
 
     {"workloads": {"<workload>": {
         "slo": {"ttft_ms": ..., "tpot_ms": ...},          # optional
-        "requests": N,                                     # optional
+        "requests_per_rate": N,                            # optional (or "requests",
+                                                           #  or meta.requests_per_rate)
         "configs": {"<config>": {
             "goodput_req_s": G,                            # optional: from attainment
             "attainment": {"<rate>": fraction, ...},
@@ -13,10 +14,11 @@
 and, for every workload the simulator knows (`workload.WORKLOADS`) and every
 configuration it can map to a policy (`policy_for`: ``dp2`` -> ``dp``,
 ``vllm-nixl*`` -> ``nixl``, ``*adaptive*`` -> ``adaptive``, any other
-``rapidkv*`` -> ``fixed-pd``), simulates the same rates with the same SLOs
+``rapidkv*`` -> ``fixed-pd``, ``single`` -> ``dp`` on one instance, sent
+directly: `target_for`), simulates the same rates with the same SLOs
 (the real run's when it gives them, else the fit's) on the testbed as it is
-(`engine`'s ``shared_core``: the router and the client on instance 0's
-core), takes the goodput by the same rule (`goodput.goodput_of`), and
+(`engine`'s ``shared_core`` for a routed pair: the router and the client on
+instance 0's core), takes the goodput by the same rule (`goodput.goodput_of`), and
 reports both with the relative error ``(simulated - measured) / measured``
 (`relative_error`). Anything it cannot use is listed in ``skipped`` with
 the reason, never fatal. A comparison is `within` tolerance (`TOLERANCE`,
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from rapidkv.bench.simulate.fit import Fit
@@ -37,18 +40,36 @@ from rapidkv.router.placement import SLO
 TOLERANCE = 0.15
 
 
+@dataclass(frozen=True)
+class Target:
+    """What the simulator runs for one real configuration."""
+
+    policy: str
+    instances: int = 2
+    routed: bool = True  # through a router (or a proxy)
+    shared_core: bool = True  # the testbed's: router and client on instance 0's core
+
+
+def target_for(config: str) -> Target | None:
+    """The simulated counterpart of a `bench goodput` configuration (None: not modelled)."""
+    c = config.lower()
+    if c == "single":
+        return Target("dp", 1, routed=False, shared_core=False)
+    if "adaptive" in c:
+        return Target("adaptive")
+    if "nixl" in c:
+        return Target("nixl")
+    if c.startswith("dp"):
+        return Target("dp")
+    if c.startswith("rapidkv"):
+        return Target("fixed-pd")
+    return None
+
+
 def policy_for(config: str) -> str | None:
     """The simulator's policy for a `bench goodput` configuration (None: not modelled)."""
-    c = config.lower()
-    if "adaptive" in c:
-        return "adaptive"
-    if "nixl" in c:
-        return "nixl"
-    if c.startswith("dp"):
-        return "dp"
-    if c.startswith("rapidkv"):
-        return "fixed-pd"
-    return None
+    target = target_for(config)
+    return None if target is None else target.policy
 
 
 def relative_error(simulated: float, measured: float) -> float | None:
@@ -100,7 +121,7 @@ def compare(
             known = ", ".join(WORKLOADS)
             skipped.append(f"workload {wname!r}: not one the simulator knows ({known})")
             continue
-        count = _int(wdata.get("requests")) or _int(real.get("requests"))
+        count = _requests_per_rate(real, wdata)
         slo, slo_source = _slo(wdata.get("slo") or real.get("slo"), slo_override)
         if slo is None:
             slo, _ = reference_slo(fit, workload, seed)
@@ -112,15 +133,16 @@ def compare(
         }
         configs = wdata.get("configs")
         for cname, cdata in (configs or {}).items() if isinstance(configs, dict) else ():
-            policy = policy_for(cname)
-            if policy is None or not isinstance(cdata, dict):
+            target = target_for(cname)
+            if target is None or not isinstance(cdata, dict):
                 skipped.append(f"{wname}/{cname}: no simulated policy for it")
                 continue
+            policy = target.policy
             measured_att = rates_of(cdata.get("attainment"))
             if not measured_att:
                 skipped.append(f"{wname}/{cname}: no attainment per rate")
                 continue
-            n = _int(cdata.get("instances")) or 2
+            n = _int(cdata.get("instances")) or target.instances
             measured = _float(cdata.get("goodput_req_s"))
             if measured is None:
                 measured = goodput_of(measured_att)
@@ -128,7 +150,17 @@ def compare(
             points = {}
             for rate in sorted(measured_att):
                 progress(f"compare {wname} {cname} ({policy}, {n} instances): {rate:g} req/s")
-                points[rate] = run_point(fit, n, policy, specs, rate, seed, slo, shared_core=True)
+                points[rate] = run_point(
+                    fit,
+                    n,
+                    policy,
+                    specs,
+                    rate,
+                    seed,
+                    slo,
+                    routed=target.routed,
+                    shared_core=target.shared_core and n == 2,
+                )
             sim_att = {r: p.attainment for r, p in points.items()}
             simulated = goodput_of(sim_att)
             err = relative_error(simulated, measured)
@@ -188,6 +220,21 @@ def _slo(given: Any, override: tuple[float | None, float | None]) -> tuple[SLO |
     if override[0] or override[1]:
         return SLO(ttft, tpot), "the real run's, and the options where given"
     return SLO(ttft, tpot), "the real run's"
+
+
+def _requests_per_rate(real: dict[str, Any], wdata: dict[str, Any]) -> int | None:
+    """The real run's requests per rate, wherever it says (None: not said)."""
+    meta = real.get("meta") if isinstance(real.get("meta"), dict) else {}
+    for v in (
+        wdata.get("requests_per_rate"),
+        wdata.get("requests"),
+        meta.get("requests_per_rate"),
+        real.get("requests_per_rate"),
+        real.get("requests"),
+    ):
+        if _int(v):
+            return _int(v)
+    return None
 
 
 def _float(v: Any) -> float | None:

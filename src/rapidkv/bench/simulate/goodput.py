@@ -123,16 +123,19 @@ def run_point(
     seed: int,
     slo: SLO,
     *,
+    routed: bool = True,
     shared_core: bool = False,
 ) -> Point:
     """`specs` at `rate` req/s (Poisson, seeded) on `n` instances under
-    `policy` (`shared_core`: as on the 2-core testbed, `engine`)."""
+    `policy` (`routed`: through a router; `shared_core`: as on the 2-core
+    testbed, `engine`)."""
     router = make_router(policy, n, fit, slo)
     arrivals = poisson_arrivals(len(specs), rate, seed)
-    out = simulate(fit, n, router, specs, arrivals=arrivals, shared_core=shared_core)
+    out = simulate(fit, n, router, specs, arrivals=arrivals, routed=routed, shared_core=shared_core)
     ttfts = [o.ttft_ms for o in out if o.ttft_ms is not None]
     tpots = [o.tpot_ms for o in out if o.tpot_ms is not None]
-    ends = [o.arrival_ms + o.e2e_ms - router_latency(fit) for o in out if o.e2e_ms is not None]
+    latency = fit.http_ms + (fit.router_ms if routed else 0.0)
+    ends = [o.arrival_ms + o.e2e_ms - latency for o in out if o.e2e_ms is not None]
     span_s = (max(ends) - min(o.arrival_ms for o in out)) / 1000 if ends else 0.0
     misses: Counter[str] = Counter()
     for o in out:
@@ -152,10 +155,6 @@ def run_point(
         misses=dict(sorted(misses.items())),
         router=router.diagnostics(),
     )
-
-
-def router_latency(fit: Fit) -> float:
-    return fit.http_ms + fit.router_ms
 
 
 @dataclass
