@@ -111,7 +111,7 @@ class Fit:
     router_ms: float = 4.3
     transfer_ms: float = 0.0
     transfer_ms_per_token: float = KV_MS_PER_TOKEN
-    nixl_transfer_ms: float = 11.3
+    nixl_transfer_ms: float = 11.0
     nixl_transfer_ms_per_token: float = KV_MS_PER_TOKEN
     split_handoff_ms: float = 9.0
     shared_core_ms: float = 12.0
