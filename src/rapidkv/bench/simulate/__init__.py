@@ -1,0 +1,85 @@
+"""`rapidkv bench simulate`: the placement policies on fleets of 2-64 simulated instances.
+
+A discrete-event simulator (`engine`) of vLLM CPU instances (`instance`:
+continuous batching in steps, chunked prefill, a split's tail holding its
+engine until the head arrives) whose costs are fitted from this machine's
+measurements (`fit`), behind a router (`routers`) that runs the same policies
+as the real one: ``dp`` and ``fixed-pd`` with the router's own balancer, and
+``adaptive`` with the real `router.placement.decide`, `FleetState` and
+`Models`, fed the events the real router feeds them. Workloads and arrivals
+are `bench goodput`'s (`workload`); `goodput` sweeps Poisson rates that scale
+with the fleet and finds the highest whose attainment of both SLOs is >= 90 %;
+`report` prints goodput per fleet size, total and per instance, and writes the
+JSON and a plot; `compare` puts the simulator's predictions next to a real
+`bench goodput` run at 2 instances; `check` puts the fit next to the
+`bench serve` figures it came from.
+
+Pure Python, no vLLM, no server: it runs anywhere the package imports.
+docs/benchmarks.md, "rapidkv bench simulate", describes the model and its
+assumptions.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+
+def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
+    from rapidkv.bench.simulate.run import run
+
+    parser.description = (__doc__ or "").split("\n\n")[0]
+    add = parser.add_argument
+    add("--sizes", default=None, help="fleet sizes, comma-separated (2,4,8,16,32,64)")
+    add(
+        "--policies",
+        default=None,
+        help="dp, fixed-pd, nixl, adaptive, adaptive-fit-priors; comma-separated "
+        "(dp,fixed-pd,adaptive)",
+    )
+    add("--workloads", default=None, help="prefill-heavy, chat; comma-separated (both)")
+    add(
+        "--requests",
+        type=int,
+        default=None,
+        help="requests per instance in each run, at least 400 a run (50; --quick 10, 100)",
+    )
+    add("--seed", type=int, default=0, help="requests and arrivals (%(default)s)")
+    add(
+        "--ttft-slo-ms",
+        type=float,
+        default=None,
+        help="TTFT SLO (default 4x single's simulated c1 TTFT p50, per workload)",
+    )
+    add(
+        "--tpot-slo-ms",
+        type=float,
+        default=None,
+        help="TPOT SLO (default 1.5x single's simulated c1 TPOT p50)",
+    )
+    add(
+        "--fit",
+        default=None,
+        metavar="PATH",
+        help="fit the instances from this bench serve / bench goodput / bench simulate JSON",
+    )
+    add(
+        "--refine",
+        type=int,
+        default=3,
+        help="bisections after the doubling search of each sweep (%(default)s; --quick 2)",
+    )
+    add(
+        "--compare",
+        default=None,
+        metavar="PATH",
+        help="only compare: simulate the rates of this bench goodput JSON, report the errors",
+    )
+    add("--json", default=None, metavar="PATH", help="also write the JSON here (- = stdout only)")
+    add("--plot", default=None, metavar="PATH", help="a PNG of goodput per instance vs size")
+    add(
+        "--quick",
+        action="store_true",
+        help="sizes 2,4,8; 10 requests per instance, at least 100 a run; 2 bisections",
+    )
+    return run

@@ -1,0 +1,248 @@
+"""The simulator next to real runs: predicted goodput against `bench goodput`'s.
+
+`compare(real, fit, ...)` reads a `bench goodput --json` document:
+
+    {"workloads": {"<workload>": {
+        "slo": {"ttft_ms": ..., "tpot_ms": ...},          # optional
+        "requests_per_rate": N,                            # optional (or "requests",
+                                                           #  or meta.requests_per_rate)
+        "configs": {"<config>": {
+            "goodput_req_s": G,                            # optional: from attainment
+            "attainment": {"<rate>": fraction, ...},
+            "instances": 2}}}}}                            # optional, default 2
+
+and, for every workload the simulator knows (`workload.WORKLOADS`) and every
+configuration it can map to a policy (`policy_for`: ``dp2`` -> ``dp``,
+``vllm-nixl*`` -> ``nixl``, ``*adaptive*`` -> ``adaptive``, any other
+``rapidkv*`` -> ``fixed-pd``, ``single`` -> ``dp`` on one instance, sent
+directly: `target_for`), simulates the same rates with the same SLOs
+(the real run's when it gives them, else the fit's) on the testbed as it is
+(`engine`'s ``shared_core`` for a routed pair: the router and the client on
+instance 0's core), takes the goodput by the same rule (`goodput.goodput_of`), and
+reports both with the relative error ``(simulated - measured) / measured``
+(`relative_error`). Anything it cannot use is listed in ``skipped`` with
+the reason, never fatal. A comparison is `within` tolerance (`TOLERANCE`,
+15 %) when every error is defined and at most that in size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from rapidkv.bench.simulate.fit import Fit
+from rapidkv.bench.simulate.goodput import goodput_of, reference_slo, run_point
+from rapidkv.bench.simulate.workload import WORKLOADS, requests
+from rapidkv.router.placement import SLO
+
+TOLERANCE = 0.15
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the simulator runs for one real configuration."""
+
+    policy: str
+    instances: int = 2
+    routed: bool = True  # through a router (or a proxy)
+    shared_core: bool = True  # the testbed's: router and client on instance 0's core
+
+
+def target_for(config: str) -> Target | None:
+    """The simulated counterpart of a `bench goodput` configuration (None: not modelled)."""
+    c = config.lower()
+    if c == "single":
+        return Target("dp", 1, routed=False, shared_core=False)
+    if "adaptive" in c:
+        return Target("adaptive")
+    if "nixl" in c:
+        return Target("nixl")
+    if c.startswith("dp"):
+        return Target("dp")
+    if c.startswith("rapidkv"):
+        return Target("fixed-pd")
+    return None
+
+
+def policy_for(config: str) -> str | None:
+    """The simulator's policy for a `bench goodput` configuration (None: not modelled)."""
+    target = target_for(config)
+    return None if target is None else target.policy
+
+
+def relative_error(simulated: float, measured: float) -> float | None:
+    """``(simulated - measured) / measured``; 0 when both are 0, None when only
+    the measured one is (undefined)."""
+    if measured == 0:
+        return 0.0 if simulated == 0 else None
+    return (simulated - measured) / measured
+
+
+def rates_of(attainment: Any) -> dict[float, float]:
+    """``{rate: fraction}`` from a JSON's ``{"<rate>": fraction}`` (others dropped)."""
+    out: dict[float, float] = {}
+    if not isinstance(attainment, dict):
+        return out
+    for k, v in attainment.items():
+        try:
+            rate, frac = float(k), float(v)
+        except (TypeError, ValueError):
+            continue
+        if math.isfinite(rate) and rate > 0 and math.isfinite(frac):
+            out[rate] = frac
+    return out
+
+
+def compare(
+    real: Any,
+    fit: Fit,
+    *,
+    seed: int = 0,
+    requests_per_instance: int = 50,
+    min_requests: int = 400,
+    slo_override: tuple[float | None, float | None] = (None, None),
+    progress: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
+    """The comparison of the module docstring."""
+    skipped: list[str] = []
+    out: dict[str, Any] = {"tolerance": TOLERANCE, "workloads": {}, "skipped": skipped}
+    workloads = real.get("workloads") if isinstance(real, dict) else None
+    if not isinstance(workloads, dict):
+        skipped.append("no 'workloads' object: nothing to compare")
+        out["within"] = False
+        out["max_abs_error"] = None
+        return out
+    errors: list[float | None] = []
+    for wname, wdata in workloads.items():
+        workload = WORKLOADS.get(wname)
+        if workload is None or not isinstance(wdata, dict):
+            known = ", ".join(WORKLOADS)
+            skipped.append(f"workload {wname!r}: not one the simulator knows ({known})")
+            continue
+        count = _requests_per_rate(real, wdata)
+        slo, slo_source = _slo(wdata.get("slo") or real.get("slo"), slo_override)
+        if slo is None:
+            slo, _ = reference_slo(fit, workload, seed)
+            slo = SLO(slo_override[0] or slo.ttft_ms, slo_override[1] or slo.tpot_ms)
+            slo_source = "simulated single c1 (the run gave none)"
+        wout: dict[str, Any] = {
+            "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms, "source": slo_source},
+            "configs": {},
+        }
+        configs = wdata.get("configs")
+        for cname, cdata in (configs or {}).items() if isinstance(configs, dict) else ():
+            target = target_for(cname)
+            if target is None or not isinstance(cdata, dict):
+                skipped.append(f"{wname}/{cname}: no simulated policy for it")
+                continue
+            policy = target.policy
+            measured_att = rates_of(cdata.get("attainment"))
+            if not measured_att:
+                skipped.append(f"{wname}/{cname}: no attainment per rate")
+                continue
+            n = _int(cdata.get("instances")) or target.instances
+            measured = _float(cdata.get("goodput_req_s"))
+            if measured is None:
+                measured = goodput_of(measured_att)
+            specs = requests(workload, count or max(min_requests, requests_per_instance * n), seed)
+            points = {}
+            for rate in sorted(measured_att):
+                progress(f"compare {wname} {cname} ({policy}, {n} instances): {rate:g} req/s")
+                points[rate] = run_point(
+                    fit,
+                    n,
+                    policy,
+                    specs,
+                    rate,
+                    seed,
+                    slo,
+                    routed=target.routed,
+                    shared_core=target.shared_core and n == 2,
+                )
+            sim_att = {r: p.attainment for r, p in points.items()}
+            simulated = goodput_of(sim_att)
+            err = relative_error(simulated, measured)
+            errors.append(err)
+            wout["configs"][cname] = {
+                "policy": policy,
+                "instances": n,
+                "requests": len(specs),
+                "measured": {
+                    "goodput_req_s": measured,
+                    "attainment": {f"{r:g}": a for r, a in sorted(measured_att.items())},
+                },
+                "simulated": {
+                    "goodput_req_s": simulated,
+                    "attainment": {f"{r:g}": a for r, a in sorted(sim_att.items())},
+                    "points": [p.as_dict() for _, p in sorted(points.items())],
+                },
+                "relative_error": err,
+                "within": err is not None and abs(err) <= TOLERANCE,
+            }
+        out["workloads"][wname] = wout
+    defined = [abs(e) for e in errors if e is not None]
+    out["max_abs_error"] = max(defined) if len(defined) == len(errors) and defined else None
+    out["within"] = bool(errors) and all(e is not None and abs(e) <= TOLERANCE for e in errors)
+    return out
+
+
+def table(result: dict[str, Any]) -> str:
+    """The comparison as a text table."""
+    lines = [
+        "workload       config              policy    n  measured  simulated   error",
+    ]
+    for wname, w in result.get("workloads", {}).items():
+        for cname, c in w["configs"].items():
+            err = c["relative_error"]
+            e = "undefined" if err is None else f"{100 * err:+.1f} %"
+            lines.append(
+                f"{wname:14s} {cname:19s} {c['policy']:9s} {c['instances']:2d} "
+                f"{c['measured']['goodput_req_s']:8.2f}  {c['simulated']['goodput_req_s']:9.2f}"
+                f"  {e:>9s}"
+            )
+    for s in result.get("skipped", []):
+        lines.append(f"skipped: {s}")
+    verdict = "yes" if result.get("within") else "no"
+    lines.append(f"every error within {100 * result.get('tolerance', TOLERANCE):.0f} %: {verdict}")
+    return "\n".join(lines)
+
+
+def _slo(given: Any, override: tuple[float | None, float | None]) -> tuple[SLO | None, str]:
+    real = given if isinstance(given, dict) else {}
+    ttft = override[0] or _float(real.get("ttft_ms"))
+    tpot = override[1] or _float(real.get("tpot_ms"))
+    if not (ttft and tpot and ttft > 0 and tpot > 0):
+        return None, ""
+    if override[0] and override[1]:
+        return SLO(ttft, tpot), "options"
+    if override[0] or override[1]:
+        return SLO(ttft, tpot), "the real run's, and the options where given"
+    return SLO(ttft, tpot), "the real run's"
+
+
+def _requests_per_rate(real: dict[str, Any], wdata: dict[str, Any]) -> int | None:
+    """The real run's requests per rate, wherever it says (None: not said)."""
+    meta = real.get("meta") if isinstance(real.get("meta"), dict) else {}
+    for v in (
+        wdata.get("requests_per_rate"),
+        wdata.get("requests"),
+        meta.get("requests_per_rate"),
+        real.get("requests_per_rate"),
+        real.get("requests"),
+    ):
+        if _int(v):
+            return _int(v)
+    return None
+
+
+def _float(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        return None
+    return float(v)
+
+
+def _int(v: Any) -> int | None:
+    f = _float(v)
+    return int(f) if f is not None and f >= 1 else None

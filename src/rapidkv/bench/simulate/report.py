@@ -1,0 +1,165 @@
+"""`rapidkv bench simulate`'s output: the JSON, the table, the plot.
+
+JSON (`build`), every figure simulated:
+
+    {"bench": "simulate", "date", "git", "options": {...},
+     "fit": {<Fit's fields>, "measurements": {...}, "source", "warnings": [...]},
+     "fit_check": [{"config", "load", "ttft_p50_ms", "measured_ttft_p50_ms",
+                    "tpot_p50_ms", "measured_tpot_p50_ms", "in_fit"}, ...],
+     "workloads": {"<workload>": {
+         "slo": {"ttft_ms", "tpot_ms", "source", "single_c1_ttft_p50_ms", "single_c1_tpot_p50_ms"},
+         "sizes": {"<n>": {"requests": N, "policies": {"<policy>": {
+             "goodput_req_s", "goodput_per_instance_req_s",
+             "attainment": {"<rate>": fraction},
+             "points": [{"rate", "attainment", "ttft_ms": {"p50", "p90"}, "tpot_ms": {...},
+                         "throughput_req_s", "placements": {kind: count},
+                         "misses": {"ttft"|"tpot"|"both": count},
+                         "router": {...}}]}}}}}},
+     "summary": [{"workload", "instances", "policy", "goodput_req_s",
+                  "goodput_per_instance_req_s"}],
+     "compare": {...}}                                   # with --compare only
+
+``points[].router`` is the only part that is not a function of the options:
+the adaptive router's mean wall time per `decide` on this machine
+(``decide_ms_mean``), its reasons and what its models learned.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+
+def build(
+    *,
+    options: dict[str, Any],
+    fit: dict[str, Any],
+    fit_check: list[dict[str, Any]] | None,
+    workloads: dict[str, Any],
+    compare: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "bench": "simulate",
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "git": _git_describe(),
+        "options": options,
+        "fit": fit,
+        "fit_check": fit_check,
+        "workloads": workloads,
+        "summary": summary(workloads),
+    }
+    if compare is not None:
+        out["compare"] = compare
+    return out
+
+
+def summary(workloads: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for wname, w in workloads.items():
+        for n, size in sorted(w["sizes"].items(), key=lambda kv: int(kv[0])):
+            for policy, s in size["policies"].items():
+                rows.append(
+                    {
+                        "workload": wname,
+                        "instances": int(n),
+                        "policy": policy,
+                        "goodput_req_s": s["goodput_req_s"],
+                        "goodput_per_instance_req_s": s["goodput_per_instance_req_s"],
+                    }
+                )
+    return rows
+
+
+def table(report: dict[str, Any]) -> str:
+    """Goodput per fleet size, a column per policy: total (per instance), req/s;
+    the first adaptive policy's mean wall time per `decide` on this machine."""
+    lines: list[str] = []
+    for wname, w in report["workloads"].items():
+        slo = w["slo"]
+        lines.append(
+            f"{wname}: SLO TTFT {slo['ttft_ms']:.1f} ms, TPOT {slo['tpot_ms']:.2f} ms "
+            f"({slo['source']}); goodput req/s, total (per instance), simulated"
+        )
+        policies: list[str] = []
+        for size in w["sizes"].values():
+            policies += [p for p in size["policies"] if p not in policies]
+        head = f"{'instances':>9s}  {'requests':>8s}" + "".join(f"  {p:>18s}" for p in policies)
+        adaptive = next((p for p in policies if p.startswith("adaptive")), None)
+        if adaptive:
+            head += "  decide ms"
+        lines.append(head)
+        for n, size in sorted(w["sizes"].items(), key=lambda kv: int(kv[0])):
+            row = f"{n:>9s}  {size['requests']:>8d}"
+            for p in policies:
+                s = size["policies"].get(p)
+                cell = (
+                    "-"
+                    if s is None
+                    else (f"{s['goodput_req_s']:.1f} ({s['goodput_per_instance_req_s']:.2f})")
+                )
+                row += f"  {cell:>18s}"
+            if adaptive:
+                row += f"  {_decide_ms(size['policies'].get(adaptive)):>9s}"
+            lines.append(row)
+        lines.append("")
+    return "\n".join(lines).rstrip()
+
+
+def _decide_ms(s: dict[str, Any] | None) -> str:
+    if not s:
+        return "-"
+    values = [
+        p["router"]["decide_ms_mean"]
+        for p in s["points"]
+        if p.get("router", {}).get("decide_ms_mean") is not None
+    ]
+    return f"{sum(values) / len(values):.2f}" if values else "-"
+
+
+def plot(report: dict[str, Any], path: str | Path) -> None:
+    """Goodput per instance against fleet size: a panel per workload, a line per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = report["workloads"]
+    fig, axes = plt.subplots(1, len(workloads), figsize=(5.5 * len(workloads), 4), squeeze=False)
+    for ax, (wname, w) in zip(axes[0], workloads.items(), strict=True):
+        by_policy: dict[str, list[tuple[int, float]]] = {}
+        for n, size in w["sizes"].items():
+            for p, s in size["policies"].items():
+                by_policy.setdefault(p, []).append((int(n), s["goodput_per_instance_req_s"]))
+        for p, pts in by_policy.items():
+            pts.sort()
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=p)
+        ax.set_xscale("log", base=2)
+        sizes = sorted(int(n) for n in w["sizes"])
+        ax.set_xticks(sizes, [str(n) for n in sizes])
+        ax.minorticks_off()
+        ax.set_xlabel("instances")
+        ax.set_ylabel("goodput per instance (req/s)")
+        ax.set_title(f"{wname} (simulated)")
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _git_describe() -> str | None:
+    root = Path(__file__).resolve().parents[4]  # src/rapidkv/bench/simulate/report.py
+    try:
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None

@@ -1,0 +1,137 @@
+"""`bench simulate --compare`: the simulator's goodput next to a real run's."""
+
+from __future__ import annotations
+
+import pytest
+
+from rapidkv.bench.simulate.compare import (
+    Target,
+    compare,
+    policy_for,
+    rates_of,
+    relative_error,
+    table,
+    target_for,
+)
+from rapidkv.bench.simulate.fit import DEFAULT_FIT
+
+pytestmark = pytest.mark.unit
+
+
+def test_relative_error() -> None:
+    assert relative_error(11.5, 10.0) == pytest.approx(0.15)
+    assert relative_error(8.0, 10.0) == pytest.approx(-0.2)
+    assert relative_error(0.0, 0.0) == 0.0
+    assert relative_error(2.0, 0.0) is None
+
+
+def test_configurations_map_to_policies() -> None:
+    assert policy_for("dp2") == "dp"
+    assert policy_for("vllm-nixl") == "nixl"
+    assert policy_for("rapidkv") == "fixed-pd"
+    assert policy_for("rapidkv-fixed") == "fixed-pd"
+    assert policy_for("rapidkv-adaptive") == "adaptive"
+    assert policy_for("single") == "dp"
+    assert target_for("single") == Target("dp", 1, routed=False, shared_core=False)
+    assert target_for("dp2") == Target("dp", 2)
+    assert target_for("baseline") is None
+
+
+def test_rates_are_read_tolerantly() -> None:
+    assert rates_of({"2": 1.0, "4.5": 0.8, "x": 1.0, "-1": 1.0, "3": "nan"}) == {2.0: 1.0, 4.5: 0.8}
+    assert rates_of(None) == {}
+
+
+def real_run() -> dict:
+    return {
+        "workloads": {
+            "prefill-heavy": {
+                "slo": {"ttft_ms": 220.0, "tpot_ms": 8.1},
+                "requests": 100,
+                "configs": {
+                    # measured 4 req/s; what the simulator makes of it is its business
+                    "dp2": {"goodput_req_s": 4.0, "attainment": {"2": 0.97, "4": 0.93, "8": 0.7}},
+                    # no goodput_req_s: taken from the attainment
+                    "rapidkv": {"attainment": {"4": 0.99, "8": 0.95, "16": 0.4}},
+                    "single": {"attainment": {"1": 1.0, "4": 0.5}},
+                    "baseline": {"attainment": {"4": 1.0}},
+                    "rapidkv-adaptive": {"goodput_req_s": 3.0},
+                },
+            },
+            "long-context": {"configs": {}},
+        }
+    }
+
+
+def test_compare_simulates_the_real_rates_and_reports_the_errors() -> None:
+    out = compare(real_run(), DEFAULT_FIT, seed=0)
+    w = out["workloads"]["prefill-heavy"]
+    assert w["slo"] == {"ttft_ms": 220.0, "tpot_ms": 8.1, "source": "the real run's"}
+    assert set(w["configs"]) == {"dp2", "rapidkv", "single"}
+    assert w["configs"]["single"]["instances"] == 1
+    dp2, pd = w["configs"]["dp2"], w["configs"]["rapidkv"]
+    assert (dp2["policy"], dp2["instances"], dp2["requests"]) == ("dp", 2, 100)
+    assert pd["measured"]["goodput_req_s"] == 8.0  # highest rate at >= 90 %
+    for c in (dp2, pd):
+        sim = c["simulated"]
+        assert list(sim["attainment"]) == list(c["measured"]["attainment"])  # the same rates
+        passing = [float(r) for r, a in sim["attainment"].items() if a >= 0.9]
+        assert sim["goodput_req_s"] == max(passing, default=0.0)
+        measured = c["measured"]["goodput_req_s"]
+        err = (sim["goodput_req_s"] - measured) / measured
+        assert c["relative_error"] == pytest.approx(err)
+        assert c["within"] == (abs(err) <= 0.15)
+    errors = [abs(c["relative_error"]) for c in w["configs"].values()]
+    assert out["max_abs_error"] == pytest.approx(max(errors))
+    assert out["within"] == all(e <= 0.15 for e in errors)
+    skipped = "\n".join(out["skipped"])
+    assert "baseline" in skipped and "rapidkv-adaptive" in skipped and "long-context" in skipped
+    text = table(out)
+    assert "dp2" in text and "rapidkv" in text and "skipped" in text
+
+
+def test_a_run_the_simulator_made_itself_compares_at_zero_error() -> None:
+    first = compare(real_run(), DEFAULT_FIT, seed=3)
+    echo = {
+        "workloads": {
+            "prefill-heavy": {
+                "slo": {"ttft_ms": 220.0, "tpot_ms": 8.1},
+                "requests": 100,
+                "configs": {},
+            }
+        }
+    }
+    for name, c in first["workloads"]["prefill-heavy"]["configs"].items():
+        echo["workloads"]["prefill-heavy"]["configs"][name] = {
+            "attainment": c["simulated"]["attainment"]
+        }
+    again = compare(echo, DEFAULT_FIT, seed=3)
+    assert again["within"] and again["max_abs_error"] == 0.0
+
+
+def test_nothing_to_compare_is_said_not_raised() -> None:
+    out = compare({"configs": {}}, DEFAULT_FIT)
+    assert out["within"] is False and out["skipped"]
+    no_slo = compare(
+        {"workloads": {"chat": {"configs": {"dp2": {"attainment": {"1": 1.0}}}}}},
+        DEFAULT_FIT,
+        requests_per_instance=20,
+        min_requests=40,
+    )
+    chat = no_slo["workloads"]["chat"]
+    assert chat["slo"]["source"].startswith("simulated single c1")
+    assert chat["configs"]["dp2"]["requests"] == 40
+
+
+def test_requests_per_rate_come_from_the_real_run_meta() -> None:
+    real = {
+        "meta": {"requests_per_rate": 30},
+        "workloads": {
+            "chat": {
+                "slo": {"ttft_ms": 200.0, "tpot_ms": 9.0},
+                "configs": {"dp2": {"attainment": {"1": 1.0}, "requests": 150}},
+            }
+        },
+    }
+    c = compare(real, DEFAULT_FIT)["workloads"]["chat"]["configs"]["dp2"]
+    assert c["requests"] == 30  # per rate, not the configuration's total over its rates
