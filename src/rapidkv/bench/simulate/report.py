@@ -26,10 +26,11 @@ the adaptive router's mean wall time per `decide` on this machine
 
 from __future__ import annotations
 
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
+
+from rapidkv.bench.serve.report import git_describe
 
 
 def build(
@@ -43,7 +44,7 @@ def build(
     out: dict[str, Any] = {
         "bench": "simulate",
         "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-        "git": _git_describe(),
+        "git": git_describe(),
         "options": options,
         "fit": fit,
         "fit_check": fit_check,
@@ -148,18 +149,3 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def _git_describe() -> str | None:
-    root = Path(__file__).resolve().parents[4]  # src/rapidkv/bench/simulate/report.py
-    try:
-        out = subprocess.run(
-            ["git", "describe", "--always", "--dirty"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
