@@ -117,7 +117,7 @@ class Placer:
         self.fleet.set_block_size(index, block_size)
 
     def _learn(self, event: Any, xfer_id: str, **kwargs: Any) -> None:
-        if xfer_id not in self.fleet.tracked():
+        if xfer_id not in self.fleet:
             return
         try:
             observations = event(xfer_id, time.monotonic(), **kwargs)

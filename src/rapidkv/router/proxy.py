@@ -79,7 +79,7 @@ from rapidkv.router.discovery import (
 )
 from rapidkv.router.health import InstanceHealth
 from rapidkv.router.metrics import RouterMetrics
-from rapidkv.router.placement import SLO, NoPlacement, Placement, Policy
+from rapidkv.router.placement import SLO, Decision, NoPlacement, Placement, Policy
 from rapidkv.router.placer import Placer
 from rapidkv.router.rewrite import (
     BadRequest,
@@ -165,7 +165,7 @@ class Exchange:
     decode: Instance | None = None
     status: int | None = None  # D's status
     placement: str | None = None  # the x-rapidkv-placement header's value
-    reason: str = "fixed"  # why it was placed so (`placement.Reason`)
+    decision: Decision | None = None  # adaptive placement's, for the request
     output_events: int = 0  # streamed output events relayed (about the tokens)
     estimated_tokens: int = 0  # the prompt's length as placement estimated it
 
@@ -396,7 +396,7 @@ class Router:
             except NoPlacement as e:
                 await _send_error(send, 503, f"no instance can take the request: {e}")
                 return "unavailable"
-            ex.placement, ex.reason = decision.header_value(), decision.reason
+            ex.decision = decision
             d_index = self._take(decision.decode)
             p_index = None if decision.kind == "local" else decision.prefill
             split = None
@@ -575,14 +575,14 @@ class Router:
     ) -> None:
         """Where `ex` really went (a split that could not be made is PD): the
         placements metric, its header value, the placement state."""
-        self.metrics.placements.labels(kind, ex.reason).inc()
-        if self._placer is None:
+        if self._placer is None or ex.decision is None:
+            self.metrics.placements.labels(kind, "fixed").inc()
             ex.placement = f"kind={kind};prefill={p_index};decode={d_index};reason=fixed"
             return
-        if ex.placement is not None and not ex.placement.startswith(f"kind={kind};"):
-            rest = [f for f in ex.placement.split(";")[1:] if not f.startswith("head=")]
-            ex.placement = ";".join([f"kind={kind}", *rest])
         placement = Placement(kind, p_index, d_index, head)  # type: ignore[arg-type]
+        ex.decision = dataclasses.replace(ex.decision, placement=placement)
+        self.metrics.placements.labels(kind, ex.decision.reason).inc()
+        ex.placement = ex.decision.header_value()
         self._placer.dispatched(ex.xfer_id, placement, max(ex.estimated_tokens, head + 1))
 
     def _prefill_done(self, ex: Exchange, task: asyncio.Task[bool]) -> None:

@@ -218,6 +218,10 @@ class FleetState:
         """Requests tracked now (dispatched, some part not over)."""
         return len(self._requests)
 
+    def __contains__(self, request_id: object) -> bool:
+        """Whether `request_id` is tracked now."""
+        return request_id in self._requests
+
     def tracked(self) -> dict[str, Placement]:
         """The requests tracked now, by id, with their placements."""
         return {rid: r.placement for rid, r in self._requests.items()}
