@@ -63,7 +63,6 @@ def test_an_adaptive_fleet_of_two_uses_every_placement_and_matches_a_single_inst
         kind: metric_sum(metrics, "rapidkv_router_placements_total", kind=kind)
         for kind in ("local", "pd", "split")
     }
-    print(f"placements used: {used}")
     assert sum(used.values()) == len(prompts)
     assert all(used.values()), f"placements used: {used}"
     assert metric_sum(metrics, "rapidkv_router_split_prefills_total") == used["split"]

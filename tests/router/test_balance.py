@@ -92,3 +92,15 @@ def test_instance_health_marks_down_until_marked_up() -> None:
     assert h.up() == [0, 1, 2]
     with pytest.raises(IndexError):
         h.mark_down(3, "x")
+
+
+def test_hold_counts_a_chosen_instance_without_moving_the_turn() -> None:
+    b = LeastOutstanding(2)
+    b.hold(1)
+    assert [b.outstanding(i) for i in range(2)] == [0, 1]
+    b.release(1)
+    b.hold(0)
+    b.release(0)
+    assert [b.acquire(), b.acquire()] == [0, 1]  # the turn still starts at 0
+    with pytest.raises(IndexError):
+        b.hold(2)

@@ -46,6 +46,13 @@ class LeastOutstanding:
         self._cursors[turn] = (i + 1) % n
         return i
 
+    def hold(self, i: int) -> None:
+        """Count one more request outstanding on instance `i`, chosen elsewhere
+        (the cursors do not move)."""
+        if not 0 <= i < len(self._counts):
+            raise IndexError(f"no instance {i} of {len(self._counts)}")
+        self._counts[i] += 1
+
     def release(self, i: int) -> None:
         """One request on instance `i` is over."""
         if self._counts[i] <= 0:

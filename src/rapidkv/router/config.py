@@ -15,6 +15,7 @@ Invariants (checked on construction, so a running router never meets a bad value
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, get_args
@@ -159,16 +160,7 @@ class RouterConfig:
             raise ValueError("adaptive placement needs dual dispatch")
         if not (self.ttft_slo_ms > 0 and self.tpot_slo_ms > 0):
             raise ValueError("the TTFT and TPOT SLOs must be > 0 ms")
-        both: frozenset[Role] = frozenset(ROLES)
-        members = _members(
-            (
-                (self.prefill, frozenset({"prefill"})),
-                (self.decode, frozenset({"decode"})),
-                (self.instances, both),
-            )
-        )
-        object.__setattr__(self, "_members", members)
-        if not self.pool("decode"):
+        if not self.pool("decode"):  # `members` raises for conflicting control addresses
             raise ValueError("a router needs at least one instance that may decode")
         if not self.pool("prefill") and self.dispatch != "local":
             raise ValueError(f"dispatch {self.dispatch!r} needs at least one prefill instance")
@@ -187,11 +179,17 @@ class RouterConfig:
         if self.secret is not None and not self.secret:
             raise ValueError("an empty shared secret authenticates nothing; use None")
 
-    @property
+    @functools.cached_property
     def members(self) -> tuple[Member, ...]:
         """Every instance once (merged by URL), in configuration order: the
         indices the router's health, balancing and placement use."""
-        return self._members  # type: ignore[attr-defined,no-any-return]
+        return _members(
+            (
+                (self.prefill, frozenset({"prefill"})),
+                (self.decode, frozenset({"decode"})),
+                (self.instances, frozenset(ROLES)),
+            )
+        )
 
     def pool(self, role: Role) -> tuple[int, ...]:
         """Indices (into `members`) of the instances that may play `role`."""

@@ -952,7 +952,8 @@ class Router:
 
     def _take(self, index: int) -> int:
         """Instance `index` (placement chose it), counted outstanding."""
-        return self._counted(self._balancer.acquire((index,), turn="placed"))
+        self._balancer.hold(index)
+        return self._counted(index)
 
     def _counted(self, index: int) -> int:
         member = self._members[index]
