@@ -90,6 +90,7 @@ class ControlHandlers:
         self._timeline = timeline
         self._peers: dict[str, KnownPeer] = {}  # instance id -> (D instances we may write to)
         self._generations = itertools.count(1)  # of the workers' Peer entries
+        self._idle_check_at = 0.0  # `forget_idle` looks no more often than this
 
     async def handle(self, msg: Any) -> Any:
         """The RPC server's handler: the answer to one request."""
@@ -118,6 +119,9 @@ class ControlHandlers:
         """Forget the destinations that sent nothing for `peer_idle_ttl_s` and
         have no transfer parked or in flight here (caller holds the lock)."""
         ttl = self._shared.config.peer_idle_ttl_s
+        if now < self._idle_check_at:
+            return  # called every engine step: look a few times per TTL only
+        self._idle_check_at = now + ttl / 10
         for instance_id, known in list(self._peers.items()):
             if now - known.last_used > ttl and not self._producer.outstanding(instance_id):
                 self._forget_peer(instance_id, f"idle for over {ttl:g}s")
