@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,6 +24,23 @@ CHUNK_TOKENS = 256
 """`--max-num-batched-tokens` of the chunked-prefill server."""
 
 _pool: ServerPool | None = None
+
+
+@pytest.fixture(scope="session")
+def etcd() -> Iterator[Any]:
+    """A real etcd server on loopback for the session (`harness.etcd`); the
+    tests that need it skip, saying why, where etcd cannot run."""
+    from rapidkv.harness.etcd import EtcdServer, EtcdUnavailable
+
+    server = EtcdServer()
+    try:
+        server.start()
+    except EtcdUnavailable as e:
+        pytest.skip(f"etcd cannot run here: {e}")
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -184,6 +184,8 @@ def test_scheduler_side_exports_its_counters_gauges_and_the_servers_refusals() -
             "waiting_for_kv": 0.0,
             "held_requests": 0.0,
             "held_blocks": 0.0,
+            "migrations_live": 0.0,
+            "migration_sources": 0.0,
             "peers_decode": 0.0,
             "peers_prefill_ready": 0.0,
             "peers_prefill_connecting": 0.0,

@@ -9,10 +9,11 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from vllm_stand_ins import rank_info
 
 from rapidkv.connector.config import ConnectorConfig
 from rapidkv.connector.consumer_side import Consumed
-from rapidkv.connector.metadata import RankInfo, WorkerMeta
+from rapidkv.connector.metadata import WorkerMeta
 from rapidkv.connector.scheduler_side import SchedulerSide
 from rapidkv.control.client import RpcClient, RpcError
 from rapidkv.control.codes import Code
@@ -36,18 +37,7 @@ pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 PARK_TTL_S = 0.5
 
 
-RANK_INFO = RankInfo(
-    rank=0,
-    bypass_address="tcp://127.0.0.1:9",
-    transport="tcp",
-    transport_metadata=b"p-rank-0",
-    layout=b"layout",
-    num_blocks=64,
-    block_bytes=(4096,),
-    runs_per_block=(1,),
-    dtype="float32",
-    kernel_blocks_per_block=1,
-)
+RANK_INFO = rank_info(b"p-rank-0")
 
 
 @pytest.fixture

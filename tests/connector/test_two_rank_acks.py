@@ -20,7 +20,7 @@ vLLM's aggregation (worker metas merged in worker order with
 reported it), `request_finished` for a request that stopped, and
 `update_connector_output` (`update_output`). Where the scheduler side reads vLLM
 objects, small stand-ins carry exactly the attributes it reads (`Request`,
-`SchedulerOutput`, `KVCacheManager`). Each worker is driven over a pipe, one
+`SchedulerOutput`, `KVCacheManager`: `vllm_stand_ins`). Each worker is driven over a pipe, one
 hook per command, so the test decides exactly where in a step each rank is
 when the TransferKV arrives.
 
@@ -50,13 +50,12 @@ more test has D's Handshake and first TransferKV arrive within the same P step.
 from __future__ import annotations
 
 import contextlib
-import enum
 import multiprocessing as mp
 import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -72,6 +71,7 @@ from two_rank_worker import (
     kv_cache,
     layer_views,
 )
+from vllm_stand_ins import BlockPool, KVCacheManager, Request, SchedulerOutput, Status
 
 from rapidkv.connector.config import ConnectorConfig
 from rapidkv.connector.metadata import RankInfo, StepMeta, WorkerMeta, peer_name
@@ -131,48 +131,6 @@ def wait_until(what: str, predicate: Callable[[], bool], timeout: float = DEADLI
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.002)
-
-
-# -- stand-ins for the vLLM objects the scheduler side reads -------------------------------
-
-
-class Status(enum.Enum):
-    RUNNING = enum.auto()
-    FINISHED_LENGTH_CAPPED = enum.auto()
-
-
-@dataclass
-class Request:
-    request_id: str
-    kv_transfer_params: dict[str, Any]
-    num_prompt_tokens: int
-    prompt_token_ids: list[int]
-    num_computed_tokens: int = 0
-    status: Status = Status.RUNNING
-
-
-@dataclass
-class SchedulerOutput:
-    num_scheduled_tokens: dict[str, int]
-    preempted_req_ids: set[str]
-    total_num_scheduled_tokens: int
-
-
-@dataclass
-class BlockPool:
-    free: int
-
-    def get_num_free_blocks(self) -> int:
-        return self.free
-
-
-@dataclass
-class KVCacheManager:
-    blocks: dict[str, list[int]] = field(default_factory=dict)
-    block_pool: BlockPool = field(default_factory=lambda: BlockPool(NUM_BLOCKS - NBLOCKS))
-
-    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        return (list(self.blocks[request_id]),)
 
 
 # -- the ranks -------------------------------------------------------------------------------
@@ -442,7 +400,7 @@ def make_cluster() -> Iterator[Callable[..., Cluster]]:
                 ConnectorConfig(transfer_kv_mode="substep"), p_id, BLOCK_SIZE, TP, FINGERPRINT
             )
             stack.callback(sched.close)
-            kv = KVCacheManager()
+            kv = KVCacheManager(block_pool=BlockPool(NUM_BLOCKS - NBLOCKS))
             sched.kv_cache_manager = kv  # bind_kv_cache_manager
             sched.set_ranks({r.rank: r.ready() for r in ranks})  # set_xfer_handshake_metadata
             client = RpcClient()

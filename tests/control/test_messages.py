@@ -94,7 +94,7 @@ def transfer(**changes: object) -> TransferKV:
 EVERY_REQUEST = [
     handshake(),
     transfer(),
-    transfer(migration=True, transfer_kv_mode="bypass", first_block=4),
+    transfer(migration=True, source_xfer_id="src-1", transfer_kv_mode="bypass", first_block=4),
     Abort(xfer_id="xfer-1", reason=AbortReason.NOTHING_TO_LOAD),
     StatsRequest(),
     TimelineRequest(["xfer-1", "xfer-2"]),
@@ -164,6 +164,14 @@ def raw(msg: msgspec.Struct, **changes: object) -> bytes:
         ({"prompt_hash": "G" * 32}, "prompt_hash"),
         ({"transfer_kv_mode": "fast"}, "transfer_kv_mode"),
         ({"migration": "yes"}, "migration"),
+        ({"migration": True}, "a migration names its source_xfer_id"),
+        ({"source_xfer_id": "src-1"}, "a migration names its source_xfer_id"),
+        ({"migration": True, "source_xfer_id": ""}, "source_xfer_id"),
+        ({"migration": True, "source_xfer_id": "s" * 257}, "source_xfer_id"),
+        (
+            {"migration": True, "source_xfer_id": "src-1", "notify_layers": True},
+            "a migration is not a split prefill",
+        ),
     ],
 )
 def test_invalid_transfer_kv_is_refused_naming_the_field(
@@ -368,6 +376,7 @@ def test_valid_transfer_kv_round_trips(
         first_block=min(first, len(blocks)),
         num_tokens=tokens,
         migration=migration,
+        source_xfer_id="src-1" if migration else None,
         transfer_kv_mode=mode,
     )
     assert decode_request(encode(msg)) == msg

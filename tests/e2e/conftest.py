@@ -10,17 +10,23 @@ from pathlib import Path
 import httpx
 import pytest
 from pd_harness import (
+    ABORT_WRITING_TOKENS,
     BLOCK,
     FLEET_LENGTHS,
     LATE_LENGTHS,
     LATE_ROUNDS,
     LENGTHS,
     MAX_TOKENS,
+    MIGRATION_TOKENS,
+    MIGRATION_WORKLOADS,
     MODE_RUNS,
     NETNS_LENGTHS,
     SMALL_P_WORKLOADS,
+    SOURCE_MIGRATION_PROMPT,
+    SOURCE_MIGRATION_TOKENS,
     Pair,
     connector_config,
+    migration_chat_body,
 )
 
 from rapidkv.connector.config import kv_transfer_config
@@ -30,6 +36,42 @@ from rapidkv.harness.client import (
     complete_many,
 )
 from rapidkv.harness.server import pd_specs
+
+# The e2e files in the order that starts the fewest servers (the pool runs at
+# most two; switching groups costs a start of ~30 s): the demo first (its
+# servers are its own: it runs alone), the single instance's tests (the
+# reference outputs are computed on it, still running), then
+# every user of the shared pair, the fleet's last (its pair test first), then
+# the files with groups of their own. A file not named runs after these, in
+# collection order; the order inside a file is kept.
+E2E_ORDER = (
+    "test_demo.py",
+    "test_single_instance_oracle.py",
+    "test_harness_teardown.py",
+    "test_migration.py",
+    "test_migration_connector.py",
+    "test_pd_connector.py",
+    "test_pd_faults.py",
+    "test_fleet.py",
+    "test_pd_abort_while_writing.py",
+    "test_pd_small_p.py",
+    "test_pd_netns.py",
+    "test_pd_bf16.py",
+    "test_model_outputs_vary.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Reorder the e2e tests by `E2E_ORDER` (a stable sort: their slice of
+    the session stays where it was, everything else is untouched)."""
+    here = Path(__file__).parent
+    slots = [i for i, item in enumerate(items) if item.path.parent == here]
+    rank = {name: k for k, name in enumerate(E2E_ORDER)}
+    ordered = sorted(
+        (items[i] for i in slots), key=lambda item: rank.get(item.path.name, len(rank))
+    )
+    for i, item in zip(slots, ordered, strict=True):
+        items[i] = item
 
 
 @pytest.fixture(scope="session")
@@ -105,6 +147,23 @@ def workloads(tiny_model: Path, single_server_starter) -> dict[str, tuple[list, 
     out["netns"] = (netns, complete_many(single.base_url, netns, MAX_TOKENS, concurrency=4))
     netns_split = random_prompts(tiny_model, [450, 800], seed=2401)
     out["netns-split"] = (netns_split, complete_many(single.base_url, netns_split, MAX_TOKENS))
+    # live migration (test_migration): long outputs, so that a request is
+    # still decoding when it is moved
+    for name, lengths, seed in MIGRATION_WORKLOADS:
+        prompts = random_prompts(tiny_model, lengths, seed=seed)
+        out[name] = (
+            prompts,
+            complete_many(single.base_url, prompts, MIGRATION_TOKENS, concurrency=4),
+        )
+    chat = httpx.post(
+        f"{single.base_url}/v1/chat/completions", json=migration_chat_body(False), timeout=120
+    )
+    chat.raise_for_status()
+    [choice] = chat.json()["choices"]
+    out["migrate-chat"] = ([choice["message"]["content"]], [choice["token_ids"]])
+    # test_pd_abort_while_writing: X aborted mid-transfer, then Y (its reference)
+    x_y = random_prompts(tiny_model, [800, 200], seed=98)
+    out["abort-writing"] = (x_y, complete_many(single.base_url, x_y[1:], ABORT_WRITING_TOKENS))
     split_fail = random_prompts(tiny_model, [600, 700], seed=2100)
     out["split_fail"] = (split_fail, complete_many(single.base_url, split_fail, MAX_TOKENS))
     # text prompts (the router tokenizes them on P): random ids, detokenized
@@ -122,6 +181,12 @@ def workloads(tiny_model: Path, single_server_starter) -> dict[str, tuple[list, 
     out["split_step"] = (split_step, complete_many(single.base_url, split_step, MAX_TOKENS))
     substep = random_prompts(tiny_model, [600], seed=2103)
     out["substep_late"] = (substep, complete_many(single.base_url, substep, MAX_TOKENS))
+    # the connector's half of live migration (test_migration_connector): one long
+    # greedy decode, and a prompt whose migration names a source that is gone
+    migrate = random_prompts(tiny_model, [SOURCE_MIGRATION_PROMPT], seed=2600)
+    out["migration"] = (migrate, complete_many(single.base_url, migrate, SOURCE_MIGRATION_TOKENS))
+    gone = random_prompts(tiny_model, [350], seed=2601)
+    out["migration-gone"] = (gone, complete_many(single.base_url, gone, MAX_TOKENS))
     for seed, name in enumerate(["late_p", "gone", "abort_d", "nothing"]):
         one = random_prompts(
             tiny_model, [BLOCK + 1 if name == "nothing" else 600], seed=2000 + seed

@@ -5,7 +5,6 @@ checks that everything is back at its baseline."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from pathlib import Path
 
@@ -17,9 +16,11 @@ from rapidkv.control.messages import StatsRequest, TimelineRequest, XferTimeline
 from rapidkv.harness import VLLMServer
 from rapidkv.harness.client import (
     acomplete_full,
+    complete,
     get_metrics,
     metric_sum,
 )
+from rapidkv.harness.server import kv_bytes_per_token
 
 MAX_TOKENS = 16
 BLOCK = 128
@@ -54,6 +55,36 @@ MODE_RUNS = {
     "serial-step": ("serial", "step"),
     "serial-bypass": ("serial", "bypass"),
 }
+# live migration: (name, prompt lengths, seed), each output MIGRATION_TOKENS long
+MIGRATION_TOKENS = 240
+MIGRATION_WORKLOADS = [
+    ("migrate-once", [300], 2500),
+    ("migrate-twice", [420], 2501),
+    ("migrate-load", [260, 380, 330, 500], 2502),
+    ("migrate-drain", [200, 250, 300, 350, 280, 320, 260, 240], 2503),
+    ("migrate-fail", [310, 290], 2504),
+    ("migrate-unstreamed", [350], 2505),
+]
+# test_pd_abort_while_writing: Y decodes for ~3 s, long after P's last layer of X
+ABORT_WRITING_TOKENS = 300
+# a chat request moved there and back (test_migration): greedy, token ids returned
+MIGRATION_CHAT = [
+    {"role": "user", "content": "Tell me about the lighthouse keeper and the storm, at length."}
+]
+
+
+def migration_chat_body(stream: bool) -> dict:
+    """The chat request `test_migration` moves, as the single instance gets it too."""
+    return {
+        "messages": MIGRATION_CHAT,
+        "max_completion_tokens": MIGRATION_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": stream,
+    }
+
+
 SMALL_P_WORKLOADS = [  # (name, prompt lengths, seed, max_tokens)
     ("small_wait", [130, 130], 4000, 300),
     ("small_busy", [400, 400, 400], 4002, MAX_TOKENS),
@@ -71,6 +102,10 @@ LATE_LENGTHS = [300, 450, 250, 500, 380, 420, 260, 480]
 FLEET_LENGTHS = [40, 900, 60, 850, 30, 900, 800, 50, 700, 880, 650, 45, 900, 760, 35, 820]
 # P and D in two network namespaces: short, one block, many blocks, the longest
 NETNS_LENGTHS = [5, 129, 300, 640, 900, 256, 500, 1000 - MAX_TOKENS]
+# the connector's half of live migration (test_migration_connector): a few
+# hundred prompt tokens, decoded long enough to move mid-way
+SOURCE_MIGRATION_PROMPT = 300
+SOURCE_MIGRATION_TOKENS = 600
 
 
 def connector_config(control_port: int, **extra: object) -> dict:
@@ -197,17 +232,29 @@ class Pair:
 
 def block_bytes(model: Path) -> int:
     """Bytes of one KV block across all layers, from the model's config."""
-    cfg = json.loads((model / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    per_layer = 2 * cfg["num_key_value_heads"] * head_dim * BLOCK * 4  # K and V, float32
-    return cfg["num_hidden_layers"] * per_layer
+    return BLOCK * kv_bytes_per_token(model)
 
 
-def engine_idle(server: VLLMServer) -> bool:
+def _gauges_idle(server: VLLMServer) -> bool:
     m = get_metrics(server.base_url)
     return metric_sum(m, "vllm:num_requests_running") == 0 and (
         metric_sum(m, "vllm:num_requests_waiting") == 0
     )
+
+
+def engine_idle(server: VLLMServer) -> bool:
+    """No request running or waiting in `server`'s engine.
+
+    vLLM records these gauges when a step's output is processed, after the
+    step's finished requests left; a request aborted between steps (a
+    migration's source closed, a client that left) when nothing else runs
+    stays counted until the next step. So when they say busy, a 1-token probe
+    (shorter than a block: nothing cached) makes one step, and its record is
+    current: a request really running or waiting is still counted in it."""
+    if _gauges_idle(server):
+        return True
+    complete(server.base_url, [1, 2, 3], 1)
+    return _gauges_idle(server)
 
 
 def wait_for(cond, timeout: float) -> bool:
@@ -219,24 +266,28 @@ def wait_for(cond, timeout: float) -> bool:
     return cond()
 
 
-def assert_back_to_baseline(
-    pair: Pair, before: dict[str, dict[str, float]], within: float = 2.0
-) -> None:
-    """Within `within` s: vLLM's free blocks as before, nothing parked, held or
-    awaited, no request running or waiting, on P and on D."""
+def assert_back_to_baseline(pair: Pair, within: float = 2.0) -> None:
+    """Within `within` s, on P and on D: every block of vLLM's pool free (no
+    request holds one: a baseline that does not depend on when it is read),
+    nothing parked, held or awaited, no request running or waiting."""
     for w, server in (("p", pair.p), ("d", pair.d)):
 
-        def settled(w=w, server=server) -> bool:
+        def unsettled(w=w, server=server) -> list[str]:
             s = pair.stats(w)
-            return (
-                s["free_blocks"] == before[w]["free_blocks"]
-                and s["parked_now"] == 0
-                and s["transfers_live"] == 0
-                and s["waiting_for_kv"] == 0
-                and engine_idle(server)
-            )
+            out = [
+                f"{k} {s[k]:g}"
+                for k in ("parked_now", "transfers_live", "waiting_for_kv", "held_blocks")
+                if s[k] != 0
+            ]
+            if s["free_blocks"] != s["usable_blocks"]:
+                out.append(f"free_blocks {s['free_blocks']:g} of {s['usable_blocks']:g}")
+            if not out and not engine_idle(server):
+                out.append("a request running or waiting in vLLM")
+            return out
 
-        assert wait_for(settled, within), f"{w} did not return to its baseline: {pair.stats(w)}"
+        assert wait_for(lambda u=unsettled: not u(), within), (
+            f"{w} did not return to its baseline: {unsettled()}; {pair.stats(w)}"
+        )
 
 
 def log_mark(server: VLLMServer) -> int:

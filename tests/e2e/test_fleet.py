@@ -81,7 +81,7 @@ def test_an_adaptive_fleet_of_two_uses_every_placement_and_matches_a_single_inst
         ),
         2.0,
     )
-    assert_back_to_baseline(pd_pair, before)
+    assert_back_to_baseline(pd_pair)
 
 
 def test_one_prefill_and_two_decode_instances_spread_requests_over_both_decoders(
@@ -119,7 +119,7 @@ def test_one_prefill_and_two_decode_instances_spread_requests_over_both_decoders
         assert all(sent) and sum(sent) == len(prompts), sent
         for pair, b in zip(pairs, before, strict=True):
             assert pair.since(b, "d", "recompute_fallbacks") == 0
-            assert_back_to_baseline(pair, b)
+            assert_back_to_baseline(pair)
     finally:
         for pair in pairs:
             pair.close()

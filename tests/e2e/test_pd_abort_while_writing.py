@@ -17,25 +17,24 @@ from pathlib import Path
 
 import httpx
 import pytest
+from pd_harness import ABORT_WRITING_TOKENS
 
 from rapidkv.connector.config import kv_transfer_config
 from rapidkv.control.client import RpcClient
 from rapidkv.control.messages import StatsRequest, TimelineRequest
-from rapidkv.harness import ServerPool, complete_many, free_port, random_prompts
+from rapidkv.harness import ServerPool, free_port
 from rapidkv.harness.client import acomplete_full
 from rapidkv.harness.server import pd_specs
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 LAYER_DELAY_S = 0.5  # P's step with the aborted request's prompt: ~2 s (4 layers)
-Y_TOKENS = 300  # Y decodes for ~3 s: long after P's last layer of X
 
 
 def test_blocks_of_a_request_aborted_mid_transfer_are_not_written_after_the_abort(
-    server_pool: ServerPool, tiny_model: Path, single_server_starter
+    server_pool: ServerPool, tiny_model: Path, workloads: dict
 ) -> None:
-    x_ids, y_ids = random_prompts(tiny_model, [800, 200], seed=98)
-    y_ref = complete_many(single_server_starter().base_url, [y_ids], Y_TOKENS)[0]
+    (x_ids, y_ids), (y_ref,) = workloads["abort-writing"]
     pc, dc = free_port(), free_port()
     specs = pd_specs(
         tiny_model,
@@ -74,9 +73,9 @@ def test_blocks_of_a_request_aborted_mid_transfer_are_not_written_after_the_abor
                 await asyncio.gather(to_d, return_exceptions=True)
                 await asyncio.sleep(0.1)
                 # Y, computed on D alone, gets X's blocks (vLLM reuses them first)
-                y = await acomplete_full(client, d.base_url, y_ids, Y_TOKENS)
+                y = await acomplete_full(client, d.base_url, y_ids, ABORT_WRITING_TOKENS)
                 await to_p
-                again = await acomplete_full(client, d.base_url, y_ids, Y_TOKENS)
+                again = await acomplete_full(client, d.base_url, y_ids, ABORT_WRITING_TOKENS)
                 return [y.token_ids, again.token_ids]
 
         y, again = asyncio.run(main())

@@ -95,7 +95,7 @@ def test_pd_output_equals_single_instance_and_nothing_leaks(
         assert layered >= len(prompts) // 2
         assert early == layered
     # within 2 s of the last response everything is back where it was
-    assert_back_to_baseline(pd_pair, before)
+    assert_back_to_baseline(pd_pair)
 
 
 def test_d_prefix_hits_are_not_transferred(pd_pair: Pair, workloads: dict) -> None:
@@ -103,7 +103,7 @@ def test_d_prefix_hits_are_not_transferred(pd_pair: Pair, workloads: dict) -> No
     them): only the missing blocks cross, and the output is still exact."""
     first, second = workloads["prefix"][0]
     m0 = get_metrics(pd_pair.d.base_url)
-    p0 = pd_pair.stats("p")
+    p0, d0 = pd_pair.stats("p"), pd_pair.stats("d")
     out = pd_pair.run([first], "prefix-a", serial=False) + pd_pair.run(
         [second], "prefix-b", serial=False
     )
@@ -122,7 +122,7 @@ def test_d_prefix_hits_are_not_transferred(pd_pair: Pair, workloads: dict) -> No
     sent_blocks = -(-(len(first) - 1) // BLOCK) + -(-(len(second) - 1) // BLOCK) - 2
     moved = pd_pair.stats("p")["bytes_sent"] - p0.get("bytes_sent", 0)
     assert moved == sent_blocks * block_bytes(pd_pair.model)
-    assert pd_pair.stats("d").get("recompute_fallbacks", 0) == 0
+    assert pd_pair.since({"d": d0}, "d", "recompute_fallbacks") == 0
     assert out == workloads["prefix"][1]
 
 
@@ -132,7 +132,7 @@ def test_transfer_kv_before_the_request_is_parked_and_served(
     """D's TransferKV reaches P long before P sees the request (the P call is
     held back until P reports the park): served from the park, no NOT_FOUND."""
     (ids,), (expected,) = workloads["late_p"]
-    p0 = pd_pair.stats("p")
+    p0, d0 = pd_pair.stats("p"), pd_pair.stats("d")
     pk, _ = pd_pair.params("late-p")
 
     async def main():
@@ -147,7 +147,7 @@ def test_transfer_kv_before_the_request_is_parked_and_served(
     assert p1["parked_served"] - p0.get("parked_served", 0) == 1
     assert p1.get("park_expired", 0) == p0.get("park_expired", 0)
     assert p1["transfers_ok"] - p0.get("transfers_ok", 0) == 1
-    assert pd_pair.stats("d").get("recompute_fallbacks", 0) == 0
+    assert pd_pair.since({"d": d0}, "d", "recompute_fallbacks") == 0
 
 
 def test_transfer_kv_for_an_aborted_request_gets_gone_and_d_recomputes(
@@ -188,7 +188,6 @@ def test_router_streams_pd_outputs_equal_to_single_instance(
 
     prompts, expected = workloads[f"router-{dispatch}"]
     p0, d0 = pd_pair.stats("p"), pd_pair.stats("d")
-    before = {"p": p0, "d": d0}
     # dual: the router asks P for its control address; serial: it is given
     p_control = None if dispatch.startswith("dual") else pd_pair.p_control
     config = RouterConfig(
@@ -227,7 +226,7 @@ def test_router_streams_pd_outputs_equal_to_single_instance(
         2.0,
     )
     assert pd_pair.stats("d").get("recompute_fallbacks", 0) == d0.get("recompute_fallbacks", 0)
-    assert_back_to_baseline(pd_pair, before)
+    assert_back_to_baseline(pd_pair)
 
 
 def test_router_split_prefills_equal_single_instance_outputs(
@@ -272,7 +271,7 @@ def test_router_split_prefills_equal_single_instance_outputs(
         ),
         2.0,
     )
-    assert_back_to_baseline(pd_pair, before)
+    assert_back_to_baseline(pd_pair)
 
 
 def test_router_splits_a_text_prompt_after_tokenizing_it_on_p(
@@ -305,7 +304,7 @@ def test_router_splits_a_text_prompt_after_tokenizing_it_on_p(
     d = pd_pair.stats("d")
     assert d.get("split_loads_ok", 0) - before["d"].get("split_loads_ok", 0) == len(texts)
     assert pd_pair.stats("p").get("prompt_mismatch", 0) == before["p"].get("prompt_mismatch", 0)
-    assert_back_to_baseline(pd_pair, before)
+    assert_back_to_baseline(pd_pair)
 
 
 def test_a_split_prefills_head_goes_layer_by_layer_whatever_the_mode(
@@ -329,7 +328,7 @@ def test_a_split_prefills_head_goes_layer_by_layer_whatever_the_mode(
     assert d.get("split_loads_ok", 0) == before["d"].get("split_loads_ok", 0) + 1
     p = pd_pair.stats("p")
     assert p.get("substeps_opened", 0) == before["p"].get("substeps_opened", 0) + 1
-    assert_back_to_baseline(pd_pair, before)
+    assert_back_to_baseline(pd_pair)
 
 
 @pytest.mark.parametrize("failure", ["p_refuses", "p_unreachable"])
@@ -370,7 +369,7 @@ def test_a_split_prefill_whose_head_fails_is_recomputed_by_d(
         assert pd_pair.stats("p").get("prompt_mismatch", 0) == (
             before["p"].get("prompt_mismatch", 0) + 1
         )
-    assert_back_to_baseline(pd_pair, before)
+    assert_back_to_baseline(pd_pair)
 
 
 def test_transfer_kv_late_from_a_busy_d_takes_the_fast_paths(
@@ -435,7 +434,7 @@ def test_transfer_kv_late_from_a_busy_d_takes_the_fast_paths(
     assert pair.stats("d").get("recompute_fallbacks", 0) == before["d"].get(
         "recompute_fallbacks", 0
     )
-    assert_back_to_baseline(pair, before)
+    assert_back_to_baseline(pair)
 
 
 def test_transfer_kv_during_the_last_chunk_is_attached_as_a_substep(
@@ -461,7 +460,7 @@ def test_transfer_kv_during_the_last_chunk_is_attached_as_a_substep(
     blocks = -(-(len(ids) - 1) // BLOCK)
     assert delta("p", "bytes_sent") == blocks * block_bytes(pd_pair.model)  # each block once
     assert delta("d", "recompute_fallbacks") == 0
-    assert_back_to_baseline(pd_pair, before)
+    assert_back_to_baseline(pd_pair)
 
 
 def test_d_request_aborted_while_waiting_for_kv_frees_everything(
@@ -481,7 +480,7 @@ def test_d_request_aborted_while_waiting_for_kv_frees_everything(
                 await to_d
 
     asyncio.run(main())
-    assert_back_to_baseline(pd_pair, before)
+    assert_back_to_baseline(pd_pair)
     assert pd_pair.stats("p").get("aborts_client_abort", 0) > before["p"].get(
         "aborts_client_abort", 0
     )
@@ -495,7 +494,7 @@ def test_nothing_to_load_releases_p_at_once(pd_pair: Pair, workloads: dict) -> N
     pd_pair.run([ids], "nothing-warm", serial=True)  # D now caches the first block
     before = {"p": pd_pair.stats("p"), "d": pd_pair.stats("d")}
     assert pd_pair.run([ids], "nothing", serial=True) == [expected]
-    assert_back_to_baseline(pd_pair, before)
+    assert_back_to_baseline(pd_pair)
     assert (
         pd_pair.stats("p").get("aborts_nothing_to_load", 0)
         == before["p"].get("aborts_nothing_to_load", 0) + 1

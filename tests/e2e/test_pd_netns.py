@@ -116,7 +116,7 @@ def assert_moved_over_the_link(
     crossed = link.tx_bytes(link.a) - sent0
     kv_bytes = loaded * block_bytes(pair.model) / BLOCK
     assert crossed >= kv_bytes, f"{crossed} bytes left P's veth for {kv_bytes:.0f} loaded"
-    assert_back_to_baseline(pair, before)
+    assert_back_to_baseline(pair)
 
 
 def test_p_advertises_its_link_address_not_the_wildcard_it_binds(

@@ -72,7 +72,7 @@ def test_blocks_held_for_transfers_make_p_wait_instead_of_preempting(
 
     assert [c.token_ids for c in asyncio.run(main())] == expected
     assert preemptions(pair.p) == preempted0
-    assert_back_to_baseline(pair, before)
+    assert_back_to_baseline(pair)
 
 
 def test_transfers_over_the_per_d_cap_are_refused_busy_and_retried(
@@ -95,7 +95,7 @@ def test_transfers_over_the_per_d_cap_are_refused_busy_and_retried(
         2.0,
     )
     assert d1.get("recompute_fallbacks", 0) == before["d"].get("recompute_fallbacks", 0)
-    assert_back_to_baseline(pair, before)
+    assert_back_to_baseline(pair)
 
 
 def test_substeps_that_arrive_after_their_step_are_rolled_back_and_sent_once(
@@ -123,4 +123,4 @@ def test_substeps_that_arrive_after_their_step_are_rolled_back_and_sent_once(
     blocks = -(-(len(ids) - 1) // BLOCK)
     assert delta("p", "bytes_sent") == blocks * block_bytes(pair.model)  # each block once
     assert delta("d", "recompute_fallbacks") == 0
-    assert_back_to_baseline(pair, before)
+    assert_back_to_baseline(pair)

@@ -15,6 +15,10 @@ where role is this fake's ``role`` ("prefill" / "decode"):
 - ``error``: answer 503 with a vLLM-style error body;
 - ``cut``: start a streamed answer, then drop the connection mid-way.
 
+`die()` ends the fake as a crashed server ends: every request it holds and
+every one that reaches it before its listener closed has its connection
+dropped, unanswered (`stop()`, the orderly end, lets the held ones answer).
+
 ``POST /tokenize`` answers a text prompt's "token ids" (its characters' code
 points), or 500 for a prompt that starts with "untokenizable".
 
@@ -91,6 +95,7 @@ class FakeVLLM:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._gate: asyncio.Event | None = None
         self._released = False
+        self._dead = False
         self._server = ThreadedServer(self, port=port, lifespan="off", name=f"fake-{name}")
         self.url = self._server.url
 
@@ -98,12 +103,17 @@ class FakeVLLM:
         self.release()
         self._server.stop()
 
+    def die(self) -> None:
+        """End like a crashed server: held requests and new ones are cut off."""
+        self._dead = True
+        self.stop()
+
     # ------------------------------------------------------------ test side
 
     def release(self) -> None:
         """Let every hanging request (now and later) answer."""
         self._released = True
-        if self._loop is not None and self._gate is not None:
+        if self._loop is not None and self._gate is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._gate.set)
 
     def requests(self, path: str | None = None) -> list[Seen]:
@@ -163,6 +173,8 @@ class FakeVLLM:
             await self._tokenize(seen, send)
             return
         behaviour = (body.get("fake") or {}).get(self.role, "ok")
+        if self._dead:
+            await self._cut(seen, send)
         chat = path == "/v1/chat/completions"
         streaming = body.get("stream") is True
         if behaviour == "error":
@@ -187,6 +199,8 @@ class FakeVLLM:
             if not await self._hold(receive):
                 seen.disconnected = True
                 return
+            if self._dead:
+                await self._cut(seen, send, started=bool(first))
             if first:
                 for event in events:
                     await self._chunk(seen, send, event, more=True)
@@ -208,6 +222,15 @@ class FakeVLLM:
                 }
             answer = json.dumps(full).encode()
             await self._answer(seen, send, 200, "application/json", [answer])
+
+    async def _cut(self, seen: Seen, send: Any, started: bool = False) -> None:
+        """Drop the connection with nothing more answered: uvicorn closes it
+        when the app raises after the headers (before them it would answer
+        500), so they go first unless `started`."""
+        seen.disconnected = True
+        if not started:
+            await self._start(send, 200, "text/event-stream")
+        raise ConnectionAbortedError(f"{self.name}: died")
 
     async def _tokenize(self, seen: Seen, send: Any) -> None:
         prompt = seen.body.get("prompt", "")

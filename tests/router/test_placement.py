@@ -576,7 +576,7 @@ def event_runs(draw: st.DrawFn) -> tuple[int, list[tuple]]:
     ops = draw(
         st.lists(
             st.tuples(
-                st.sampled_from(["dispatch", "prefill_done", "first_token", "finish"]),
+                st.sampled_from(["dispatch", "prefill_done", "first_token", "finish", "migrate"]),
                 st.integers(0, 7),  # request id
                 st.integers(0, n - 1),
                 st.integers(0, n - 1),
@@ -616,6 +616,8 @@ def test_queue_counters_follow_any_event_order_and_drain_to_zero(
             obs = fleet.on_first_token(rid, now)
         elif op == "finish" and placement is not None:
             obs = fleet.on_finish(rid, now, output_tokens=tokens % 50, ok=ok)
+        elif op == "migrate" and placement is not None:
+            fleet.on_migrated(rid, j, now)
         fleet.check()
         for o in obs:
             assert all(math.isfinite(v) and v >= 0 for v in vars(o).values())
@@ -628,6 +630,24 @@ def test_queue_counters_follow_any_event_order_and_drain_to_zero(
         fleet.check()
     assert fleet.in_flight == 0
     assert fleet.view() == tuple(InstanceLoad() for _ in range(n))
+
+
+def test_a_migrated_decode_counts_on_its_new_instance_and_teaches_no_decode_step() -> None:
+    fleet = FleetState(2)
+    fleet.on_dispatch("a", Placement("local", 0, 0), 300, now_s=0.0)
+    assert len(fleet.on_first_token("a", now_s=0.05)) == 1  # the local prefill learnt
+    fleet.on_migrated("a", 1, now_s=0.2)
+    fleet.check()
+    loads = fleet.view()
+    assert (loads[0].decodes, loads[0].outstanding) == (0, 0)
+    assert (loads[1].decodes, loads[1].outstanding) == (1, 1)
+    fleet.on_migrated("a", 1, now_s=0.3)  # already there: nothing changes
+    assert fleet.view() == loads
+    # its window spans two instances: no decode step is learnt from it
+    assert fleet.on_finish("a", now_s=1.0, output_tokens=100) == []
+    assert fleet.view() == (InstanceLoad(), InstanceLoad())
+    with pytest.raises(KeyError):
+        fleet.on_migrated("a", 0, now_s=1.1)
 
 
 def test_no_split_touches_an_instance_with_a_split_in_flight() -> None:

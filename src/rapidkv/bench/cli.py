@@ -29,6 +29,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "goodput (req/s within TTFT/TPOT SLOs) of dp2, vllm-nixl, rapidkv fixed and adaptive",
         "rapidkv.bench.goodput",
     ),
+    "migrate": (
+        "live migration's client-side downtime per sequence length: pre-copy vs stop-and-copy",
+        "rapidkv.bench.migrate",
+    ),
     "simulate": (
         "the placement policies on simulated fleets of 2-64 instances fitted from this machine",
         "rapidkv.bench.simulate",

@@ -66,6 +66,14 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # agrees (kvt.faults); 0 in production
     debug_fail_transfer_rate: float = 0.0
     debug_send_delay_s: float = 0.0
+    # fleet membership (rapidkv.membership): with etcd endpoints (base URLs),
+    # this instance keeps its record (advertise_url, control address, roles,
+    # block size, identity) under `<etcd_prefix>instances/<instance id>` with a
+    # lease of etcd_ttl_s while it runs, from when advertise_url/health answers
+    etcd_endpoints: tuple[str, ...] = ()
+    etcd_prefix: str = "/rapidkv/"
+    etcd_ttl_s: float = 5.0
+    advertise_url: str | None = None  # this instance's HTTP base URL, as routers reach it
 
     def __post_init__(self) -> None:
         for problem in self.address_problems():
@@ -76,6 +84,19 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             raise ValueError("debug_send_delay_s must be >= 0")
         if not self.peer_idle_ttl_s > 0:
             raise ValueError("peer_idle_ttl_s must be > 0")
+        if self.etcd_endpoints and not self.advertise_url:
+            raise ValueError(
+                "etcd_endpoints needs advertise_url: the HTTP base URL routers reach "
+                "this instance at (e.g. http://10.0.0.5:8000)"
+            )
+        if self.advertise_url is not None and not self.advertise_url.startswith(
+            ("http://", "https://")
+        ):
+            raise ValueError(f"advertise_url is http(s)://host:port, not {self.advertise_url!r}")
+        if self.etcd_ttl_s < 2:
+            raise ValueError("etcd_ttl_s must be >= 2 (etcd's shortest lease)")
+        if not self.etcd_prefix.startswith("/") or not self.etcd_prefix.endswith("/"):
+            raise ValueError(f"etcd_prefix starts and ends with '/', not {self.etcd_prefix!r}")
 
     def address_problems(self) -> list[str]:
         """What is wrong with the bind and advertised addresses (empty: nothing)."""
@@ -135,6 +156,13 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             return msgspec.convert(extra or {}, cls)
         except msgspec.ValidationError as e:
             raise ValueError(f"rapidkv: bad kv_connector_extra_config: {e}") from None
+
+
+def kv_roles(kv_role: str | None) -> tuple[str, ...]:
+    """The roles an instance with vLLM's `kv_role` may play for a router."""
+    return {"kv_producer": ("prefill",), "kv_consumer": ("decode",)}.get(
+        kv_role or "", ("prefill", "decode")
+    )
 
 
 def kv_transfer_config(control_port: int, **extra: Any) -> dict[str, Any]:

@@ -45,7 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from rapidkv.connector.amx import request_tile_permission
-from rapidkv.connector.config import ConnectorConfig
+from rapidkv.connector.config import ConnectorConfig, kv_roles
 from rapidkv.connector.metadata import RankInfo, StepMeta
 from rapidkv.connector.metrics import RapidKVPromMetrics, RapidKVStats, StatsDelta
 from rapidkv.connector.scheduler_side import SchedulerSide, model_fingerprint
@@ -103,6 +103,7 @@ class RapidKVConnector(KVConnectorBase_V1):
                 block_size,
                 vllm_config.parallel_config.tensor_parallel_size,
                 model_fingerprint(vllm_config.model_config),
+                roles=kv_roles(ktc.kv_role),
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

@@ -16,6 +16,14 @@ schedules the tail at once and the workers wait for each layer of the head in
 channel (`recv_over`), so a refused or failed head stops their wait (its blocks
 are then reported invalid, and recomputed).
 
+A *migration destination* (`migrate_from` in the params: the `xfer_id` of a
+request another instance is running, at `prefill_control`) loads the same way:
+its prompt is the source's prompt and every token generated so far, and its
+TransferKV is a migration (`migration`, `source_xfer_id`). Its local prefix
+hits (an earlier pre-copy's blocks, say) are never written (`first_block`).
+NOT_FOUND and GONE to a migration are not retried: the source runs no such
+request now, and D recomputes.
+
 The write fence: D gives up blocks P may still write into (reports the request
 failed, or ends a split load as failed) only once P said no more writes of
 their transfer can land: any TransferKV answer, or an Abort confirmed by P
@@ -41,6 +49,7 @@ from rapidkv.connector.shared_state import SharedState
 from rapidkv.control.client import RpcClient
 from rapidkv.control.codes import Code
 from rapidkv.control.messages import (
+    MAX_ID,
     Abort,
     AbortReason,
     Handshake,
@@ -62,6 +71,7 @@ class Consumed:
     mode: str | None
     split: int = 0  # split prefill: P computes this head of the prompt (0: all of it)
     local_hits: int = 0
+    migrate_from: str | None = None  # a migration: the source request's xfer_id
     state: str = "new"  # new -> loading -> done | local; new -> split (loaded in one step)
 
 
@@ -87,12 +97,25 @@ class ConsumerSide:
         if not isinstance(split, int) or isinstance(split, bool) or split < 0:
             log.warning("rapidkv: xfer %s: bad split_tokens %r ignored", xfer_id, split)
             split = 0
+        control = params.get("prefill_control")
+        migrate_from = params.get("migrate_from")
+        if migrate_from is not None and not (
+            isinstance(migrate_from, str) and 0 < len(migrate_from) <= MAX_ID
+        ):
+            log.warning(
+                "rapidkv: xfer %s: bad migrate_from %r: computed here", xfer_id, migrate_from
+            )
+            migrate_from, control = None, None
+        if migrate_from is not None and split:
+            log.warning("rapidkv: xfer %s: a migration is no split prefill: split ignored", xfer_id)
+            split = 0
         self._consumed[request.request_id] = Consumed(
             xfer_id,
             request.request_id,
-            params.get("prefill_control"),
+            control,
             params.get("transfer_kv_mode"),
             split,
+            migrate_from=migrate_from,
         )
         self._shared.timeline.event(xfer_id, "d_admitted")
 
@@ -140,6 +163,8 @@ class ConsumerSide:
             ),
             transfer_kv_mode=c.mode,
             notify_layers=bool(c.split),
+            migration=c.migrate_from is not None,
+            source_xfer_id=c.migrate_from,
         )
         with self._lock:
             if c.split:
@@ -149,6 +174,8 @@ class ConsumerSide:
                 self._shared.pending.expect[c.xfer_id] = c.req_id
         with self._lock:
             self._counters["transfer_kv_sent"] += 1
+            if c.migrate_from is not None:
+                self._counters["migration_transfer_kv_sent"] += 1
             self._shared.timeline.event(c.xfer_id, "d_transfer_kv_sent")
         self._send_transfer_kv(c, msg)
 
@@ -259,8 +286,11 @@ class ConsumerSide:
                 handshake.append(again)
                 again.add_done_callback(on_handshake)
                 return
-            # a split prefill's tail is computing now, waiting for the head: no retries
+            # a split prefill's tail is computing now, waiting for the head: no
+            # retries; a migration's source never parks it: NOT_FOUND is final
             retry = reply.code in (Code.NOT_FOUND, Code.BUSY) and not c.split
+            if c.migrate_from is not None and reply.code == Code.NOT_FOUND:
+                retry = False
             if reply.code == Code.OK:
                 with self._lock:
                     self._counters["transfer_kv_ok"] += 1

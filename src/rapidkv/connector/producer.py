@@ -9,6 +9,14 @@ Lifecycle of a `Produced` (all transitions under the scheduler side's lock):
     finished + no TransferKV within finished_ttl_s              -> released
     aborted before anything was sent                            -> released, GONE
     aborted while sending                                       -> kvt fail, settles
+
+A *migration* (`migration=True`) is the same record for a request that is
+running here (`req_id`: the source request; `prompt_len`: D's prompt, the
+source's tokens so far): it is accepted at creation (its TransferKV created
+it), and it is over once settled, or aborted before anything was sent. Over
+while its source runs, it is forgotten (the request holds its own blocks);
+`finished` set means the source finished while it was not over, and its
+blocks are held until it is.
 """
 
 from __future__ import annotations
@@ -59,6 +67,7 @@ class Produced:
     finished_at: float = 0.0
     aborted: bool = False
     released: bool = False
+    migration: bool = False  # D asked for the KV of a request running here
 
     def accept(self, window: Window, reply: Reply, block_size: int, mode: str) -> None:
         self.window = window

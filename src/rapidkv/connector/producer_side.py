@@ -26,6 +26,25 @@ Invariants (all under the shared lock):
 - P's write fence: an Abort is answered OK only once no write of its transfer
   can land any more (its sends in flight settled); BUSY if that takes longer
   than `write_timeout_s`.
+
+Migrations (`receive_transfer_kv` of a TransferKV with `migration`): the KV of
+a request running here (a source, `sources.py`) goes to a destination that
+will go on decoding it. It is a `Produced` flagged `migration`, keyed by the
+migration's own `xfer_id`, on the source request's `req_id`; tombstones,
+duplicates, `max_transfers_per_peer`, Abort and the write fence,
+`fail_transfers_to` and settling are P's. It is never parked (no such source:
+GONE at once). What the source computed is sent at once over the bypass
+channel, whatever the `transfer_kv_mode`; the rest with the next steps
+(`plan_step`). Further invariants:
+
+- `_migrations[req_id]` holds the migrations from that request that are not
+  over (settled, or aborted with nothing sent); one over while its source runs
+  is forgotten;
+- a request's blocks are released once no transfer from it holds them: its own
+  (P's) and every migration from it (`_live_by_req` counts them); a request
+  that finished with a migration not over is held (`request_finished` True);
+- a migration whose source is preempted fails (as P's does: the worker fences
+  the freed blocks); the source itself is never touched by its migrations.
 """
 
 from __future__ import annotations
@@ -33,7 +52,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +63,7 @@ from rapidkv.connector.metadata import StepMeta
 from rapidkv.connector.plan import Window
 from rapidkv.connector.producer import Produced, Reply
 from rapidkv.connector.shared_state import SharedState
+from rapidkv.connector.sources import Source, Sources
 from rapidkv.control.codes import Code
 from rapidkv.control.messages import (
     Abort,
@@ -72,8 +92,9 @@ class ProducerSide:
     """P's transfers: what is computed and asked for, what goes out when, and
     when the blocks may be freed."""
 
-    def __init__(self, shared: SharedState) -> None:
+    def __init__(self, shared: SharedState, sources: Sources) -> None:
         self._shared = shared
+        self._sources = sources
         # the shared state's own objects, never reassigned
         self._config = shared.config
         self._counters = shared.counters
@@ -86,6 +107,10 @@ class ProducerSide:
         self._parked: dict[str, ParkedTransferKV] = {}  # xfer_id ->
         self._tombstones: OrderedDict[str, float] = OrderedDict()  # xfer_id -> when, oldest first
         self._freeing: set[str] = set()  # released req ids whose blocks vLLM still holds
+        # req_id -> migrations from it not over (xfer_ids)
+        self._migrations: dict[str, set[str]] = {}
+        # req_id -> its transfers in _produced (its own and migrations from it)
+        self._live_by_req: Counter[str] = Counter()
         # substeps attached to the step in flight, awaiting every rank's ack
         self._journal: SubstepJournal[Undo] = SubstepJournal(shared.tp_size)
 
@@ -100,6 +125,7 @@ class ProducerSide:
             prompt_hash(request.prompt_token_ids),
         )
         self._produced[xfer_id] = p
+        self._live_by_req[p.req_id] += 1
         self._xfer_by_req[request.request_id] = xfer_id
         self._shared.timeline.event(xfer_id, "admitted")
         self._requests[request.request_id] = request
@@ -120,30 +146,25 @@ class ProducerSide:
             xfer_id = self._xfer_by_req.get(req_id)
             p = self._produced.get(xfer_id) if xfer_id else None
             if p is not None and not p.aborted:
-                # its blocks are gone: the transfer cannot finish; D recomputes
-                self._counters["preempted_transfers"] += 1
-                p.aborted = True
-                if p.issued:
-                    meta.preempted_xfers.append(p.xfer_id)
-                elif p.reply is not None:
-                    p.reply.resolve(
-                        TransferKVReply(
-                            xfer_id=p.xfer_id, code=Code.GONE, message="request preempted on P"
-                        )
-                    )
-                self._tombstone(p.xfer_id)
+                self._preempted(p, meta)
+            for mx in sorted(self._migrations.get(req_id, ())):
+                m = self._produced[mx]
+                if not m.aborted:
+                    self._preempted(m, meta)
         for p in list(self._produced.values()):
             n = scheduled.get(p.req_id)
             if n is not None:
                 p.block_ids = tuple(self._shared.kv_cache_manager.get_block_ids(p.req_id)[0])
                 request = self._requests.get(p.req_id)
-                p.computed = request.num_computed_tokens if request else p.computed
+                if request is not None:  # (KV past the prompt is not ours to send)
+                    p.computed = min(request.num_computed_tokens, p.prompt_len)
                 p.in_flight_end = min(p.computed + n, p.prompt_len)
                 p.scheduled_step = step_id
-                meta.computes_prompt |= p.computed < p.prompt_len
-                if p.computed < p.prompt_len - 1 <= p.in_flight_end:
-                    p.last_chunk_step = step_id
-                    self._shared.timeline.event(p.xfer_id, "last_chunk_begin", now)
+                if not p.migration:  # a migration's source computes no prompt of ours
+                    meta.computes_prompt |= p.computed < p.prompt_len
+                    if p.computed < p.prompt_len - 1 <= p.in_flight_end:
+                        p.last_chunk_step = step_id
+                        self._shared.timeline.event(p.xfer_id, "last_chunk_begin", now)
             full, step = p.next_tasks(self._block_size, scheduled=n is not None)
             if full is not None:
                 meta.full_tasks.append(full)
@@ -151,13 +172,28 @@ class ProducerSide:
                 meta.step_tasks.append(step)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> bool:
-        """vLLM finished the request: whether it is ours (its blocks are then
-        held until nothing can be sent from them)."""
+        """vLLM finished the request: whether its blocks are held until nothing
+        can be sent from them (always for a prefill request of ours; for any
+        other, while a migration from it is not over)."""
         req_id = request.request_id
         self._requests.pop(req_id, None)
+        migrations = self._migrations.get(req_id, set())
+        for mx in sorted(migrations):
+            m = self._produced[mx]
+            m.finished = True
+            m.finished_at = time.monotonic()
+            m.computed = min(request.num_computed_tokens, m.prompt_len)
+            m.block_ids = tuple(block_ids) or m.block_ids
+            self._shared.timeline.event(mx, "source_finished")
+            if m.window is not None and m.computed < m.window.num_tokens:
+                # what is asked for will never be computed now
+                self._abort_produced(m, "migration source finished before computing it")
+        held = bool(migrations)
+        for mx in sorted(migrations):
+            self._maybe_release(self._produced[mx])
         xfer_id = self._xfer_by_req.pop(req_id, None)
         if xfer_id is None:
-            return False
+            return held
         p = self._produced[xfer_id]
         self._shared.timeline.event(xfer_id, "finished")
         p.finished = True
@@ -222,13 +258,17 @@ class ProducerSide:
         """Parked TransferKVs, live transfers, tombstones, finished requests
         whose blocks are held for their transfer and those blocks (caller holds
         the lock)."""
-        held = [p for p in self._produced.values() if p.finished and not p.released]
+        held: dict[str, int] = {}  # req_id -> its blocks (several transfers may hold one)
+        for p in self._produced.values():
+            if p.finished and not p.released:
+                held[p.req_id] = max(held.get(p.req_id, 0), len(p.block_ids))
         return {
             "parked_now": float(len(self._parked)),
             "transfers_live": float(len(self._produced)),
             "tombstones": float(len(self._tombstones)),
             "held_requests": float(len(held)),
-            "held_blocks": float(sum(len(p.block_ids) for p in held)),
+            "held_blocks": float(sum(held.values())),
+            "migrations_live": float(sum(len(x) for x in self._migrations.values())),
         }
 
     # -- the control plane (RPC loop thread) -------------------------------------
@@ -250,7 +290,10 @@ class ProducerSide:
             # no more writes of it can land
             self._counters["duplicate_transfer_kv"] += 1
             return earlier
-        refused = self._take_up(msg, p, reply)
+        if msg.migration:
+            refused = self._take_up_migration(msg, p, reply)
+        else:
+            refused = self._take_up(msg, p, reply)
         return refused if refused is not None else reply
 
     async def wait_for_answer(self, msg: TransferKV, reply: Reply) -> TransferKVReply:
@@ -345,6 +388,109 @@ class ProducerSide:
             self._counters["parked"] += 1
             self._parked[msg.xfer_id] = ParkedTransferKV(msg, reply)
         return None
+
+    def _take_up_migration(
+        self, msg: TransferKV, p: Produced | None, reply: Reply
+    ) -> TransferKVReply | None:
+        """Accept a migration of a request running here and send at once what
+        it computed; the refusal if it may not be served (never parked)."""
+        self._shared.timeline.event(msg.xfer_id, "transfer_kv")
+        if p is not None:  # a prefill of ours under this xfer_id: a confused router
+            return TransferKVReply(
+                xfer_id=msg.xfer_id,
+                code=Code.ERROR,
+                message=f"xfer_id {msg.xfer_id} is a prefill transfer here, not a migration",
+            )
+        source = self._sources.check(msg)
+        if isinstance(source, TransferKVReply):
+            return source
+        if self.outstanding(msg.dst_instance) >= self._config.max_transfers_per_peer:
+            self._counters["busy_replies"] += 1
+            return TransferKVReply(
+                xfer_id=msg.xfer_id,
+                code=Code.BUSY,
+                message=f"{self._config.max_transfers_per_peer} transfers to "
+                f"{msg.dst_instance} outstanding",
+            )
+        p = Produced(
+            msg.xfer_id, source.req_id, msg.num_tokens + 1, msg.prompt_hash, migration=True
+        )
+        self._produced[msg.xfer_id] = p
+        self._live_by_req[p.req_id] += 1
+        self._migrations.setdefault(p.req_id, set()).add(p.xfer_id)
+        self._requests[p.req_id] = source.request  # read by plan_step until it finishes
+        window = Window(
+            msg.xfer_id, msg.dst_instance, tuple(msg.dst_blocks), msg.first_block, msg.num_tokens
+        )
+        p.accept(window, reply, self._block_size, "migration")
+        self._counters["migration_transfers"] += 1
+        self._counters["migration_blocks_skipped"] += msg.first_block
+        # the step in flight computes some of it (empty between steps)
+        in_step = self._shared.step_scheduled.get(source.req_id, 0)
+        state = "in_step" if in_step else "between_steps"
+        self._shared.timeline.arrival(msg.xfer_id, state, "migration")
+        self._shared.timeline.event(msg.xfer_id, "accepted")
+        final = self._send_migration_now(p, source)
+        log.info(
+            "rapidkv %s: migration %s of %s (%s) to %s: %d tokens asked from block %d; the "
+            "source has %d tokens, %d computed (%d of them scheduled in the step in flight), "
+            "%d final: sent up to %d now",
+            self._shared.instance_id,
+            msg.xfer_id,
+            source.xfer_id,
+            source.role,
+            msg.dst_instance,
+            msg.num_tokens,
+            msg.first_block,
+            source.request.num_tokens,
+            source.request.num_computed_tokens,
+            in_step,
+            final,
+            p.sent_upto,
+        )
+        return None
+
+    def _send_migration_now(self, p: Produced, source: Source) -> int:
+        """Send over the bypass channel every block of the migration whose KV
+        is final now (in every `transfer_kv_mode`); the rest goes with the steps
+        that compute it (`plan_step`). How many tokens were final."""
+        final = self._sources.final_tokens(source)
+        bypass = self._shared.bypass
+        if bypass is None:
+            return final
+        p.computed = max(p.computed, final)
+        p.in_flight_end = max(p.in_flight_end, p.computed)
+        p.block_ids = self._sources.block_ids(source)
+        try:
+            full, _ = p.next_tasks(self._block_size, scheduled=False)
+        except ValueError as e:  # no blocks: vLLM preempted it just now (the step fails it)
+            log.warning("rapidkv %s: migration %s: %s", self._shared.instance_id, p.xfer_id, e)
+            return final
+        if full is not None:
+            bypass.send(BypassMsg(kind="full", tasks=[full]))
+            self._counters["bypass_full_sends"] += 1
+            self._shared.timeline.event(p.xfer_id, "bypass_sent")
+        return final
+
+    def _preempted(self, p: Produced, meta: StepMeta) -> None:
+        """`p`'s request was preempted: its blocks are gone, the transfer cannot
+        finish; D recomputes (the worker fences what was sent from them)."""
+        self._counters["preempted_transfers"] += 1
+        p.aborted = True
+        if p.issued:
+            meta.preempted_xfers.append(p.xfer_id)
+        elif p.reply is not None:
+            self._count_migration(p, ok=False)
+            p.reply.resolve(
+                TransferKVReply(xfer_id=p.xfer_id, code=Code.GONE, message="request preempted on P")
+            )
+        self._tombstone(p.xfer_id)
+        self._maybe_release(p)
+
+    def _count_migration(self, p: Produced, ok: bool) -> None:
+        """A migration is over: count how it ended."""
+        if p.migration:
+            self._counters["migration_transfers_ok" if ok else "migration_transfers_failed"] += 1
 
     def _arrived(self, msg: TransferKV, p: Produced | None) -> None:
         """Note a TransferKV's arrival and where its request was then."""
@@ -462,10 +608,17 @@ class ProducerSide:
         oks = [v[0] for v in p.settled_ranks.values()]
         tokens = min(v[1] for v in p.settled_ranks.values())
         ok = all(oks)
-        self._counters["transfers_ok" if ok else "transfers_failed"] += 1
-        if ok and p.accepted_at:
-            # TransferKV taken up -> every rank confirmed: the hand-off as D sees it
-            self._counters["transfer_ms_sum"] += (time.monotonic() - p.accepted_at) * 1000
+        if p.migration:
+            self._count_migration(p, ok)
+            if ok:
+                self._counters["migration_transfer_ms_sum"] += (
+                    time.monotonic() - p.accepted_at
+                ) * 1000
+        else:
+            self._counters["transfers_ok" if ok else "transfers_failed"] += 1
+            if ok and p.accepted_at:
+                # TransferKV taken up -> every rank confirmed: the hand-off as D sees it
+                self._counters["transfer_ms_sum"] += (time.monotonic() - p.accepted_at) * 1000
         if p.reply is not None:
             errors = "; ".join(v[2] for v in p.settled_ranks.values() if v[2])
             p.reply.resolve(
@@ -483,25 +636,50 @@ class ProducerSide:
 
     def _maybe_release(self, p: Produced, settled: bool = False) -> None:
         """Free a finished request's blocks once nothing can be sent from them:
-        its transfer settled on every rank, or it was aborted before any send."""
-        if not p.finished or p.released:
+        its transfer settled on every rank, or it was aborted before any send
+        (and no other transfer from the request holds them). A migration over
+        while its source runs is forgotten."""
+        if p.released:
             return
-        settled = settled or len(p.settled_ranks) == self._tp_size
-        if settled or (p.aborted and not p.issued):
+        over = settled or len(p.settled_ranks) == self._tp_size or (p.aborted and not p.issued)
+        if p.migration and not p.finished:
+            if over:
+                self._drop(p)
+            return
+        if p.finished and over:
             self._release(p)
 
     def _release(self, p: Produced) -> None:
-        p.released = True
+        if self._drop(p):
+            return  # another transfer from the request still holds its blocks
         self._shared.pending.release.append(p.req_id)
         self._freeing.add(p.req_id)  # until vLLM frees the blocks (finished_sending)
+
+    def _drop(self, p: Produced) -> int:
+        """`p` is over: forget it; how many transfers from its request remain."""
+        p.released = True
         self._produced.pop(p.xfer_id, None)
+        if p.migration:
+            same = self._migrations.get(p.req_id)
+            if same is not None:
+                same.discard(p.xfer_id)
+                if not same:
+                    del self._migrations[p.req_id]
+        self._live_by_req[p.req_id] -= 1
+        left = self._live_by_req[p.req_id]
+        if left <= 0:
+            del self._live_by_req[p.req_id]
+        return left
 
     def _abort_produced(self, p: Produced, why: str) -> None:
+        first = not p.aborted
         p.aborted = True
         self._tombstone(p.xfer_id)
         if p.issued and len(p.settled_ranks) < self._tp_size:
             self._shared.pending.fail.append((p.xfer_id, why))  # settles with an error
         elif p.reply is not None:
+            if first and not p.issued:  # over now (one issued is counted as it settles)
+                self._count_migration(p, ok=False)
             p.reply.resolve(TransferKVReply(xfer_id=p.xfer_id, code=Code.GONE, message=why))
 
     def _expire(self, now: float) -> None:

@@ -8,12 +8,16 @@ instance's control-plane server (its own thread).
   another instance (`role == "decode"`).
 - The control plane (`control_handlers.ControlHandlers`): the server's
   handlers, and the destinations that handshook with us.
+- Migration sources (`sources.Sources`): every running request of ours (any
+  role, `local` included: a request computed and decoded here alone), which a
+  migration destination may ask the KV of by its `xfer_id`; P's role serves
+  such a migration TransferKV.
 
 They share one `SharedState` (shared_state.py): the lock, the counters, the
 metadata pending for the next step, the engine step in flight, the timeline.
-Each request has at most one role here, fixed at admission (`on_new_request`).
-An instance may serve both roles at once; every role exists on every
-instance.
+Each request has at most one role here, fixed at admission (`on_new_request`),
+and is a migration source besides until vLLM finished it. An instance may
+serve both roles at once; every role exists on every instance.
 
 Locking: what the roles hold is shared between the engine thread, the RPC
 server's loop thread and the RPC client's threads, and touched under the
@@ -28,6 +32,8 @@ import logging
 import time
 from typing import Any
 
+import httpx
+
 from rapidkv.connector.bypass import BypassSender
 from rapidkv.connector.config import ConnectorConfig
 from rapidkv.connector.consumer_side import ConsumerSide
@@ -35,6 +41,7 @@ from rapidkv.connector.control_handlers import ControlHandlers
 from rapidkv.connector.metadata import RankInfo, StepMeta, WorkerMeta
 from rapidkv.connector.producer_side import ProducerSide
 from rapidkv.connector.shared_state import SharedState
+from rapidkv.connector.sources import ROLES, Sources
 from rapidkv.control.address import format_address, parse_address
 from rapidkv.control.messages import (
     KVSpec,
@@ -42,6 +49,8 @@ from rapidkv.control.messages import (
     Timeline,
 )
 from rapidkv.control.server import RpcServer
+from rapidkv.membership.record import InstanceRecord, encode_record, record_key
+from rapidkv.membership.registrar import Registrar
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +81,7 @@ class SchedulerSide:
         block_size: int,
         tp_size: int,
         fingerprint: str,
+        roles: tuple[str, ...] = ("prefill", "decode"),
     ) -> None:
         self.config = config
         self.instance_id = instance_id
@@ -82,7 +92,8 @@ class SchedulerSide:
         self.incarnation = self.shared.incarnation
         self.counters = self.shared.counters
         self._lock = self.shared.lock
-        self.producer = ProducerSide(self.shared)
+        self.sources = Sources(self.shared)
+        self.producer = ProducerSide(self.shared, self.sources)
         self.consumer = ConsumerSide(self.shared)
         self.control = ControlHandlers(self.shared, self.producer, self.stats, self.timeline)
         self.server = RpcServer(
@@ -98,6 +109,7 @@ class SchedulerSide:
             self.server.address,
             self.shared.control_address,
         )
+        self.registrar = self._register(roles) if config.etcd_endpoints else None
 
     @property
     def spec(self) -> KVSpec | None:
@@ -149,16 +161,20 @@ class SchedulerSide:
     # -- request lifecycle (engine thread) ---------------------------------------
 
     def on_new_request(self, request: Any) -> None:
-        """The engine admitted `request`: the role its params name takes it."""
+        """The engine admitted `request`: the role its params name takes it,
+        and it is a migration source (`prefill`, `decode` or `local`)."""
         ours = rapidkv_params(request.kv_transfer_params)
         if ours is None:
             return
         xfer_id = str(ours["xfer_id"])
+        role = ours.get("role")
         with self._lock:
-            if ours.get("role") == "prefill":
+            if role == "prefill":
                 self.producer.admit(request, xfer_id)
-            elif ours.get("role") == "decode":
+            elif role == "decode":
                 self.consumer.admit(request, xfer_id, ours)
+            if role in ROLES:
+                self.sources.admit(request, xfer_id, role)
 
     def matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
         """D: tokens to load from P (`ConsumerSide.matched_tokens`)."""
@@ -180,7 +196,7 @@ class SchedulerSide:
             self.control.forget_idle(now)
             pending = self.shared.take_pending()
             bypass_seq = self.shared.bypass.sent if self.shared.bypass is not None else 0
-            self.shared.begin_step(now, so.total_num_scheduled_tokens)
+            self.shared.begin_step(now, so.total_num_scheduled_tokens, so.num_scheduled_tokens)
         pending.fill(meta)
         meta.bypass_seq = bypass_seq
         return meta
@@ -189,17 +205,21 @@ class SchedulerSide:
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """vLLM finished `request`: whether its blocks are held (a P request's,
-        until nothing can be sent from them) and what its response's
-        `kv_transfer_params` carry."""
+        and any request's a migration from it is not over, until nothing can be
+        sent from them) and what its response's `kv_transfer_params` carry."""
         req_id = request.request_id
         if is_discovery(request.kv_transfer_params):
             # a router asks where our control plane listens (the answer goes out
             # in the response's kv_transfer_params)
             return False, self.identity()
+        ours = rapidkv_params(request.kv_transfer_params)
         with self._lock:
+            self.sources.finished(req_id)
             self.consumer.request_finished(req_id)
             if not self.producer.request_finished(request, block_ids):
                 return False, None
+        if ours is None or ours.get("role") != "prefill":
+            return True, None  # held for a migration only
         # who computed it: a router that knew another control address re-learns it
         return True, self.identity()
 
@@ -264,17 +284,20 @@ class SchedulerSide:
         """Current levels: parked TransferKVs, live transfers, tombstones, D
         requests waiting for KV, blocks of finished P requests held for their
         transfer, peers (D instances that handshook with us; P instances we
-        handshook with, by state) and vLLM's free blocks (once bound)."""
+        handshook with, by state), vLLM's free blocks and the blocks it can
+        hand out at all, the null block excepted (once bound; equal when no
+        request holds a block)."""
         with self._lock:
             out = {
                 **self.producer.gauges(),
                 **self.control.gauges(),
                 **self.consumer.gauges(),
+                **self.sources.gauges(),
             }
         if self.shared.kv_cache_manager is not None:
-            out["free_blocks"] = float(
-                self.shared.kv_cache_manager.block_pool.get_num_free_blocks()
-            )
+            pool = self.shared.kv_cache_manager.block_pool
+            out["free_blocks"] = float(pool.get_num_free_blocks())
+            out["usable_blocks"] = float(pool.num_gpu_blocks - 1)  # less the null block
         return out
 
     def stats(self) -> dict[str, float]:
@@ -282,8 +305,45 @@ class SchedulerSide:
         name is in both)."""
         return {**self.counter_totals(), **self.gauges()}
 
+    def _register(self, roles: tuple[str, ...]) -> Registrar:
+        """Keep this instance's record in etcd while it runs (`membership`),
+        from when its HTTP server answers `/health`."""
+        assert self.config.advertise_url is not None  # ConnectorConfig checks it
+        url = self.config.advertise_url.rstrip("/")
+        record = InstanceRecord(
+            url=url,
+            control=self.shared.control_address,
+            roles=roles,
+            block_size=self.block_size,
+            instance_id=self.instance_id,
+            incarnation=self.incarnation,
+        )
+
+        def ready() -> bool:
+            return httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200
+
+        registrar = Registrar(
+            self.config.etcd_endpoints,
+            record_key(self.config.etcd_prefix, self.instance_id),
+            encode_record(record),
+            self.config.etcd_ttl_s,
+            ready=ready,
+        )
+        registrar.start()
+        log.info(
+            "rapidkv %s: registers %s in etcd %s under %s once it answers /health",
+            self.instance_id,
+            url,
+            ",".join(self.config.etcd_endpoints),
+            self.config.etcd_prefix,
+        )
+        return registrar
+
     def close(self) -> None:
-        """Stop the control-plane server, then the client and the bypass channel."""
+        """Leave the fleet (etcd), stop the control-plane server, then the
+        client and the bypass channel."""
+        if self.registrar is not None:
+            self.registrar.stop()
         self.server.stop()
         self.consumer.close()
         if self.shared.bypass is not None:

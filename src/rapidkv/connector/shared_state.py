@@ -61,7 +61,9 @@ class SharedState:
     control plane listens (set once its server started). `kv_cache_manager` is
     vLLM's, once bound. `step_id` is the latest step numbered by `build_meta`
     (written on the engine thread only, without the lock); `step_in_flight` is
-    that step between its `build_meta` and its `update_output`, else None.
+    that step between its `build_meta` and its `update_output`, else None, and
+    `step_scheduled` what it schedules (vLLM's `num_scheduled_tokens`: request
+    id -> tokens; empty between steps).
     """
 
     def __init__(
@@ -86,6 +88,7 @@ class SharedState:
         self.kv_cache_manager: Any = None
         self.step_id = 0
         self.step_in_flight: int | None = None
+        self.step_scheduled: dict[str, int] = {}
         self.step_began = 0.0
         self.step_tokens = 0
 
@@ -94,9 +97,13 @@ class SharedState:
         pending, self.pending = self.pending, PendingMeta()
         return pending
 
-    def begin_step(self, began: float, scheduled_tokens: int) -> None:
-        """`step_id` goes to the workers now: it is the step in flight."""
+    def begin_step(
+        self, began: float, scheduled_tokens: int, scheduled: dict[str, int] | None = None
+    ) -> None:
+        """`step_id` goes to the workers now: it is the step in flight
+        (`scheduled`: its tokens per request id)."""
         self.step_in_flight = self.step_id
+        self.step_scheduled = scheduled if scheduled is not None else {}
         self.step_began = began
         self.step_tokens = scheduled_tokens
 
@@ -105,6 +112,7 @@ class SharedState:
         it ended (None if no step was in flight)."""
         now = time.monotonic()
         step_id, self.step_in_flight = self.step_in_flight, None
+        self.step_scheduled = {}
         if step_id is None:
             return None
         self.timeline.step(StepTiming(step_id, self.step_began, now, self.step_tokens))

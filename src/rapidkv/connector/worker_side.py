@@ -155,12 +155,23 @@ class WorkerSide:
     # -- per step ---------------------------------------------------------------
 
     def preempted(self, meta: StepMeta) -> None:
-        """vLLM freed these P requests' blocks this step and may overwrite them in
-        this step's forward: stop their transfers and wait until no write from
-        those blocks is in flight."""
+        """vLLM freed these requests' blocks this step (P's, or a migration
+        source's) and may overwrite them in this step's forward: stop their
+        transfers and wait until no write from those blocks is in flight. The
+        bypass messages sent before the step was built are applied first: a
+        full send the scheduler side planned from those blocks just before vLLM
+        freed them is then in kvt, and is failed and waited for too."""
         if not meta.preempted_xfers:
             return
         kvt = self._require_kvt()
+        if self.bypass is not None and not self.bypass.wait_applied(
+            meta.bypass_seq, self.config.write_timeout_s
+        ):
+            log.error(
+                "rapidkv worker rank %d: bypass channel behind step %d at a preemption",
+                self.rank,
+                meta.step_id,
+            )
         for xfer_id in meta.preempted_xfers:
             kvt.fail(xfer_id, "request preempted on P")
         if not kvt.wait_settled(meta.preempted_xfers, self.config.write_timeout_s + 1):

@@ -249,6 +249,12 @@ class TransferKV(msgspec.Struct, frozen=True, tag="transfer_kv", kw_only=True):
     different tokenization would otherwise produce garbage. `transfer_kv_mode`
     overrides P's configured mode for this request (for side-by-side measurement).
 
+    A *migration* (`migration=True`) asks the source instance for the KV of a
+    request it is running (`source_xfer_id`, that request's `xfer_id`) rather
+    than of one it prefills: `prompt_hash` is then the hash of D's whole prompt,
+    the source's prompt and the tokens it generated so far; the source answers
+    GONE at once when it runs no such request (D does not retry: it recomputes).
+
     P validates what only it can (`problems`): every written id below its
     `num_blocks`, no id written twice, `num_tokens` within the blocks. P parks a
     TransferKV for an id its engine has not admitted yet (bounded, TTL) and acts
@@ -256,7 +262,9 @@ class TransferKV(msgspec.Struct, frozen=True, tag="transfer_kv", kw_only=True):
     not know whether writes may still land: it must `Abort` the id and wait for
     the `AbortReply` before it reuses the blocks.
 
-    Invariant: ``0 <= first_block <= len(dst_blocks)``.
+    Invariants: ``0 <= first_block <= len(dst_blocks)``; `source_xfer_id` is
+    set exactly when `migration` is, and a migration is no split prefill (no
+    `notify_layers`).
     """
 
     xfer_id: Id
@@ -270,6 +278,8 @@ class TransferKV(msgspec.Struct, frozen=True, tag="transfer_kv", kw_only=True):
     # D computes the rest of its prompt with these layers as they land (a split
     # prefill): P announces each layer in place (kvt `LayersLanded`)
     notify_layers: bool = False
+    # a migration: the xfer_id of the running request on the source whose KV it asks for
+    source_xfer_id: Id | None = None
 
     def __post_init__(self) -> None:
         if self.first_block > len(self.dst_blocks):
@@ -277,6 +287,14 @@ class TransferKV(msgspec.Struct, frozen=True, tag="transfer_kv", kw_only=True):
                 f"xfer {self.xfer_id}: first_block {self.first_block} beyond "
                 f"{len(self.dst_blocks)} destination blocks"
             )
+        if self.migration != (self.source_xfer_id is not None):
+            raise ValueError(
+                f"xfer {self.xfer_id}: a migration names its source_xfer_id, and only a "
+                f"migration does (migration={self.migration}, "
+                f"source_xfer_id={self.source_xfer_id!r})"
+            )
+        if self.migration and self.notify_layers:
+            raise ValueError(f"xfer {self.xfer_id}: a migration is not a split prefill")
 
     def problems(self, block_size: int, num_blocks: int) -> list[str]:
         """Why P must refuse this transfer into a destination with `num_blocks`

@@ -50,12 +50,14 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 NETNS_DIR = Path("/run/netns")
 NAME_RE = re.compile(r"^rapidkv-(\d+)-(\d+)-([ab])$")
@@ -322,6 +324,19 @@ def _create(n: int, pid: int, rate: str | None, latency: str) -> NetnsLink:
         _delete(n, [a, b])
         raise
     return NetnsLink(n, Side(a, addr["a"], dev_a), Side(b, addr["b"], dev_b), rate, tbf)
+
+
+def bench_link(
+    stack: contextlib.ExitStack, rate: str, progress: Any
+) -> tuple[NetnsLink, dict[str, object]]:
+    """A benchmark's ``--netns-link RATE``: from now on SIGTERM (a `timeout`)
+    unwinds like Ctrl-C (servers stopped, the link removed), the link is made
+    in `stack` (`NetnsUnavailable` as `netns_link` raises it), `progress`
+    told, and the link described, with one TCP stream's throughput across it."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    link = stack.enter_context(netns_link(rate=rate))
+    progress.stage(f"link {link.a.name} <-> {link.b.name}: {' '.join(link.tbf)}")
+    return link, {**link.describe(), "tcp": tcp_throughput(link)}
 
 
 @contextlib.contextmanager

@@ -198,6 +198,31 @@ def model_dtype(model_dir: Path) -> str | None:
     return str(value) if value else None
 
 
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "half": 2, "float": 4}
+
+
+def kv_bytes_per_token(model_dir: Path, dtype: str | None = None) -> int:
+    """Bytes of KV one token takes across all layers (K and V), from the model's
+    config.json, in `dtype` (default: the model's own, `model_dtype`)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    name = dtype or model_dtype(model_dir) or "float32"
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"no element size known for dtype {name!r}")
+    return config["num_hidden_layers"] * 2 * kv_heads * head_dim * DTYPE_BYTES[name]
+
+
+def model_max_len(model_dir: Path) -> int | None:
+    """The longest sequence the model allows (`max_position_embeddings`), if recorded."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    value = config.get("max_position_embeddings")
+    return int(value) if value else None
+
+
 def pinned(cmd: Sequence[str], cpus: Sequence[int]) -> list[str]:
     """`cmd` run under `taskset -c`: it and every child may use only `cpus`."""
     taskset = shutil.which("taskset")

@@ -42,6 +42,9 @@ base URL):
   ``x-rapidkv-placement`` header.
 - ``rapidkv_router_without_prefill_total``: dual or serial requests served by D
   alone because no prefill instance was up.
+- ``rapidkv_router_migrations_total{outcome}``: live migrations (``ok``,
+  ``failed``: the request runs on where it was, ``refused``: not started), and
+  ``rapidkv_router_migration_downtime_seconds``: the client's gap in each.
 - ``rapidkv_router_control_aborts_total{outcome}``: control-plane Aborts sent to
   P after a client disconnect; ``outcome`` is ``ok`` (P answered) or ``failed``.
 
@@ -69,6 +72,7 @@ OUTCOMES = (
     "error",  # the router failed, or shut down, while serving it
 )
 FIRST_TOKEN_SOURCES = ("prefill", "decode", "continuation")
+MIGRATION_OUTCOMES = ("ok", "failed", "refused")
 UPSTREAM_ERROR_KINDS = ("status", "connect", "stream", "discovery")
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -119,6 +123,21 @@ class RouterMetrics:
             "rapidkv_router_control_aborts",
             "Control-plane Aborts sent to prefill instances after a client disconnect",
             ["outcome"],
+            registry=r,
+        )
+        self.migrations = Counter(
+            "rapidkv_router_migrations",
+            "Live migrations ordered (/admin/migrate, /admin/drain) by outcome: ok, "
+            "failed (the request runs on where it was), refused (could not start)",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in MIGRATION_OUTCOMES:
+            self.migrations.labels(outcome)
+        self.migration_downtime = Histogram(
+            "rapidkv_router_migration_downtime_seconds",
+            "Client-side gap of a migration: the source's last event to the destination's first",
+            buckets=TTFT_BUCKETS,
             registry=r,
         )
         self.instance_up = Gauge(

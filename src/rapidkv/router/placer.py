@@ -10,6 +10,7 @@ one event loop (no locks):
   output event is relayed (streamed answers: a non-streamed one has no first
   token the router can see, and teaches the models nothing), `finished` when
   D's answer is over; each feeds the observations it yields to the models;
+- `migrated` when a live migration moved the request's decode;
 - `set_healthy`, `set_draining` and `set_block_size` as the router learns them.
 
 A request's prompt length is estimated before it is tokenized: token ids are
@@ -106,6 +107,11 @@ class Placer:
 
     def finished(self, xfer_id: str, output_tokens: int, ok: bool) -> None:
         self._learn(self.fleet.on_finish, xfer_id, output_tokens=output_tokens, ok=ok)
+
+    def migrated(self, xfer_id: str, index: int) -> None:
+        """The request's decode moved to instance `index` (a migration's cut-over)."""
+        if xfer_id in self.fleet:
+            self.fleet.on_migrated(xfer_id, index, time.monotonic())
 
     def set_healthy(self, index: int, healthy: bool) -> None:
         self.fleet.set_healthy(index, healthy)

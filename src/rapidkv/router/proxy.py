@@ -79,6 +79,8 @@ from rapidkv.router.discovery import (
 )
 from rapidkv.router.health import InstanceHealth
 from rapidkv.router.metrics import RouterMetrics
+from rapidkv.router.migration.bodies import local_body, migratable, streamed
+from rapidkv.router.migration.relay import MigratingRelay, MigrationError
 from rapidkv.router.placement import SLO, Decision, NoPlacement, Placement, Policy
 from rapidkv.router.placer import Placer
 from rapidkv.router.rewrite import (
@@ -168,6 +170,10 @@ class Exchange:
     decision: Decision | None = None  # adaptive placement's, for the request
     output_events: int = 0  # streamed output events relayed (about the tokens)
     estimated_tokens: int = 0  # the prompt's length as placement estimated it
+    decode_index: int = -1  # the instance that decodes it now (counted outstanding)
+    # why it cannot be migrated (None: it can, once `relay` exists)
+    unmigratable: str | None = "migration is off (no admin token)"
+    relay: MigratingRelay | None = None  # a migratable stream's, once streaming
 
     @property
     def path(self) -> str:
@@ -246,9 +252,9 @@ class Router:
         """Placement learns a prefill instance's block size (split heads are whole blocks)."""
         if task.cancelled() or task.exception() is not None or self._placer is None:
             return
-        for index, member in enumerate(self._members):
-            if member.instance.url == url:
-                self._placer.set_block_size(index, task.result()[1])
+        index = self._index_of(url)
+        if index is not None:
+            self._placer.set_block_size(index, task.result()[1])
 
     async def _with_control(self, inst: Instance, ex: Exchange) -> Instance:
         """`inst` with its control address (and block size, for split prefills)
@@ -406,6 +412,9 @@ class Router:
         else:
             d_index = self._acquire("decode")
         ex.decode = self._members[d_index].instance
+        ex.decode_index = d_index
+        if self.config.admin_token is not None:
+            ex.unmigratable = migratable(body, ex.endpoint)
         outcome = "error"
         counted = _CountingSend(send, ex)
         try:
@@ -414,7 +423,7 @@ class Router:
             )
             return outcome
         finally:
-            self._release(d_index)
+            self._release(ex.decode_index)  # where it ended, if it migrated
             if self._placer is not None:
                 self._placer.finished(ex.xfer_id, ex.output_events, ok=outcome == "ok")
 
@@ -445,8 +454,12 @@ class Router:
             elif not any(self._available(i) for i in others):
                 mode = "local"  # D computes the prompt itself
                 self.metrics.without_prefill.inc()
+        migrating = ex.unmigratable is None
         stitching = (
-            mode == "dual" and self.config.prefill_first_token and stitchable(body, ex.endpoint)
+            mode == "dual"
+            and self.config.prefill_first_token
+            and stitchable(body, ex.endpoint)
+            and not migrating  # a migratable stream is relayed event by event (`migration`)
         )
         stitch: Stitch | None = None
         gone = asyncio.create_task(_wait_disconnect(receive))
@@ -454,7 +467,7 @@ class Router:
         relay: asyncio.Task[str] | None = None
         try:
             if mode == "local":
-                d_content = raw
+                d_content = encode(local_body(streamed(body), ex.xfer_id)) if migrating else raw
                 self._dispatched(ex, "local", d_index, d_index)
             else:
                 if isinstance(p_choice, int):
@@ -501,10 +514,18 @@ class Router:
                         self._stop_prefill(ex, prefill, AbortReason.CLIENT_ABORT)
                         return "client_abort"
                 d_content = encode(
-                    decode_body(body, ex.xfer_id, ex.prefill, first_token=stitching, split=head)
+                    decode_body(
+                        streamed(body) if migrating else body,
+                        ex.xfer_id,
+                        ex.prefill,
+                        first_token=stitching or migrating,
+                        split=head,
+                    )
                 )
             relay = asyncio.create_task(
-                self._relay(d_index, ex.decode, d_content, ex, send, stitch)
+                self._relay(
+                    d_index, ex.decode, d_content, ex, send, stitch, body if migrating else None
+                )
             )
             await asyncio.wait({relay, gone}, return_when=asyncio.FIRST_COMPLETED)
             if relay.done():
@@ -666,9 +687,12 @@ class Router:
         ex: Exchange,
         send: Send,
         stitch: Stitch | None,
+        migratable_body: Body | None = None,
     ) -> str:
         """D's request, its answer relayed to the client as it comes (P's first token
-        stitched in front with `stitch`); returns the outcome."""
+        stitched in front with `stitch`; event by event through a `MigratingRelay`
+        for a request that may migrate, `migratable_body` being the client's);
+        returns the outcome."""
         try:
             resp = await self.http.post(
                 inst.url + ex.path, data=content, headers=ex.upstream_headers
@@ -680,6 +704,10 @@ class Router:
             return "unreachable"
         try:
             ex.status = resp.status
+            content_type = resp.headers.get("content-type", "")
+            streaming = resp.status < 400 and content_type.startswith("text/event-stream")
+            if streaming and migratable_body is not None:
+                return await self._relay_migratable(index, inst, resp, ex, send, migratable_body)
             await send(
                 {
                     "type": "http.response.start",
@@ -687,8 +715,6 @@ class Router:
                     "headers": _relayed_headers(resp.raw_headers, ex),
                 }
             )
-            content_type = resp.headers.get("content-type", "")
-            streaming = resp.status < 400 and content_type.startswith("text/event-stream")
             try:
                 if streaming and stitch is not None:
                     failed = await self._relay_stitched(resp, stitch, inst, ex, send)
@@ -714,6 +740,62 @@ class Router:
         )
         return "ok"
 
+    async def _relay_migratable(
+        self,
+        index: int,
+        inst: Instance,
+        resp: aiohttp.ClientResponse,
+        ex: Exchange,
+        send: Send,
+        body: Body,
+    ) -> str:
+        """A migratable request's stream (`migration.relay`), relayed event by
+        event or, for a client that asked for one answer, assembled into it."""
+        client_streams = body.get("stream") is True
+        ex.relay = MigratingRelay(
+            self,
+            ex.xfer_id,
+            ex.endpoint,
+            streamed(body),
+            ex.upstream_headers,
+            send if client_streams else None,
+            lambda: self._relayed_first_token(ex),
+        )
+        if client_streams:
+            start = _relayed_headers(resp.raw_headers, ex)
+            await send({"type": "http.response.start", "status": resp.status, "headers": start})
+        try:
+            await ex.relay.run(index, inst, resp)
+        except (*UPSTREAM_ERRORS, StreamError) as e:
+            source = ex.relay.source or inst
+            self._upstream_error("decode", source, "stream", ex, repr(e))
+            why = f"decode instance {source.url} broke off the answer: {e!r}"
+            if client_streams:
+                await send({"type": "http.response.body", "body": sse_error(why)})
+            else:
+                await _send_error(send, 502, why)
+            return "stream_error"
+        if client_streams:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        else:
+            assert ex.relay.assembled is not None
+            answer = encode(ex.relay.assembled.answer())
+            headers = [
+                (k, v)
+                for k, v in _relayed_headers(resp.raw_headers, ex)
+                if k.lower() not in (b"content-type", b"content-length")
+            ]
+            headers += [
+                (b"content-type", b"application/json"),
+                (b"content-length", b"%d" % len(answer)),
+            ]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            await send({"type": "http.response.body", "body": answer, "more_body": False})
+        self.metrics.e2e.labels(ex.endpoint, self.config.dispatch).observe(
+            time.monotonic() - ex.t_start
+        )
+        return "ok"
+
     async def _relay_raw(
         self, resp: aiohttp.ClientResponse, streaming: bool, ex: Exchange, send: Send
     ) -> None:
@@ -721,10 +803,7 @@ class Router:
         detector = FirstTokenDetector() if streaming else None
         async for chunk in resp.content.iter_any():
             if detector is not None and detector.feed(chunk):
-                self._first_token_sent(ex)
-                self._decode_first_token(ex)
-                if self.config.dispatch == "dual":
-                    self.metrics.first_token.labels("decode").inc()
+                self._relayed_first_token(ex)
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
 
     async def _relay_stitched(
@@ -811,6 +890,13 @@ class Router:
                         {"type": "http.response.body", "body": b"".join(out), "more_body": True}
                     )
         return None
+
+    def _relayed_first_token(self, ex: Exchange) -> None:
+        """D's first output event is being relayed as it came."""
+        self._first_token_sent(ex)
+        self._decode_first_token(ex)
+        if self.config.dispatch == "dual":
+            self.metrics.first_token.labels("decode").inc()
 
     def _decode_first_token(self, ex: Exchange) -> None:
         """D's own first output event arrived (placement learns from it)."""
@@ -908,18 +994,108 @@ class Router:
         """Stop (or, `draining` False, resume) dispatching new requests to the
         instance at `url`; the requests it serves run to their end. False if
         no instance has that URL."""
+        index = self._index_of(url)
+        if index is None:
+            return False
+        if draining:
+            self._draining.add(index)
+        else:
+            self._draining.discard(index)
+        self.metrics.instance_draining.labels(self._members[index].label, url).set(int(draining))
+        if self._placer is not None:
+            self._placer.set_draining(index, draining)
+        log.info("instance %s %s", url, "draining" if draining else "undrained")
+        return True
+
+    async def migrate(self, xfer_id: str, to: str, precopy: bool = True) -> dict[str, Any]:
+        """Move the running request `xfer_id` to the instance at URL `to`
+        (`migration.relay`); what happened. `KeyError` for an unknown request
+        or instance; `MigrationError` if it was not moved (it runs on where
+        it was)."""
+        ex = self._exchanges.get(xfer_id)
+        if ex is None:
+            raise KeyError(f"no request {xfer_id!r} is being served")
+        index = self._index_of(to)
+        if index is None:
+            raise KeyError(f"no instance {to!r} in this router's configuration")
+        if ex.relay is None or ex.relay.source is None:
+            raise MigrationError(ex.unmigratable or "it is not streaming yet")
+        if "decode" not in self._members[index].roles:
+            raise MigrationError(f"{to} may not decode")
+        if not self._available(index):
+            raise MigrationError(f"{to} is down or draining")
+        # as configured (a configured control address is kept), the one it decodes on now
+        source = await self._with_control(self._members[ex.decode_index].instance, ex)
+        target = await self._with_control(self._members[index].instance, ex)
+        return await ex.relay.migrate(index, target, source.control, precopy)
+
+    async def drain_migrating(self, url: str) -> dict[str, Any] | None:
+        """Drain the instance at `url` (`drain`) and move every migratable
+        request it decodes to the least busy instance that may decode; what
+        happened to each (None: no such instance). Requests that cannot move
+        run to their end there."""
+        index = self._index_of(url)
+        if index is None or not self.drain(url):
+            return None
+        moves: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        staying: dict[str, str] = {}
+        targets = [i for i in self._up("decode") if i != index]
+        # a move counts on its destination only at cut-over: spread them meanwhile
+        planned = dict.fromkeys(targets, 0)
+        for ex in list(self._exchanges.values()):
+            if ex.decode_index != index:
+                continue
+            if not targets:
+                staying[ex.xfer_id] = "no other instance may decode"
+            elif ex.relay is None:
+                staying[ex.xfer_id] = ex.unmigratable or "it is not streaming yet"
+            else:
+                to = min(targets, key=lambda i: self._balancer.outstanding(i) + planned[i])
+                planned[to] += 1
+                moves[ex.xfer_id] = asyncio.ensure_future(
+                    self.migrate(ex.xfer_id, self._members[to].instance.url)
+                )
+        migrated, failed = [], {}
+        for xfer_id, move in moves.items():
+            try:
+                migrated.append(await move)
+            except (KeyError, MigrationError) as e:
+                failed[xfer_id] = str(e)
+        return {
+            "instance": url,
+            "draining": True,
+            "migrated": migrated,
+            "failed": failed,
+            "staying": staying,
+        }
+
+    def _index_of(self, url: str) -> int | None:
+        """The member whose base URL is `url` (None: no such instance)."""
         for index, member in enumerate(self._members):
             if member.instance.url == url:
-                if draining:
-                    self._draining.add(index)
-                else:
-                    self._draining.discard(index)
-                self.metrics.instance_draining.labels(member.label, url).set(int(draining))
-                if self._placer is not None:
-                    self._placer.set_draining(index, draining)
-                log.info("instance %s %s", url, "draining" if draining else "undrained")
-                return True
-        return False
+                return index
+        return None
+
+    # the relay's view of the router (`migration.relay.Fleet`)
+
+    def hold(self, index: int) -> None:
+        self._take(index)
+
+    def let_go(self, index: int) -> None:
+        self._release(index)
+
+    def migrated(self, xfer_id: str, index: int, instance: Instance) -> None:
+        ex = self._exchanges.get(xfer_id)
+        if ex is not None:
+            ex.decode_index = index
+            ex.decode = instance
+        if self._placer is not None:
+            self._placer.migrated(xfer_id, index)
+
+    def count_migration(self, outcome: str, downtime_s: float | None = None) -> None:
+        self.metrics.migrations.labels(outcome).inc()
+        if downtime_s is not None:
+            self.metrics.migration_downtime.observe(downtime_s)
 
     def is_draining(self, role: Role, index: int) -> bool:
         """Whether the `index`-th instance of `role` is drained (`drain`)."""
@@ -937,6 +1113,9 @@ class Router:
                 "placement": ex.placement,
                 "age_s": round(now - ex.t_start, 3),
                 "output_events": ex.output_events,
+                "tokens": ex.relay.generated if ex.relay is not None else None,
+                "migratable": ex.relay is not None,
+                "unmigratable": None if ex.relay is not None else ex.unmigratable,
             }
             for ex in self._exchanges.values()
         ]

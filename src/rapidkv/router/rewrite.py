@@ -245,6 +245,7 @@ ERROR_TYPES = {
     400: "BadRequestError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    409: "ConflictError",
     413: "RequestTooLargeError",
     502: "BadGatewayError",
     503: "ServiceUnavailableError",

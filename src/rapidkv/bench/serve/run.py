@@ -10,7 +10,6 @@ import argparse
 import contextlib
 import os
 import shlex
-import signal
 import sys
 import tempfile
 import time
@@ -138,17 +137,13 @@ def run(args: argparse.Namespace) -> int:
         with contextlib.ExitStack() as stack:
             link = None
             if opts.netns_link:
-                from rapidkv.harness.netns import NetnsUnavailable, netns_link, tcp_throughput
+                from rapidkv.harness.netns import NetnsUnavailable, bench_link
 
-                # SIGTERM (a `timeout`) unwinds like Ctrl-C: servers stopped, link removed
-                signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
                 try:
-                    link = stack.enter_context(netns_link(rate=opts.netns_link))
+                    link, link_info = bench_link(stack, opts.netns_link, progress)
                 except NetnsUnavailable as e:
                     print(f"rapidkv bench serve: --netns-link: {e}", file=sys.stderr)
                     return 2
-                progress.stage(f"link {link.a.name} <-> {link.b.name}: {' '.join(link.tbf)}")
-                link_info = {**link.describe(), "tcp": tcp_throughput(link)}
             runs = [
                 ModelRun(model, opts, log_dir, progress, trace, link).run() for model in opts.models
             ]

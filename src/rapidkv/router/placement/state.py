@@ -190,11 +190,13 @@ class _Request:
     dispatched_s: float
     pending: dict[int, int]  # instance -> prefill tokens not done there
     prefill_over: bool  # P's part over (always for local)
+    decoder: int  # the instance decoding it now (`placement.decode` until moved)
     prefill_done_s: float | None = None  # P's successful answer
     first_token_s: float | None = None
     area_at_first: float = 0.0
     busy_at_first: float = 0.0
     decode_over: bool = False
+    moved: bool = False  # migrated: what it cost spans two instances (nothing is learnt)
 
 
 class FleetState:
@@ -234,7 +236,7 @@ class FleetState:
             tail_pending = r.first_token_s is None and not r.decode_over
             if p.kind == "split" and (not r.prefill_over or tail_pending):
                 splits[p.prefill] += 1
-                splits[p.decode] += 1
+                splits[r.decoder] += 1
         return tuple(
             InstanceLoad(
                 role=s.role,
@@ -295,6 +297,7 @@ class FleetState:
             dispatched_s=now_s,
             pending=pending,
             prefill_over=placement.kind == "local",
+            decoder=placement.decode,
         )
 
     def on_prefill_done(self, request_id: str, now_s: float, ok: bool = True) -> list[Observation]:
@@ -328,14 +331,14 @@ class FleetState:
         if r.first_token_s is not None or r.decode_over:
             return []
         p = r.placement
-        j = self._inst[p.decode]
+        j = self._inst[r.decoder]
         out: list[Observation] = []
-        tokens = self._take(r, p.decode)
-        if tokens:  # local prompt or split tail: j's prefill work is done
+        tokens = self._take(r, r.decoder)
+        if tokens and not r.moved:  # local prompt or split tail: j's prefill work is done
             ms = j.prefill_ended(r.dispatched_s, now_s)
             if p.kind == "local":
                 out.append(PrefillObservation(p.decode, tokens, ms, j.decoding))
-        elif p.kind == "pd" and r.prefill_done_s is not None:
+        elif p.kind == "pd" and r.prefill_done_s is not None and not r.moved:
             gap = max(now_s - r.prefill_done_s, 0.0) * 1000
             out.append(TransferObservation(p.prefill, p.decode, r.prompt_tokens, gap, j.decoding))
         j.advance(now_s)
@@ -355,24 +358,47 @@ class FleetState:
         if r.decode_over:
             return []
         r.decode_over = True
-        p = r.placement
-        j = self._inst[p.decode]
+        j = self._inst[r.decoder]
         out: list[Observation] = []
-        self._take(r, p.decode)  # work left on D: it never got to its first token
+        self._take(r, r.decoder)  # work left on D: it never got to its first token
         if r.first_token_s is not None:
             j.advance(now_s)
             window_s = now_s - r.first_token_s
-            if ok and output_tokens >= 2 and window_s > 0:
+            if ok and not r.moved and output_tokens >= 2 and window_s > 0:
                 batch = (j.decode_area - r.area_at_first) / window_s
                 busy_ms = j.prefill_busy_ms - r.busy_at_first
                 step_ms = (window_s * 1000 - busy_ms) / (output_tokens - 1)
                 if step_ms > 0:
-                    out.append(DecodeObservation(p.decode, batch, step_ms))
+                    out.append(DecodeObservation(r.decoder, batch, step_ms))
             j.decoding -= 1
         j.decodes -= 1
         j.outstanding -= 1
         self._forget_if_over(request_id, r)
         return out
+
+    def on_migrated(self, request_id: str, to: int, now_s: float) -> None:
+        """`request_id`'s decode moved to instance `to` (a live migration's
+        cut-over): it counts there from now on, and teaches the models nothing
+        more (its decode spans two instances). A move to where it is, or after
+        `on_finish`, changes nothing; KeyError for an id not tracked,
+        IndexError for an instance outside the fleet."""
+        r = self._get(request_id)
+        new = self._at(to)
+        if r.decode_over or to == r.decoder:
+            return
+        old = self._inst[r.decoder]
+        self._take(r, r.decoder)  # the prompt work it had there is not done there now
+        if r.first_token_s is not None:
+            old.advance(now_s)
+            old.decoding -= 1
+            new.advance(now_s)
+            new.decoding += 1
+        old.decodes -= 1
+        old.outstanding -= 1
+        new.decodes += 1
+        new.outstanding += 1
+        r.decoder = to
+        r.moved = True
 
     # checks
 
@@ -386,10 +412,10 @@ class FleetState:
                 waiting[i] += 1
                 tokens[i] += t
             if not r.decode_over:
-                decodes[p.decode] += 1
-                outstanding[p.decode] += 1
+                decodes[r.decoder] += 1
+                outstanding[r.decoder] += 1
                 if r.first_token_s is not None:
-                    decoding[p.decode] += 1
+                    decoding[r.decoder] += 1
             if p.kind != "local" and not r.prefill_over:
                 outstanding[p.prefill] += 1
         for i, s in enumerate(self._inst):

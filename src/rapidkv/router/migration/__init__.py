@@ -1,0 +1,6 @@
+"""Live migration of a streamed request from one instance to another.
+
+- `bodies`: what the source and the destination are sent (pure);
+- `splice`: the client's stream across upstreams (pure);
+- `relay`: the relay that carries out a migration order (pre-copy, cut-over).
+"""
