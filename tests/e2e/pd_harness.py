@@ -64,6 +64,7 @@ MIGRATION_WORKLOADS = [
     ("migrate-drain", [200, 250, 300, 350, 280, 320, 260, 240], 2503),
     ("migrate-fail", [310, 290], 2504),
     ("migrate-unstreamed", [350], 2505),
+    ("migrate-busy", [600], 2506),  # test_pd_small_p: to a P without room
 ]
 # test_pd_abort_while_writing: Y decodes for ~3 s, long after P's last layer of X
 ABORT_WRITING_TOKENS = 300

@@ -298,6 +298,7 @@ class SchedulerSide:
             pool = self.shared.kv_cache_manager.block_pool
             out["free_blocks"] = float(pool.get_num_free_blocks())
             out["usable_blocks"] = float(pool.num_gpu_blocks - 1)  # less the null block
+            out["block_size"] = float(self.block_size)  # what a router sizes requests by
         return out
 
     def stats(self) -> dict[str, float]:

@@ -81,6 +81,7 @@ from rapidkv.router.health import InstanceHealth
 from rapidkv.router.metrics import RouterMetrics
 from rapidkv.router.migration.bodies import local_body, migratable, streamed
 from rapidkv.router.migration.relay import MigratingRelay, MigrationError
+from rapidkv.router.migration.room import RoomCheck
 from rapidkv.router.placement import SLO, Decision, NoPlacement, Placement, Policy
 from rapidkv.router.placer import Placer
 from rapidkv.router.rewrite import (
@@ -205,6 +206,7 @@ class Router:
         )
         self._aborter = ControlAborter(config.secret, config.abort_timeout_s, self.metrics)
         self._transfers = TransferWatcher(config, self.metrics)
+        self._room = RoomCheck(config.secret, config.health_timeout_s)
         self._http: aiohttp.ClientSession | None = None
         self._background: set[asyncio.Task[Any]] = set()
         # prefill URL -> its control address, once discovered (see `discovery`)
@@ -324,6 +326,7 @@ class Router:
         if self._http is not None:
             await self._http.close()
         await asyncio.to_thread(self._aborter.close)
+        await asyncio.to_thread(self._room.close)
 
     @property
     def http(self) -> aiohttp.ClientSession:
@@ -1096,6 +1099,9 @@ class Router:
         self.metrics.migrations.labels(outcome).inc()
         if downtime_s is not None:
             self.metrics.migration_downtime.observe(downtime_s)
+
+    async def require_room(self, target: Instance, tokens: int) -> None:
+        await self._room.require(target.url, target.control, tokens)
 
     def is_draining(self, role: Role, index: int) -> bool:
         """Whether the `index`-th instance of `role` is drained (`drain`)."""

@@ -14,7 +14,10 @@ through `migrate` (the admin routes):
    holds the blocks until the transfer settled) and the destination's stream
    is relayed from that event on.
 
-If the destination refuses, fails or gives no first token within
+Before anything is sent to it, the destination is asked whether it has room
+for the tokens so far (`room`): if not, the migration is refused at once (a
+vLLM without room would queue the cut-over, not refuse it). If the
+destination refuses, fails or gives no first token within
 `cutover_timeout_s`, its request is closed and the source's stream resumes
 from the queued events: the client sees a pause, nothing else. If the source
 breaks off while the destination is being prepared, the cut-over still
@@ -43,6 +46,7 @@ from starlette.types import Send
 from rapidkv.router.config import Instance
 from rapidkv.router.migration.assemble import Assembler
 from rapidkv.router.migration.bodies import cutover_body, precopy_body, remaining_budget
+from rapidkv.router.migration.room import Busy
 from rapidkv.router.migration.splice import StreamSplice
 from rapidkv.router.rewrite import Body, Endpoint, encode
 from rapidkv.router.stitch import EventSplitter, Payload, StreamError, is_output, sse
@@ -71,6 +75,9 @@ class Fleet(Protocol):
 
     def count_migration(self, outcome: str, downtime_s: float | None = None) -> None:
         """A migration ended (`ok`, `failed` or `refused`)."""
+
+    async def require_room(self, target: Instance, tokens: int) -> None:
+        """Raise `room.Busy` if `target` reports no room for `tokens` tokens."""
 
 
 class MigrationError(Exception):
@@ -205,8 +212,7 @@ class MigratingRelay:
                         continue
                     why = self._refusal(new)
                     if why is not None:
-                        self._fleet.count_migration("refused")
-                        new.result.set_exception(MigrationError(why))
+                        self._refused(new, why)
                         continue
                     order = new
                     self._count += 1  # every attempt gets its own transfer ids
@@ -221,7 +227,9 @@ class MigratingRelay:
                     pre = precopy
                     precopy = None
                     error = pre.exception()
-                    if error is not None:
+                    if isinstance(error, Busy):
+                        self._refused(order, str(error))
+                    elif error is not None:
                         self._failed(order, str(error))
                     else:
                         await self._cut_over(order, order_t0, pre.result())
@@ -293,6 +301,7 @@ class MigratingRelay:
         source = self._current
         tokens = self._splice.tokens
         assert order.source_control is not None
+        await self._fleet.require_room(order.target, len(tokens))
         body = precopy_body(
             self._body,
             self._endpoint,
@@ -340,6 +349,12 @@ class MigratingRelay:
             source.xfer_id,
         )
         target = order.target
+        if precopied is None:  # stop-and-copy: nothing asked the destination yet
+            try:
+                await self._fleet.require_room(target, len(self._splice.tokens))
+            except Busy as e:
+                self._refused(order, str(e))
+                return
         self._fleet.hold(order.index)
         try:
             dest, payload = await asyncio.wait_for(
@@ -384,6 +399,13 @@ class MigratingRelay:
         )
         self._fleet.count_migration("ok", now - last_sent)
         order.result.set_result(result)
+
+    def _refused(self, order: Order, why: str) -> None:
+        """`order` was refused before anything was sent: the request runs on."""
+        assert self._current is not None
+        log.info("xfer %s: not migrated (%s); it runs on", self._xfer_id, why)
+        self._fleet.count_migration("refused")
+        order.result.set_exception(MigrationError(why))
 
     def _failed(self, order: Order, why: str) -> None:
         """`order` did not happen (pre-copy or cut-over): the request runs on."""
