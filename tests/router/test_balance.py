@@ -48,7 +48,19 @@ def test_releasing_more_than_acquired_is_a_bug() -> None:
     with pytest.raises(ValueError, match="no outstanding"):
         b.release(0)
     with pytest.raises(ValueError):
-        LeastOutstanding(0)
+        LeastOutstanding(-1)
+
+
+def test_an_instance_added_later_is_picked_while_it_has_the_fewest_requests() -> None:
+    b = LeastOutstanding(0)
+    with pytest.raises(ValueError, match="no eligible"):
+        b.acquire()
+    assert b.add() == 0
+    assert b.acquire() == 0
+    assert b.add() == 1
+    assert b.outstanding(1) == 0
+    assert b.acquire() == 1  # 0 has one outstanding
+    assert len(b) == 2
 
 
 @given(

@@ -805,7 +805,7 @@ def test_admin_routes_exist_only_with_a_token_and_require_it(
         assert http.post(drain, content=bad, headers=AUTH).status_code == status
     missing = http.post(drain, json={"instance": "http://nowhere:1"}, headers=AUTH)
     assert missing.status_code == 404 and "nowhere" in missing.json()["error"]["message"]
-    assert not router.router.is_draining("decode", 0)  # nothing refused changed anything
+    assert not router.router.is_draining(router.router.pool("decode")[0])  # nothing changed
 
 
 def test_admin_requests_lists_what_runs_where(

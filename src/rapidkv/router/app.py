@@ -39,6 +39,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from rapidkv.membership.watcher import Members, MembershipWatcher
 from rapidkv.router.admin import admin_routes
 from rapidkv.router.config import ROLES, Instance, RouterConfig
 from rapidkv.router.proxy import Router
@@ -65,30 +66,40 @@ def build_app(config: RouterConfig) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await router.start()
         router.discover_all()
+        watcher = _follow_etcd(router, config) if config.etcd else None
         try:
             yield
         finally:
+            if watcher is not None:
+                await asyncio.to_thread(watcher.stop)
             await router.close()
 
     async def health(request: Request) -> Response:
         timeout = config.health_timeout_s
-        members = config.members
-        results = await asyncio.gather(
-            *(_check_health(router.http, m.instance, timeout) for m in members)
+        members = router.members
+        listed = sorted({i for role in ROLES for i in router.pool(role)})
+        results = dict(
+            zip(
+                listed,
+                await asyncio.gather(
+                    *(_check_health(router.http, members[i].instance, timeout) for i in listed)
+                ),
+                strict=True,
+            )
         )
         checks: dict[str, list[dict[str, Any]]] = {}
         for role in ROLES:  # an instance that may play both roles is listed under both
             checks[role] = []
-            for i, index in enumerate(config.pool(role)):
+            for index in router.pool(role):
                 result = dict(
                     results[index],
-                    dispatching=router.is_up(role, i) and not router.is_draining(role, i),
-                    draining=router.is_draining(role, i),
+                    dispatching=router.is_up(index) and not router.is_draining(index),
+                    draining=router.is_draining(index),
                 )
                 if members[index].label == "both":
                     result["role"] = "both"
                 if role == "decode":
-                    result["transfers"] = router.transfers(i)
+                    result["transfers"] = router.transfers(index)
                 checks[role].append(result)
         needed = ["decode"] if config.dispatch == "local" else ["prefill", "decode"]
         ok = all(any(c["healthy"] for c in checks[role]) for role in needed)
@@ -99,7 +110,7 @@ def build_app(config: RouterConfig) -> Starlette:
 
     async def models(request: Request) -> Response:
         failures = []
-        for inst in config.role_instances("decode"):
+        for inst in (router.members[i].instance for i in router.pool("decode")):
             url, timeout = f"{inst.url}/v1/models", config.health_timeout_s
             try:
                 status, raw, content_type = await get(router.http, url, timeout, _auth(request))
@@ -135,6 +146,19 @@ def build_app(config: RouterConfig) -> Starlette:
     )
     app.state.router = router
     return app
+
+
+def _follow_etcd(router: Router, config: RouterConfig) -> MembershipWatcher:
+    """Start following the fleet's members in etcd: every membership the
+    watcher's thread reads is handed to `router.follow` on the serving loop."""
+    loop = asyncio.get_running_loop()
+
+    def changed(members: Members) -> None:
+        loop.call_soon_threadsafe(router.follow, members)
+
+    watcher = MembershipWatcher(config.etcd, config.etcd_prefix, changed)
+    watcher.start()
+    return watcher
 
 
 async def _check_health(

@@ -21,13 +21,19 @@ from collections.abc import Collection
 
 
 class LeastOutstanding:
-    """Least-outstanding choice among `n` instances (indices ``0..n-1``)."""
+    """Least-outstanding choice among `n` instances (indices ``0..n-1``; more
+    join with `add`)."""
 
     def __init__(self, n: int) -> None:
-        if n < 1:
-            raise ValueError("need at least one instance")
+        if n < 0:
+            raise ValueError(f"a number of instances is >= 0, not {n}")
         self._counts = [0] * n
         self._cursors: dict[str, int] = {}
+
+    def add(self) -> int:
+        """One more instance, with nothing outstanding; its index."""
+        self._counts.append(0)
+        return len(self._counts) - 1
 
     def acquire(self, eligible: Collection[int] | None = None, turn: str = "") -> int:
         """Pick an instance (among `eligible`, default all) and count one more

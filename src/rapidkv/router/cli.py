@@ -43,6 +43,21 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         "router chooses its role per request (repeatable; combines with --prefill/--decode, "
         "which pin a role)",
     )
+    parser.add_argument(
+        "--etcd",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="an etcd endpoint (http://host:2379; repeatable): instances registered there "
+        "(the connector's etcd_endpoints) join the fleet as they register and leave it when "
+        "their lease expires; with it, the fleet may start empty",
+    )
+    parser.add_argument(
+        "--etcd-prefix",
+        default="/rapidkv/",
+        metavar="PREFIX",
+        help="the key prefix the instances register under (default %(default)s)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
     parser.add_argument("--port", type=int, default=8000, help="port (default %(default)s)")
     parser.add_argument(
@@ -130,6 +145,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         prefill=tuple(Instance.parse(text) for text in args.prefill),
         decode=tuple(Instance.parse(text) for text in args.decode),
         instances=tuple(Instance.parse(text) for text in args.instance),
+        etcd=tuple(url.rstrip("/") for url in args.etcd),
+        etcd_prefix=args.etcd_prefix,
         host=args.host,
         port=args.port,
         dispatch=args.dispatch,

@@ -6,7 +6,8 @@ Invariants (checked on construction, so a running router never meets a bad value
   are appended to it), and its control address, when given, parses as
   ``host:port``;
 - a `RouterConfig` has at least one instance that may decode, and at least
-  one that may prefill unless it dispatches `local`;
+  one that may prefill unless it dispatches `local`, unless it follows etcd
+  (its instances may all come from there, later);
 - URLs are unique within each list (`prefill`, `decode`, `instances`); a URL
   given in several lists is one `Member` with every role they give it, and at
   most one control address.
@@ -134,6 +135,11 @@ class RouterConfig:
     secret: bytes | None = None
     # the /admin routes exist only with a token, and require it (`admin`)
     admin_token: str | None = None
+    # etcd endpoints (base URLs): the instances registered under
+    # `<etcd_prefix>instances/` join the fleet and leave it with their lease
+    # (`membership_follower`), beside the instances configured here
+    etcd: tuple[str, ...] = ()
+    etcd_prefix: str = "/rapidkv/"
     connect_timeout_s: float = 10.0
     upstream_read_timeout_s: float = 600.0
     health_timeout_s: float = 2.0
@@ -147,6 +153,7 @@ class RouterConfig:
     max_body_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "etcd", tuple(self.etcd))
         for name in ("prefill", "decode", "instances"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
             urls = [i.url for i in getattr(self, name)]
@@ -160,10 +167,16 @@ class RouterConfig:
             raise ValueError("adaptive placement needs dual dispatch")
         if not (self.ttft_slo_ms > 0 and self.tpot_slo_ms > 0):
             raise ValueError("the TTFT and TPOT SLOs must be > 0 ms")
-        if not self.pool("decode"):  # `members` raises for conflicting control addresses
-            raise ValueError("a router needs at least one instance that may decode")
-        if not self.pool("prefill") and self.dispatch != "local":
+        decoders = self.pool("decode")  # `members` raises for conflicting control addresses
+        if not decoders and not self.etcd:
+            raise ValueError("a router needs at least one instance that may decode (or etcd)")
+        if not self.pool("prefill") and self.dispatch != "local" and not self.etcd:
             raise ValueError(f"dispatch {self.dispatch!r} needs at least one prefill instance")
+        if self.etcd and not self.etcd_prefix.endswith("/"):
+            raise ValueError(f"etcd_prefix must end with '/', not {self.etcd_prefix!r}")
+        for url in self.etcd:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"an etcd endpoint is an http(s):// URL, not {url!r}")
         if not self.host:
             raise ValueError("give the host to bind explicitly (0.0.0.0 for every interface)")
         if not 0 <= self.port < 65536:

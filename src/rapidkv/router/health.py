@@ -16,11 +16,16 @@ from __future__ import annotations
 
 
 class InstanceHealth:
-    """Up/down state of `n` instances (indices ``0..n-1``)."""
+    """Up/down state of `n` instances (indices ``0..n-1``; more join with `add`)."""
 
     def __init__(self, n: int) -> None:
         self._n = n
         self._down: dict[int, str] = {}  # index -> why it is down
+
+    def add(self) -> int:
+        """One more instance, up; its index."""
+        self._n += 1
+        return self._n - 1
 
     def mark_down(self, i: int, reason: str) -> bool:
         """Instance `i` failed to answer; True if it was up until now."""

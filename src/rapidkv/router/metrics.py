@@ -56,7 +56,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from rapidkv.router.config import RouterConfig
+from rapidkv.router.config import Member, RouterConfig
 from rapidkv.router.placement.policy import REASONS
 from rapidkv.router.placement.state import KINDS
 from rapidkv.router.rewrite import ENDPOINTS
@@ -193,14 +193,18 @@ class RouterMetrics:
             for outcome in OUTCOMES:
                 self.requests.labels(endpoint, config.dispatch, outcome)
         for member in config.members:
-            url = member.instance.url
-            self.outstanding.labels(member.label, url).set(0)
-            self.instance_up.labels(member.label, url).set(1)
-            self.instance_draining.labels(member.label, url).set(0)
-            if "decode" in member.roles:
-                self.transfers_degraded.labels(url).set(0)
-            for role in member.roles:
-                for kind in UPSTREAM_ERROR_KINDS:
-                    self.upstream_errors.labels(role, url, kind)
+            self.add_member(member)
         for outcome in ("ok", "failed"):
             self.control_aborts.labels(outcome)
+
+    def add_member(self, member: Member) -> None:
+        """Series of an instance of the fleet, at their starting values."""
+        url = member.instance.url
+        self.outstanding.labels(member.label, url).set(0)
+        self.instance_up.labels(member.label, url).set(1)
+        self.instance_draining.labels(member.label, url).set(0)
+        if "decode" in member.roles:
+            self.transfers_degraded.labels(url).set(0)
+        for role in member.roles:
+            for kind in UPSTREAM_ERROR_KINDS:
+                self.upstream_errors.labels(role, url, kind)

@@ -113,6 +113,16 @@ class Placer:
         if xfer_id in self.fleet:
             self.fleet.on_migrated(xfer_id, index, time.monotonic())
 
+    def join(self, index: int, member: Member) -> None:
+        """Member `index` joined the fleet (a new one: the next index) or came
+        back (`Router.follow`): healthy, with its role and block size."""
+        if index == len(self.fleet):
+            self.models.add()
+            self.fleet.add(_role(member))
+        self.fleet.set_role(index, _role(member))
+        self.fleet.set_healthy(index, True)
+        self.fleet.set_block_size(index, member.instance.block_size)
+
     def set_healthy(self, index: int, healthy: bool) -> None:
         self.fleet.set_healthy(index, healthy)
 

@@ -60,7 +60,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -68,9 +68,10 @@ import aiohttp
 from starlette.types import Message, Receive, Scope, Send
 
 from rapidkv.control.messages import AbortReason
+from rapidkv.membership.record import InstanceRecord
 from rapidkv.router.aborts import ControlAborter
 from rapidkv.router.balance import LeastOutstanding
-from rapidkv.router.config import ROLES, Instance, Role, RouterConfig
+from rapidkv.router.config import ROLES, Instance, Member, Role, RouterConfig
 from rapidkv.router.discovery import (
     DiscoveryError,
     block_size_from_answer,
@@ -78,6 +79,7 @@ from rapidkv.router.discovery import (
     discover_control,
 )
 from rapidkv.router.health import InstanceHealth
+from rapidkv.router.membership_diff import Left, MembershipDiff
 from rapidkv.router.metrics import RouterMetrics
 from rapidkv.router.migration.bodies import local_body, migratable, streamed
 from rapidkv.router.migration.relay import MigratingRelay, MigrationError
@@ -189,8 +191,11 @@ class Router:
         self.metrics = RouterMetrics(config)
         # every instance once (`RouterConfig.members`); health and the
         # outstanding counts are per instance, whatever role its requests play
-        self._members = config.members
-        self._pools = {role: config.pool(role) for role in ROLES}
+        self._members = list(config.members)  # members that joined (etcd) are appended
+        # the members that may play each role, those that left the fleet excepted
+        self._pools = {role: list(config.pool(role)) for role in ROLES}
+        self._retired: set[int] = set()  # left the fleet (etcd), until they join again
+        self._membership = MembershipDiff(m.instance.url for m in self._members)
         self._balancer = LeastOutstanding(len(self._members))
         self._health = InstanceHealth(len(self._members))
         self._draining: set[int] = set()  # no new requests (`drain`), until `undrain`
@@ -942,6 +947,8 @@ class Router:
         inst = member.instance
         while True:
             await asyncio.sleep(self.config.probe_interval_s)
+            if index in self._retired or self._members[index] is not member:
+                return False  # it left the fleet, or joined again (`follow` marks it up)
             try:
                 status, _, _ = await get(
                     self.http, f"{inst.url}/health", self.config.health_timeout_s
@@ -966,24 +973,37 @@ class Router:
                 log.info("%s instance %s is up again", member.label, inst.url)
                 return True
 
-    def transfers(self, index: int) -> str:
-        """Whether the `index`-th instance that may decode transfers: ``ok``,
-        ``degraded`` or ``unknown`` (`transfers`)."""
-        return self._transfers.state(index)
+    @property
+    def members(self) -> tuple[Member, ...]:
+        """Every instance the router has known, by index (those that left too)."""
+        return tuple(self._members)
 
-    def is_up(self, role: Role, index: int) -> bool:
-        """Whether the router dispatches to the `index`-th instance of `role` now."""
-        return self._health.is_up(self._pools[role][index])
+    def pool(self, role: Role) -> tuple[int, ...]:
+        """Indices of the members that may play `role` (those that left excepted)."""
+        return tuple(self._pools[role])
+
+    def transfers(self, index: int) -> str:
+        """Whether member `index` (one that may decode) transfers: ``ok``,
+        ``degraded`` or ``unknown`` (`transfers`; members that joined through
+        etcd are not watched: ``unknown``)."""
+        watched = self.config.pool("decode")
+        return self._transfers.state(watched.index(index)) if index in watched else "unknown"
+
+    def is_up(self, index: int) -> bool:
+        """Whether member `index` answers (it may be draining)."""
+        return self._health.is_up(index) and index not in self._retired
 
     def _available(self, index: int) -> bool:
-        """Up and not draining: new requests may go there."""
-        return self._health.is_up(index) and index not in self._draining
+        """Up, in the fleet and not draining: new requests may go there."""
+        return self.is_up(index) and index not in self._draining
 
     def _up(self, role: Role) -> list[int]:
         """The instances that may play `role`, up and not draining."""
         return [i for i in self._pools[role] if self._available(i)]
 
     def _down_reasons(self) -> str:
+        if not self._pools["decode"]:
+            return "no instance that may decode is in the fleet"
         reasons = []
         for i in self._pools["decode"]:
             why = self._health.down(i) or ("draining" if i in self._draining else None)
@@ -1072,6 +1092,71 @@ class Router:
             "staying": staying,
         }
 
+    # ------------------------------------------------------------------ membership
+
+    def follow(self, records: Mapping[str, InstanceRecord]) -> None:
+        """The fleet's membership in etcd is `records` now (instance id ->
+        record; `MembershipWatcher`, posted to the serving loop): instances
+        join, come back restarted, or leave (`MembershipDiff`). One that left
+        gets no new request; those it serves run on (or fail as at any dead
+        instance)."""
+        for change in self._membership.update(records):
+            if isinstance(change, Left):
+                self._leave(change.url)
+            else:
+                self._join(change.record)
+
+    def _join(self, record: InstanceRecord) -> None:
+        roles = frozenset(role for role in ROLES if role in record.roles)
+        member = Member(Instance(record.url, record.control, record.block_size), roles)
+        index = self._index_of(record.url)
+        if index is None:
+            index = len(self._members)
+            self._members.append(member)
+            self._balancer.add()
+            self._health.add()
+            self.metrics.add_member(member)
+        else:  # back, restarted: it answered /health before registering
+            self._members[index] = member
+            self._health.mark_up(index)
+            self.metrics.instance_up.labels(member.label, member.instance.url).set(1)
+        self._retired.discard(index)
+        for role, pool in self._pools.items():
+            if role in roles and index not in pool:
+                pool.append(index)
+                pool.sort()
+            elif role not in roles and index in pool:
+                pool.remove(index)
+        self._discovery.pop(record.url, None)  # its record says where it listens
+        if self._placer is not None:
+            self._placer.join(index, member)
+        log.info(
+            "%s instance %s is in the fleet (etcd; control %s, block size %d, instance %s)",
+            member.label,
+            record.url,
+            record.control,
+            record.block_size,
+            record.instance_id,
+        )
+
+    def _leave(self, url: str) -> None:
+        index = self._index_of(url)
+        if index is None:
+            return
+        member = self._members[index]
+        self._retired.add(index)
+        for pool in self._pools.values():
+            if index in pool:
+                pool.remove(index)
+        self.metrics.instance_up.labels(member.label, url).set(0)
+        if self._placer is not None:
+            self._placer.set_healthy(index, False)
+        log.warning(
+            "%s instance %s left the fleet (its etcd record is gone): no new request goes there",
+            member.label,
+            url,
+        )
+
     def _index_of(self, url: str) -> int | None:
         """The member whose base URL is `url` (None: no such instance)."""
         for index, member in enumerate(self._members):
@@ -1103,9 +1188,9 @@ class Router:
     async def require_room(self, target: Instance, tokens: int) -> None:
         await self._room.require(target.url, target.control, tokens)
 
-    def is_draining(self, role: Role, index: int) -> bool:
-        """Whether the `index`-th instance of `role` is drained (`drain`)."""
-        return self._pools[role][index] in self._draining
+    def is_draining(self, index: int) -> bool:
+        """Whether member `index` is drained (`drain`)."""
+        return index in self._draining
 
     def requests(self) -> list[dict[str, Any]]:
         """The requests being served: where each runs and how far it got."""

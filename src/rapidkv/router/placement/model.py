@@ -198,8 +198,8 @@ class Models:
     """The learned costs of instances ``0..n-1`` (see the module docstring)."""
 
     def __init__(self, n: int, priors: Priors | None = None) -> None:
-        if n < 1:
-            raise ValueError("need at least one instance")
+        if n < 0:
+            raise ValueError(f"a number of instances is >= 0, not {n}")
         self.n = n
         self.priors = Priors() if priors is None else priors
         self.prefill = [self.priors.prefill() for _ in range(n)]
@@ -207,6 +207,13 @@ class Models:
         # learned per ordered pair (P, D), created by its first observation
         self.transfer: dict[tuple[int, int], LinearCost] = {}
         self._transfer_prior = self.priors.transfer()
+
+    def add(self) -> int:
+        """One more instance, its costs the priors'; its index."""
+        self.prefill.append(self.priors.prefill())
+        self.step.append(self.priors.step())
+        self.n += 1
+        return self.n - 1
 
     # predictions
 

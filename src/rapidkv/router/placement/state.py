@@ -203,8 +203,8 @@ class FleetState:
     """Queues of instances ``0..n-1`` (see the module docstring)."""
 
     def __init__(self, n: int, roles: tuple[Role, ...] | None = None) -> None:
-        if n < 1:
-            raise ValueError("need at least one instance")
+        if n < 0:
+            raise ValueError(f"a number of instances is >= 0, not {n}")
         if roles is not None and len(roles) != n:
             raise ValueError(f"{len(roles)} roles for {n} instances")
         self._inst = [_Instance() for _ in range(n)]
@@ -214,6 +214,12 @@ class FleetState:
 
     def __len__(self) -> int:
         return len(self._inst)
+
+    def add(self, role: Role = "any") -> int:
+        """One more instance, healthy, idle; its index."""
+        self._inst.append(_Instance())
+        self.set_role(len(self._inst) - 1, role)
+        return len(self._inst) - 1
 
     @property
     def in_flight(self) -> int:
