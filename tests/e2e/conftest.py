@@ -12,6 +12,7 @@ import pytest
 from pd_harness import (
     ABORT_WRITING_TOKENS,
     BLOCK,
+    ETCD_TTL_S,
     FLEET_LENGTHS,
     LATE_LENGTHS,
     LATE_ROUNDS,
@@ -35,6 +36,7 @@ from rapidkv.harness.client import (
     complete_full,
     complete_many,
 )
+from rapidkv.harness.etcd import EtcdServer, EtcdUnavailable
 from rapidkv.harness.server import pd_specs
 
 # The e2e files in the order that starts the fewest servers (the pool runs at
@@ -52,6 +54,7 @@ E2E_ORDER = (
     "test_migration_connector.py",
     "test_pd_connector.py",
     "test_pd_faults.py",
+    "test_fleet_etcd.py",
     "test_fleet.py",
     "test_pd_abort_while_writing.py",
     "test_pd_small_p.py",
@@ -75,13 +78,42 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture(scope="session")
-def pd_pair_specs(tiny_model: Path) -> tuple[list[ServerSpec], tuple[str, str]]:
+def fleet_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer | str]:
+    """An etcd server that the shared pair registers in (test_fleet_etcd), or
+    the reason none can run here."""
+    server = EtcdServer(log_dir=tmp_path_factory.mktemp("etcd"))
+    try:
+        server.start()
+    except EtcdUnavailable as e:
+        yield str(e)
+        return
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def pd_pair_specs(
+    tiny_model: Path, fleet_etcd: EtcdServer | str
+) -> tuple[list[ServerSpec], tuple[str, str]]:
     """The shared pair's specs, with fixed ports (an instance restarted by a
-    test keeps its address), and its control addresses."""
+    test keeps its address), and its control addresses. Where etcd runs, both
+    register there (`fleet_etcd`) with a lease of `ETCD_TTL_S`."""
     pc, dc = free_port(), free_port()
+    ports = free_port(), free_port()
+    configs = []
+    for control, port in zip((pc, dc), ports, strict=True):
+        etcd = {}
+        if isinstance(fleet_etcd, EtcdServer):
+            etcd = {
+                "etcd_endpoints": [fleet_etcd.url],
+                "etcd_ttl_s": ETCD_TTL_S,
+                "advertise_url": f"http://127.0.0.1:{port}",
+            }
+        configs.append(connector_config(control, **etcd))
     chunked = ("--max-num-batched-tokens", "256")
-    specs = pd_specs(tiny_model, connector_config(pc), connector_config(dc), chunked)
-    return [s.replace(port=free_port()) for s in specs], (f"127.0.0.1:{pc}", f"127.0.0.1:{dc}")
+    specs = pd_specs(tiny_model, *configs, chunked)
+    specs = [s.replace(port=port) for s, port in zip(specs, ports, strict=True)]
+    return specs, (f"127.0.0.1:{pc}", f"127.0.0.1:{dc}")
 
 
 @pytest.fixture
@@ -139,6 +171,8 @@ def workloads(tiny_model: Path, single_server_starter) -> dict[str, tuple[list, 
         out[f"restart-{side}"] = (restart, complete_many(single.base_url, restart, MAX_TOKENS))
     fleet = random_prompts(tiny_model, FLEET_LENGTHS, seed=2300)
     out["fleet"] = (fleet, complete_many(single.base_url, fleet, MAX_TOKENS, concurrency=4))
+    etcd = random_prompts(tiny_model, [250, 600, 420, 330, 700, 180, 520, 390], seed=2302)
+    out["fleet-etcd"] = (etcd, complete_many(single.base_url, etcd, MAX_TOKENS, concurrency=4))
     fleet3 = random_prompts(tiny_model, [300, 500, 700, 200, 600, 400, 800, 250], seed=2301)
     out["fleet-3"] = (fleet3, complete_many(single.base_url, fleet3, MAX_TOKENS, concurrency=4))
     # P and D in two network namespaces (test_pd_netns): at concurrency 4, then

@@ -57,6 +57,8 @@ MODE_RUNS = {
 }
 # live migration: (name, prompt lengths, seed), each output MIGRATION_TOKENS long
 MIGRATION_TOKENS = 240
+# the shared pair's etcd lease (test_fleet_etcd): a killed instance leaves within it
+ETCD_TTL_S = 3.0
 MIGRATION_WORKLOADS = [
     ("migrate-once", [300], 2500),
     ("migrate-twice", [420], 2501),
