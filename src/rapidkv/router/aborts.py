@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import threading
 
-from rapidkv.control.client import RpcClient
 from rapidkv.control.messages import Abort, AbortReason, Reply
 from rapidkv.router.metrics import RouterMetrics
+from rapidkv.router.rpc import LazyRpc
 
 log = logging.getLogger(__name__)
 
@@ -30,24 +29,18 @@ class ControlAborter:
     """Sends Abort notices to prefill instances' control addresses."""
 
     def __init__(self, secret: bytes | None, timeout_s: float, metrics: RouterMetrics) -> None:
-        self._secret = secret
+        self._rpc = LazyRpc(secret)
         self._timeout_s = timeout_s
         self._metrics = metrics
-        self._client: RpcClient | None = None
-        self._closed = False
-        self._lock = threading.Lock()
 
     def abort(
         self, address: str, xfer_id: str, reason: AbortReason = AbortReason.CLIENT_ABORT
     ) -> None:
         """Send ``Abort(xfer_id, reason)`` to `address`; returns at once."""
         try:
-            with self._lock:
-                if self._closed:
-                    raise RuntimeError("router shutting down")
-                if self._client is None:
-                    self._client = RpcClient(self._secret)
-                client = self._client
+            client = self._rpc.get()
+            if client is None:
+                raise RuntimeError("router shutting down")
             request = Abort(xfer_id=xfer_id, reason=reason)
             future = client.submit(address, request, self._timeout_s)
         except Exception as e:
@@ -72,8 +65,4 @@ class ControlAborter:
 
     def close(self) -> None:
         """Stop the RPC client (pending Aborts fail). Blocks up to a few seconds."""
-        with self._lock:
-            self._closed = True
-            client, self._client = self._client, None
-        if client is not None:
-            client.close()
+        self._rpc.close()

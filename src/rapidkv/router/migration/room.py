@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from collections.abc import Mapping
 
-from rapidkv.control.client import RpcClient
 from rapidkv.control.messages import Stats, StatsRequest
+from rapidkv.router.rpc import LazyRpc
 
 log = logging.getLogger(__name__)
 
@@ -57,23 +56,15 @@ class RoomCheck:
     """Asks destinations' connectors for their free blocks."""
 
     def __init__(self, secret: bytes | None, timeout_s: float) -> None:
-        self._secret = secret
+        self._rpc = LazyRpc(secret)
         self._timeout_s = timeout_s
-        self._client: RpcClient | None = None
-        self._closed = False
-        self._lock = threading.Lock()
 
     async def require(self, url: str, control: str | None, tokens: int) -> None:
         """Raise `Busy` if the instance at `url` (its connector at `control`)
         reports no room for `tokens` tokens."""
-        if control is None:
+        client = self._rpc.get() if control is not None else None
+        if client is None:  # nothing to ask, or shutting down
             return
-        with self._lock:
-            if self._closed:
-                return
-            if self._client is None:
-                self._client = RpcClient(self._secret)
-            client = self._client
         try:
             future = client.submit(control, StatsRequest(), self._timeout_s)
             reply = await asyncio.wrap_future(future)
@@ -86,8 +77,4 @@ class RoomCheck:
 
     def close(self) -> None:
         """Stop the RPC client. Blocks up to a few seconds."""
-        with self._lock:
-            self._closed = True
-            client, self._client = self._client, None
-        if client is not None:
-            client.close()
+        self._rpc.close()
