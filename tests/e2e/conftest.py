@@ -42,13 +42,15 @@ from rapidkv.harness.server import pd_specs
 # The e2e files in the order that starts the fewest servers (the pool runs at
 # most two; switching groups costs a start of ~30 s): the demo first (its
 # servers are its own: it runs alone), the single instance's tests (the
-# reference outputs are computed on it, still running), then
+# reference outputs are computed on it, still running; the one-P TTL test
+# beside it), then
 # every user of the shared pair, the fleet's last (its pair test first), then
 # the files with groups of their own. A file not named runs after these, in
 # collection order; the order inside a file is kept.
 E2E_ORDER = (
     "test_demo.py",
     "test_single_instance_oracle.py",
+    "test_pd_finished_ttl.py",
     "test_harness_teardown.py",
     "test_migration.py",
     "test_migration_connector.py",

@@ -502,3 +502,63 @@ def test_a_source_that_dies_mid_migration_ends_the_stream_with_an_error_and_free
     assert len(run.tokens) < MIGRATION_TOKENS
     assert answer.status_code == 409, answer.text
     assert_back_to_baseline(pd_pair, within=10.0)
+
+
+def test_a_destination_that_dies_mid_migration_leaves_the_stream_on_its_source(
+    pd_pair: Pair, fleet, workloads: dict
+) -> None:
+    """At 20 tokens the request's source is frozen (SIGSTOP) and a move to the
+    other instance ordered: once the destination's pre-copy waits there for
+    KV the frozen source has not sent, the destination is killed, as by a
+    crash, and the source thawed. The client's stream runs on on its source to
+    the single instance's output (a pause, no error event), the migration is
+    answered 409, and the source, whose TransferKV now names a dead
+    destination, frees everything; the destination is started again for the
+    tests after."""
+    (ids,), (expected,) = workloads["migrate-once"]
+    servers = [pd_pair.p, pd_pair.d]
+    urls = [s.base_url for s in servers]
+    events: list[dict[str, Any]] = []
+    killed: list[int] = []
+
+    async def main() -> tuple[Run, httpx.Response]:
+        async with httpx.AsyncClient() as client:
+            moved: list[asyncio.Future] = []
+
+            async def freeze_move_kill(run: Run) -> None:
+                if len(run.tokens) < 20 or moved:
+                    return
+                source, dest = servers[run.decode], servers[1 - run.decode]
+                source.signal(signal.SIGSTOP)
+                try:
+                    to = urls[1 - run.decode]
+                    moved.append(asyncio.ensure_future(migrate(client, fleet.url, run.xfer_id, to)))
+                    name = "pd"[1 - run.decode]  # pd_pair.stats' name of the destination
+
+                    def loading() -> bool:
+                        return pd_pair.stats(name)["waiting_for_kv"] >= 1
+
+                    assert await asyncio.to_thread(wait_for, loading, 30), pd_pair.stats(name)
+                    killed.append(1 - run.decode)
+                    dest.stop(grace=0)
+                finally:
+                    source.signal(signal.SIGCONT)
+
+            run = await stream(client, fleet.url, ids, freeze_move_kill, events=events)
+            assert moved, "the request ended before it could be moved"
+            return run, await moved[0]
+
+    try:
+        run, answer = asyncio.run(asyncio.wait_for(main(), 90))
+    finally:
+        for server in servers:  # thawed and started again, whatever happened
+            if server.running:
+                server.signal(signal.SIGCONT)
+            else:
+                server.launch()
+                server.wait_ready()
+    assert killed == [1 - run.decode]
+    assert [e for e in events if "error" in e] == []
+    assert run.tokens == expected
+    assert answer.status_code == 409, answer.text
+    assert_back_to_baseline(pd_pair, within=10.0)
