@@ -448,19 +448,17 @@ def test_a_migration_that_cannot_happen_leaves_the_request_running_on_its_source
     assert_back_to_baseline(pd_pair)
 
 
-def test_a_source_that_dies_mid_migration_ends_the_stream_with_an_error_and_frees_the_dest(
-    pd_pair: Pair, fleet, tiny_model: Path
-) -> None:
-    """At 20 tokens the request's source is frozen (SIGSTOP) and a move to the
-    other instance ordered: once its pre-copy waits there for KV the source
-    cannot send, the source is killed, as by a crash. The client's stream ends at once
-    with an error event naming the source (no hang), the migration is
-    answered 409, and the destination, once the dead source refuses its
-    Abort, frees everything; the source is started again for the tests after."""
-    (ids,) = random_prompts(tiny_model, [330], seed=2506)
+def move_and_kill(
+    pd_pair: Pair, router: str, ids: list[int], kill: str, events: list[dict[str, Any]]
+) -> tuple[Run, httpx.Response, int]:
+    """Stream `ids` through `router`; at 20 tokens freeze the request's source
+    (SIGSTOP), order a move to the other instance and, once the destination's
+    pre-copy waits there for KV the frozen source cannot send, kill (`kill`:
+    ``source`` or ``destination``) as by a crash, then thaw the source if it
+    lives. Every server is thawed and started again afterwards, whatever
+    happened. The run, the migration's answer and the killed server's index."""
     servers = [pd_pair.p, pd_pair.d]
-    urls = [s.base_url for s in servers]
-    events: list[dict[str, Any]] = []
+    killed: list[int] = []
 
     async def main() -> tuple[Run, httpx.Response]:
         async with httpx.AsyncClient() as client:
@@ -469,32 +467,52 @@ def test_a_source_that_dies_mid_migration_ends_the_stream_with_an_error_and_free
             async def freeze_move_kill(run: Run) -> None:
                 if len(run.tokens) < 20 or moved:
                     return
-                servers[run.decode].signal(signal.SIGSTOP)
-                to = urls[1 - run.decode]
-                moved.append(asyncio.ensure_future(migrate(client, fleet.url, run.xfer_id, to)))
-                dest = "pd"[1 - run.decode]  # pd_pair.stats' name of the destination
+                source, dest = run.decode, 1 - run.decode
+                servers[source].signal(signal.SIGSTOP)
+                try:
+                    to = servers[dest].base_url
+                    moved.append(asyncio.ensure_future(migrate(client, router, run.xfer_id, to)))
+                    name = "pd"[dest]  # pd_pair.stats' name of the destination
 
-                # the pre-copy admitted there and waiting for KV the source cannot send
-                def loading() -> bool:
-                    return pd_pair.stats(dest)["waiting_for_kv"] >= 1
+                    def loading() -> bool:
+                        return pd_pair.stats(name)["waiting_for_kv"] >= 1
 
-                assert await asyncio.to_thread(wait_for, loading, 30), pd_pair.stats(dest)
-                servers[run.decode].stop(grace=0)
+                    assert await asyncio.to_thread(wait_for, loading, 30), pd_pair.stats(name)
+                    killed.append(source if kill == "source" else dest)
+                    servers[killed[0]].stop(grace=0)
+                finally:
+                    if servers[source].running:
+                        servers[source].signal(signal.SIGCONT)
 
-            run = await stream(client, fleet.url, ids, freeze_move_kill, events=events)
+            run = await stream(client, router, ids, freeze_move_kill, events=events)
             assert moved, "the request ended before it could be moved"
             return run, await moved[0]
 
     try:
-        run, answer = asyncio.run(asyncio.wait_for(main(), 60))
+        run, answer = asyncio.run(asyncio.wait_for(main(), 90))
     finally:
-        for server in servers:  # thawed and started again, whatever happened
+        for server in servers:
             if server.running:
                 server.signal(signal.SIGCONT)
             else:
                 server.launch()
                 server.wait_ready()
-    source = servers[run.decode]
+    return run, answer, killed[0]
+
+
+def test_a_source_that_dies_mid_migration_ends_the_stream_with_an_error_and_frees_the_dest(
+    pd_pair: Pair, fleet, tiny_model: Path
+) -> None:
+    """The source is killed once the destination's pre-copy waits for its KV
+    (`move_and_kill`). The client's stream ends at once with an error event
+    naming the source (no hang), the migration is answered 409, and the
+    destination, once the dead source refuses its Abort, frees everything; the
+    source is started again for the tests after."""
+    (ids,) = random_prompts(tiny_model, [330], seed=2506)
+    events: list[dict[str, Any]] = []
+    run, answer, killed = move_and_kill(pd_pair, fleet.url, ids, "source", events)
+    assert killed == run.decode
+    source = [pd_pair.p, pd_pair.d][killed]
     errors = [e for e in events if "error" in e]
     assert len(errors) == 1 and errors[-1] is events[-1], events[-3:]
     error = errors[0]["error"]
@@ -507,57 +525,16 @@ def test_a_source_that_dies_mid_migration_ends_the_stream_with_an_error_and_free
 def test_a_destination_that_dies_mid_migration_leaves_the_stream_on_its_source(
     pd_pair: Pair, fleet, workloads: dict
 ) -> None:
-    """At 20 tokens the request's source is frozen (SIGSTOP) and a move to the
-    other instance ordered: once the destination's pre-copy waits there for
-    KV the frozen source has not sent, the destination is killed, as by a
-    crash, and the source thawed. The client's stream runs on on its source to
-    the single instance's output (a pause, no error event), the migration is
-    answered 409, and the source, whose TransferKV now names a dead
-    destination, frees everything; the destination is started again for the
-    tests after."""
+    """The destination is killed once its pre-copy waits for KV the frozen
+    source has not sent (`move_and_kill`), and the source thawed. The client's
+    stream runs on on its source to the single instance's output (a pause, no
+    error event), the migration is answered 409, and the source, whose
+    TransferKV now names a dead destination, frees everything; the destination
+    is started again for the tests after."""
     (ids,), (expected,) = workloads["migrate-once"]
-    servers = [pd_pair.p, pd_pair.d]
-    urls = [s.base_url for s in servers]
     events: list[dict[str, Any]] = []
-    killed: list[int] = []
-
-    async def main() -> tuple[Run, httpx.Response]:
-        async with httpx.AsyncClient() as client:
-            moved: list[asyncio.Future] = []
-
-            async def freeze_move_kill(run: Run) -> None:
-                if len(run.tokens) < 20 or moved:
-                    return
-                source, dest = servers[run.decode], servers[1 - run.decode]
-                source.signal(signal.SIGSTOP)
-                try:
-                    to = urls[1 - run.decode]
-                    moved.append(asyncio.ensure_future(migrate(client, fleet.url, run.xfer_id, to)))
-                    name = "pd"[1 - run.decode]  # pd_pair.stats' name of the destination
-
-                    def loading() -> bool:
-                        return pd_pair.stats(name)["waiting_for_kv"] >= 1
-
-                    assert await asyncio.to_thread(wait_for, loading, 30), pd_pair.stats(name)
-                    killed.append(1 - run.decode)
-                    dest.stop(grace=0)
-                finally:
-                    source.signal(signal.SIGCONT)
-
-            run = await stream(client, fleet.url, ids, freeze_move_kill, events=events)
-            assert moved, "the request ended before it could be moved"
-            return run, await moved[0]
-
-    try:
-        run, answer = asyncio.run(asyncio.wait_for(main(), 90))
-    finally:
-        for server in servers:  # thawed and started again, whatever happened
-            if server.running:
-                server.signal(signal.SIGCONT)
-            else:
-                server.launch()
-                server.wait_ready()
-    assert killed == [1 - run.decode]
+    run, answer, killed = move_and_kill(pd_pair, fleet.url, ids, "destination", events)
+    assert killed == 1 - run.decode
     assert [e for e in events if "error" in e] == []
     assert run.tokens == expected
     assert answer.status_code == 409, answer.text
