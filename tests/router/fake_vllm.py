@@ -55,6 +55,7 @@ class Seen:
     answered_seq: int | None = None  # ... and of the answer's end
     disconnected: bool = False  # the caller went away before the answer was complete
     sent: bytearray = field(default_factory=bytearray)  # the answer body, exactly
+    client: tuple[str, int] | None = None  # the caller's address: one per connection
 
     @property
     def request_id(self) -> str:
@@ -167,7 +168,7 @@ class FakeVLLM:
             return
         headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
         body = json.loads(raw)
-        seen = Seen(path, headers, raw, body, next(_sequence))
+        seen = Seen(path, headers, raw, body, next(_sequence), client=scope.get("client"))
         self.seen.append(seen)
         if path == "/tokenize":
             await self._tokenize(seen, send)

@@ -22,6 +22,17 @@ from prometheus_client.parser import text_string_to_metric_families
 T = TypeVar("T")
 
 DEFAULT_TIMEOUT_S = 120.0
+KEEPALIVE_EXPIRY_S = 2.0
+"""How long a client here keeps an idle connection: less than vLLM's server
+keeps one (5 s, `VLLM_HTTP_TIMEOUT_KEEP_ALIVE`). httpx's default (5 s) equals
+it, and a request written just as the server closes the connection is reset
+(`ReadError`) before anyone reads it."""
+
+
+def pool_limits(max_connections: int) -> httpx.Limits:
+    """An `httpx.AsyncClient`'s pool: `max_connections`, idle ones closed after
+    `KEEPALIVE_EXPIRY_S` (by this side: see there)."""
+    return httpx.Limits(max_connections=max_connections, keepalive_expiry=KEEPALIVE_EXPIRY_S)
 
 
 @dataclass(frozen=True)
@@ -160,8 +171,7 @@ def _for_each(
 
     async def run() -> list[T]:
         sem = asyncio.Semaphore(concurrency)
-        limits = httpx.Limits(max_connections=concurrency)
-        async with httpx.AsyncClient(limits=limits) as client:
+        async with httpx.AsyncClient(limits=pool_limits(concurrency)) as client:
 
             async def one(p: Sequence[int]) -> T:
                 async with sem:

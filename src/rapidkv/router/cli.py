@@ -106,6 +106,22 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         help="seconds to wait for each piece of an upstream answer (default %(default)s)",
     )
     parser.add_argument(
+        "--keep-alive",
+        type=float,
+        default=75.0,
+        metavar="S",
+        help="seconds an idle client connection is kept open; longer than clients keep "
+        "theirs, so they close first (default %(default)s)",
+    )
+    parser.add_argument(
+        "--upstream-keep-alive",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="seconds an idle connection to an instance is kept for reuse; shorter than "
+        "vLLM's own keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s) (default %(default)s)",
+    )
+    parser.add_argument(
         "--no-discover",
         dest="discover",
         action="store_false",
@@ -160,6 +176,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
             else None
         ),
         upstream_read_timeout_s=args.upstream_timeout,
+        keep_alive_s=args.keep_alive,
+        upstream_keep_alive_s=args.upstream_keep_alive,
         discover=args.discover,
         prefill_first_token=args.prefill_first_token,
         split_prefill=args.split_prefill,

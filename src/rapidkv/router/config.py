@@ -107,6 +107,16 @@ class RouterConfig:
     `upstream_read_timeout_s` bounds the wait for each piece of an upstream
     answer (the first byte of a queued request, then each streamed chunk), not
     the whole request. `secret` authenticates control-plane messages (Abort).
+
+    Idle keep-alive connections: the side that closes one must be the side
+    that would reuse it, or a request sent just as the other side closes is
+    reset (the client sees a `ReadError` and the request is lost before the
+    router or vLLM ever reads it). So the router keeps its clients' idle
+    connections for `keep_alive_s` (75 s), longer than HTTP clients keep
+    theirs (httpx 5 s, aiohttp 15 s, browsers about 60 s): they close first.
+    And it drops its own idle connections to an instance after
+    `upstream_keep_alive_s` (2 s), before vLLM's server closes them (its
+    `VLLM_HTTP_TIMEOUT_KEEP_ALIVE`, 5 s by default).
     """
 
     prefill: tuple[Instance, ...] = ()
@@ -151,6 +161,8 @@ class RouterConfig:
     abort_timeout_s: float = 5.0
     max_connections: int = 1024
     max_body_bytes: int = 64 << 20
+    keep_alive_s: float = 75.0
+    upstream_keep_alive_s: float = 2.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "etcd", tuple(self.etcd))
@@ -183,6 +195,10 @@ class RouterConfig:
             raise ValueError(f"port {self.port} out of range")
         if not 0 < self.split_fraction < 1:
             raise ValueError(f"split_fraction must be between 0 and 1, not {self.split_fraction}")
+        if not (self.keep_alive_s > 0 and self.upstream_keep_alive_s > 0):
+            raise ValueError(
+                f"keep-alive times must be > 0 s: {self.keep_alive_s}, {self.upstream_keep_alive_s}"
+            )
         if not self.probe_interval_s > 0:
             raise ValueError(f"probe_interval_s must be > 0, not {self.probe_interval_s}")
         if self.admin_token is not None and (

@@ -43,10 +43,13 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return socket.create_server((host, port), family=family, backlog=2048)
 
 
-def _uvicorn_config(app: ASGIApp, lifespan: Literal["on", "off"]) -> uvicorn.Config:
+def _uvicorn_config(
+    app: ASGIApp, lifespan: Literal["on", "off"], keep_alive_s: float
+) -> uvicorn.Config:
     return uvicorn.Config(
         app,
         lifespan=lifespan,
+        timeout_keep_alive=keep_alive_s,  # type: ignore[arg-type]  # call_later takes a float
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=int(GRACE_S),
@@ -66,12 +69,13 @@ class ThreadedServer:
         lifespan: Literal["on", "off"] = "on",
         name: str = "asgi",
         start_timeout: float = 30.0,
+        keep_alive_s: float = 5.0,
     ) -> None:
         self.app = app
         sock = bind_socket(host, port)
         self.host = host
         self.port = int(sock.getsockname()[1])
-        self._server = uvicorn.Server(_uvicorn_config(app, lifespan))
+        self._server = uvicorn.Server(_uvicorn_config(app, lifespan, keep_alive_s))
         self._failure: BaseException | None = None
         self._thread = threading.Thread(
             target=self._run, args=(sock,), name=f"{name}-{self.port}", daemon=True
@@ -131,7 +135,12 @@ class RunningRouter(ThreadedServer):
         app = build_app(config)
         self.router = app.state.router
         super().__init__(
-            app, config.host, config.port, name="rapidkv-router", start_timeout=start_timeout
+            app,
+            config.host,
+            config.port,
+            name="rapidkv-router",
+            start_timeout=start_timeout,
+            keep_alive_s=config.keep_alive_s,
         )
 
 
@@ -151,7 +160,7 @@ def run_router(config: RouterConfig) -> None:
     sock = bind_socket(config.host, config.port)
     port = sock.getsockname()[1]
     log.info("router on %s:%d: %s", config.host, port, describe(config))
-    server = uvicorn.Server(_uvicorn_config(build_app(config), "on"))
+    server = uvicorn.Server(_uvicorn_config(build_app(config), "on", config.keep_alive_s))
     main = threading.current_thread() is threading.main_thread()
     previous = {s: signal.signal(s, _stop_quietly) for s in _SIGNALS} if main else {}
     try:

@@ -11,6 +11,10 @@ Invariants:
   no proxy from the environment (`trust_env=False`).
 - A response whose body was not read to its end is never put back in the pool:
   `release()` then closes its connection, which makes vLLM abort the request.
+- An idle pooled connection is dropped after `RouterConfig.upstream_keep_alive_s`,
+  before vLLM's server closes it (its keep-alive is 5 s): a request is never
+  written into a connection the instance is closing (it would be reset, and
+  lost before vLLM read it).
 - Every failure to reach an upstream, or of its answer midway, is one of
   `UPSTREAM_ERRORS`.
 """
@@ -31,7 +35,11 @@ UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError)
 def open_session(config: RouterConfig) -> aiohttp.ClientSession:
     """The shared upstream session (call on the serving loop)."""
     return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=config.max_connections, limit_per_host=0),
+        connector=aiohttp.TCPConnector(
+            limit=config.max_connections,
+            limit_per_host=0,
+            keepalive_timeout=config.upstream_keep_alive_s,
+        ),
         timeout=aiohttp.ClientTimeout(
             total=None,
             connect=config.upstream_read_timeout_s,  # a free connection, from the pool or new

@@ -106,9 +106,9 @@ async def _run(
 ) -> tuple[list[RequestResult], float]:
     import httpx
 
-    from rapidkv.harness.client import acomplete_stream
+    from rapidkv.harness.client import acomplete_stream, pool_limits
 
-    limits = httpx.Limits(max_connections=load.concurrency or len(prompts) or 1)
+    limits = pool_limits(load.concurrency or len(prompts) or 1)
     async with httpx.AsyncClient(limits=limits, timeout=timeout_s, trust_env=False) as client:
         timed_out: list[int] = []  # prompts whose request ran past timeout_s
 

@@ -61,8 +61,9 @@ class BackgroundLoad:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         self._started.set()
-        limits = httpx.Limits(max_connections=self.concurrency)
-        async with httpx.AsyncClient(limits=limits, timeout=120.0) as client:
+        from rapidkv.harness.client import pool_limits
+
+        async with httpx.AsyncClient(limits=pool_limits(self.concurrency), timeout=120.0) as client:
             workers = [
                 asyncio.create_task(self._client(client, i)) for i in range(self.concurrency)
             ]
