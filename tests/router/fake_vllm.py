@@ -37,6 +37,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rapidkv.control.codes import Code
+from rapidkv.control.messages import ErrorReply, Request, Stats, StatsRequest
+from rapidkv.control.server import RpcServer
 from rapidkv.harness import wait_until
 from rapidkv.router import RunningRouter, ThreadedServer
 
@@ -355,3 +358,20 @@ def _events(seen: Seen, chat: bool, name: str) -> list[bytes]:
 # whose module name is shared with tests/conftest.py).
 MakeFake = Callable[..., FakeVLLM]
 MakeRouter = Callable[..., RunningRouter]
+
+
+class StatsServer:
+    """A control-plane server standing in for D's connector: answers Stats with
+    the counters the test sets."""
+
+    def __init__(self, secret: bytes | None) -> None:
+        self.counters: dict[str, float] = {"transfer_kv_ok": 0, "recompute_fallbacks": 0}
+        self.asked = 0
+        self.server = RpcServer(self.handle, secret=secret)
+        self.server.start()
+
+    async def handle(self, request: Request) -> Stats | ErrorReply:
+        if isinstance(request, StatsRequest):
+            self.asked += 1
+            return Stats(counters=dict(self.counters))
+        return ErrorReply(Code.ERROR, "unexpected")

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from fake_vllm import FakeVLLM, MakeFake, MakeRouter
+from fake_vllm import FakeVLLM, MakeFake, MakeRouter, StatsServer
 
 from rapidkv.harness import wait_until
 from rapidkv.harness.etcd import EtcdServer, EtcdUnavailable
@@ -37,12 +37,15 @@ def etcd(tmp_path) -> Iterator[EtcdServer]:
     server.stop()
 
 
-def register(client: EtcdClient, fake: FakeVLLM, instance_id: str, ttl_s: int, control: int) -> int:
+def register(
+    client: EtcdClient, fake: FakeVLLM, instance_id: str, ttl_s: int, control: int | str
+) -> int:
     """Put `fake`'s record under a lease of `ttl_s` that nobody refreshes (its
-    holder gone: the key lives until the lease expires or is revoked)."""
+    holder gone: the key lives until the lease expires or is revoked); `control`
+    a port on loopback or an address."""
     record = InstanceRecord(
         url=fake.url,
-        control=f"127.0.0.1:{control}",
+        control=control if isinstance(control, str) else f"127.0.0.1:{control}",
         roles=("prefill", "decode"),
         block_size=16,
         instance_id=instance_id,
@@ -109,3 +112,36 @@ def test_routers_following_etcd_add_instances_drop_dead_ones_and_follow_restarts
             assert fleet(router) == {b.url}
             [index] = inner.pool("decode")
             assert inner.members[index].instance.control == "127.0.0.1:7003"
+
+
+def test_an_instance_that_joined_through_etcd_has_its_transfers_watched(
+    etcd: EtcdServer, make_fake: MakeFake, make_router: MakeRouter, http: httpx.Client
+) -> None:
+    """Its control address comes from its record: the router reads its connector's
+    counters as it reads a configured one's, and /health shows the state."""
+    d = make_fake("D", "decode")
+    stats = StatsServer(secret=None)
+    try:
+        router = make_router(
+            [],
+            [],
+            dispatch="local",
+            etcd=(etcd.url,),
+            etcd_prefix=PREFIX,
+            transfer_check_interval_s=0.05,
+        )
+        with EtcdClient([etcd.url]) as client:
+            register(client, d, "d-1", ttl_s=60, control=stats.server.address)
+            wait_until(lambda: fleet(router) == {d.url}, 10, what="d joined")
+            wait_until(lambda: stats.asked >= 2, 5, what="two readings")
+
+            def transfers() -> str:
+                return http.get(f"{router.url}/health").json()["decode"][0]["transfers"]
+
+            assert transfers() == "unknown"  # idle: nothing to judge
+            stats.counters = {"transfer_kv_ok": 0, "recompute_fallbacks": 5}
+            wait_until(lambda: transfers() == "degraded", 5, what="degraded")
+            stats.counters = {"transfer_kv_ok": 2, "recompute_fallbacks": 5}
+            wait_until(lambda: transfers() == "ok", 5, what="transferring")
+    finally:
+        stats.server.stop()

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from fake_vllm import FakeVLLM, MakeFake, MakeRouter, Seen
+from fake_vllm import FakeVLLM, MakeFake, MakeRouter, Seen, StatsServer
 
 from rapidkv.control.codes import Code
 from rapidkv.control.messages import (
@@ -26,8 +26,6 @@ from rapidkv.control.messages import (
     AbortReply,
     ErrorReply,
     Request,
-    Stats,
-    StatsRequest,
 )
 from rapidkv.control.server import RpcServer
 from rapidkv.harness import free_port, get_metrics, metric_sum, wait_until
@@ -611,23 +609,6 @@ def test_health_needs_one_answering_p_and_one_answering_d(
     assert down.status_code == 503
     assert down.json()["status"] == "unavailable"
     assert down.json()["decode"][0]["detail"] == "HTTP 503"
-
-
-class StatsServer:
-    """A control-plane server standing in for D's connector: answers Stats with
-    the counters the test sets."""
-
-    def __init__(self, secret: bytes | None) -> None:
-        self.counters: dict[str, float] = {"transfer_kv_ok": 0, "recompute_fallbacks": 0}
-        self.asked = 0
-        self.server = RpcServer(self.handle, secret=secret)
-        self.server.start()
-
-    async def handle(self, request: Request) -> Stats | ErrorReply:
-        if isinstance(request, StatsRequest):
-            self.asked += 1
-            return Stats(counters=dict(self.counters))
-        return ErrorReply(Code.ERROR, "unexpected")
 
 
 def test_a_decode_whose_every_transfer_falls_back_shows_as_degraded(

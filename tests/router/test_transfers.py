@@ -16,7 +16,7 @@ def reading(ok: float, fell_back: float, sent: float = 0) -> dict[str, float]:
 
 
 def test_every_transfer_falling_back_is_degraded_and_one_success_is_ok() -> None:
-    watch = TransferWatch(2)
+    watch = TransferWatch()
     assert watch.observe(0, reading(10, 0)) is None  # a first reading compares nothing
     assert watch.state(0) == "unknown"
     assert watch.observe(0, reading(10, 4)) == "degraded"
@@ -28,7 +28,7 @@ def test_every_transfer_falling_back_is_degraded_and_one_success_is_ok() -> None
 
 def test_transfers_in_flight_at_a_reading_do_not_make_a_failing_pair_look_ok() -> None:
     """Sent before a reading, fallen back after it: only ends are compared."""
-    watch = TransferWatch(1)
+    watch = TransferWatch()
     watch.observe(0, reading(0, 0, sent=0))
     assert watch.observe(0, reading(0, 0, sent=1)) is None  # in flight: nothing ended
     assert watch.observe(0, reading(0, 1, sent=2)) == "degraded"
@@ -38,7 +38,7 @@ def test_transfers_in_flight_at_a_reading_do_not_make_a_failing_pair_look_ok() -
 
 
 def test_a_restart_or_an_unreadable_instance_starts_over() -> None:
-    watch = TransferWatch(1)
+    watch = TransferWatch()
     watch.observe(0, reading(10, 0))
     assert watch.observe(0, reading(10, 2)) == "degraded"
     assert watch.observe(0, reading(1, 1)) is None  # counters went down: restarted
@@ -50,7 +50,7 @@ def test_a_restart_or_an_unreadable_instance_starts_over() -> None:
 
 @given(st.lists(st.one_of(st.none(), st.tuples(st.integers(0, 50), st.integers(0, 50)))))
 def test_the_state_follows_the_latest_window_with_transfers(readings: list) -> None:
-    watch = TransferWatch(1)
+    watch = TransferWatch()
     last = None
     expected = "unknown"
     for r in readings:

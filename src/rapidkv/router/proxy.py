@@ -210,7 +210,11 @@ class Router:
             else None
         )
         self._aborter = ControlAborter(config.secret, config.abort_timeout_s, self.metrics)
-        self._transfers = TransferWatcher(config, self.metrics)
+        self._transfers = TransferWatcher(
+            config,
+            self.metrics,
+            lambda: [(i, self._members[i].instance) for i in self._pools["decode"]],
+        )
         self._room = RoomCheck(config.secret, config.health_timeout_s)
         self._http: aiohttp.ClientSession | None = None
         self._background: set[asyncio.Task[Any]] = set()
@@ -984,10 +988,8 @@ class Router:
 
     def transfers(self, index: int) -> str:
         """Whether member `index` (one that may decode) transfers: ``ok``,
-        ``degraded`` or ``unknown`` (`transfers`; members that joined through
-        etcd are not watched: ``unknown``)."""
-        watched = self.config.pool("decode")
-        return self._transfers.state(watched.index(index)) if index in watched else "unknown"
+        ``degraded`` or ``unknown`` (`transfers`)."""
+        return self._transfers.state(index)
 
     def is_up(self, index: int) -> bool:
         """Whether member `index` answers (it may be draining)."""

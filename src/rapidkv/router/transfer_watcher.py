@@ -1,20 +1,24 @@
 """Reading each decode instance's connector counters over the control plane, so
 that a pair that is up but not transferring shows as degraded (`transfers`).
 
-Only instances that may decode and are configured with a control address
-(``--decode URL=HOST:PORT``, ``--instance URL=HOST:PORT``) are read. A reading
-that fails (refused, timed out, wrong secret) makes that instance's state
-``unknown``; it is logged once per change.
+The instances read are those the router's `decoders` callable names at each
+round: the members that may decode now and have a control address (configured
+``--decode URL=HOST:PORT`` / ``--instance URL=HOST:PORT``, or from their etcd
+record), so members that join through etcd are read from their first round on,
+and those that left are no longer read. States are kept by member index. A
+reading that fails (refused, timed out, wrong secret) makes that instance's
+state ``unknown``; it is logged once per change.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable, Sequence
 
 from rapidkv.control.client import RpcClient
 from rapidkv.control.messages import Stats, StatsRequest
-from rapidkv.router.config import RouterConfig
+from rapidkv.router.config import Instance, RouterConfig
 from rapidkv.router.metrics import RouterMetrics
 from rapidkv.router.transfers import TransferWatch
 
@@ -24,34 +28,38 @@ log = logging.getLogger(__name__)
 class TransferWatcher:
     """Polls decode instances' `Stats` every `transfer_check_interval_s`."""
 
-    def __init__(self, config: RouterConfig, metrics: RouterMetrics) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        metrics: RouterMetrics,
+        decoders: Callable[[], Sequence[tuple[int, Instance]]],
+    ) -> None:
         self._config = config
         self._metrics = metrics
-        self._decoders = config.role_instances("decode")
-        self._watch = TransferWatch(len(self._decoders))
+        self._decoders = decoders  # (member index, instance) of those that may decode now
+        self._watch = TransferWatch()
         self._client: RpcClient | None = None
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        """Start polling (on the serving loop), if there is anything to read."""
-        watched = [i.control for i in self._decoders if i.control]
-        if watched and self._config.transfer_check_interval_s > 0:
-            self._client = RpcClient(secret=self._config.secret)
+        """Start polling (on the serving loop), unless the interval is 0."""
+        if self._config.transfer_check_interval_s > 0:
             self._task = asyncio.create_task(self._run())
 
     def state(self, index: int) -> str:
-        """``unknown``, ``ok`` or ``degraded`` (see `transfers`)."""
+        """Member `index`'s state: ``unknown``, ``ok`` or ``degraded`` (see `transfers`)."""
         return self._watch.state(index)
 
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self._config.transfer_check_interval_s)
-            for index, inst in enumerate(self._decoders):
+            for index, inst in list(self._decoders()):
                 if inst.control:
                     self._observe(index, inst.url, await self._read(inst.control))
 
     async def _read(self, address: str) -> dict[str, float] | None:
-        assert self._client is not None
+        if self._client is None:
+            self._client = RpcClient(secret=self._config.secret)
         try:
             future = self._client.submit(address, StatsRequest(), self._config.health_timeout_s)
             reply = await asyncio.wrap_future(future)

@@ -29,11 +29,11 @@ STATES = ("unknown", "ok", "degraded")
 
 
 class TransferWatch:
-    """Transfer state of `n` decode instances (indices ``0..n-1``)."""
+    """Transfer state of decode instances, by index (any not observed: ``unknown``)."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self) -> None:
         self._last: dict[int, tuple[float, float]] = {}
-        self._state = ["unknown"] * n
+        self._state: dict[int, str] = {}
 
     def observe(self, i: int, counters: dict[str, float] | None) -> str | None:
         """A reading of instance `i`'s counters (None: it could not be read);
@@ -52,10 +52,10 @@ class TransferWatch:
         return self._set(i, "ok" if ok > 0 else "degraded")
 
     def state(self, i: int) -> str:
-        return self._state[i]
+        return self._state.get(i, "unknown")
 
     def _set(self, i: int, state: str) -> str | None:
-        if self._state[i] == state:
+        if self.state(i) == state:
             return None
         self._state[i] = state
         return state
