@@ -14,7 +14,7 @@ import httpx
 import pytest
 from fake_vllm import FakeVLLM, MakeFake, MakeRouter, StatsServer
 
-from rapidkv.harness import wait_until
+from rapidkv.harness import get_metrics, metric_sum, wait_until
 from rapidkv.harness.etcd import EtcdServer, EtcdUnavailable
 from rapidkv.membership.etcd import EtcdClient
 from rapidkv.membership.record import InstanceRecord, encode_record, record_key
@@ -38,7 +38,12 @@ def etcd(tmp_path) -> Iterator[EtcdServer]:
 
 
 def register(
-    client: EtcdClient, fake: FakeVLLM, instance_id: str, ttl_s: int, control: int | str
+    client: EtcdClient,
+    fake: FakeVLLM,
+    instance_id: str,
+    ttl_s: int,
+    control: int | str,
+    roles: tuple[str, ...] = ("prefill", "decode"),
 ) -> int:
     """Put `fake`'s record under a lease of `ttl_s` that nobody refreshes (its
     holder gone: the key lives until the lease expires or is revoked); `control`
@@ -46,7 +51,7 @@ def register(
     record = InstanceRecord(
         url=fake.url,
         control=control if isinstance(control, str) else f"127.0.0.1:{control}",
-        roles=("prefill", "decode"),
+        roles=roles,
         block_size=16,
         instance_id=instance_id,
     )
@@ -97,10 +102,10 @@ def test_routers_following_etcd_add_instances_drop_dead_ones_and_follow_restarts
             assert http.post(f"{router.url}/v1/completions", json=BODY).status_code == 200
         assert served_by([a, b]) == [4, 6]
 
-        # b restarts: its new record (new id, new control address) comes before
-        # the old lease ends; the routers follow the new one, and the old one
-        # going changes nothing
-        register(client, b, "b-2", ttl_s=60, control=7003)
+        # b restarts: its new record (new id, new control address, decode only
+        # now) comes before the old lease ends; the routers follow the new one,
+        # and the old one going changes nothing
+        register(client, b, "b-2", ttl_s=60, control=7003, roles=("decode",))
         client.revoke(lease_b)
         for router in routers:
             inner = router.router
@@ -112,6 +117,11 @@ def test_routers_following_etcd_add_instances_drop_dead_ones_and_follow_restarts
             assert fleet(router) == {b.url}
             [index] = inner.pool("decode")
             assert inner.members[index].instance.control == "127.0.0.1:7003"
+            assert inner.pool("prefill") == ()
+            up = get_metrics(router.url)
+            assert metric_sum(up, "rapidkv_router_instance_up", role="decode", instance=b.url) == 1
+            # its series under the old role went with the old record (it stayed at 1)
+            assert metric_sum(up, "rapidkv_router_instance_up", role="both", instance=b.url) == 0
 
 
 def test_an_instance_that_joined_through_etcd_has_its_transfers_watched(

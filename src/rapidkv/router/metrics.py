@@ -197,6 +197,13 @@ class RouterMetrics:
         for outcome in ("ok", "failed"):
             self.control_aborts.labels(outcome)
 
+    def remove_member(self, member: Member) -> None:
+        """Drop the series `add_member` made for `member` (an instance that
+        came back with other roles: its old ``role`` label would stay, stale)."""
+        url = member.instance.url
+        for gauge in (self.outstanding, self.instance_up, self.instance_draining):
+            gauge.remove(member.label, url)  # a no-op for a series never set
+
     def add_member(self, member: Member) -> None:
         """Series of an instance of the fleet, at their starting values."""
         url = member.instance.url

@@ -1119,6 +1119,10 @@ class Router:
             self._health.add()
             self.metrics.add_member(member)
         else:  # back, restarted: it answered /health before registering
+            old = self._members[index]
+            if old.label != member.label:  # other roles now: the old series would stay, stale
+                self.metrics.remove_member(old)
+                self.metrics.add_member(member)
             self._members[index] = member
             self._health.mark_up(index)
             self.metrics.instance_up.labels(member.label, member.instance.url).set(1)
