@@ -7,13 +7,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from bench_cli import run_bench
 
 from rapidkv.bench.chaos.driver import run_one
 from rapidkv.bench.chaos.report import build_report, normalize
@@ -261,30 +260,19 @@ def test_bench_chaos_survives_restarts_aborts_and_injected_failures(tmp_path: Pa
     mismatches or fails unclearly, both recoveries are measured, and the
     injected failures were recomputed by D."""
     out = tmp_path / "chaos.json"
-    t0 = time.monotonic()
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rapidkv.cli",
-            "bench",
-            "chaos",
-            "--requests",
-            "40",
-            "--concurrency",
-            "4",
-            "--fail-rate",
-            "0.2",
-            "--json",
-            str(out),
-            "--log-dir",
-            str(tmp_path / "logs"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=280,
+    proc, elapsed = run_bench(
+        "chaos",
+        "--requests",
+        "40",
+        "--concurrency",
+        "4",
+        "--fail-rate",
+        "0.2",
+        "--json",
+        str(out),
+        "--log-dir",
+        str(tmp_path / "logs"),
     )
-    elapsed = time.monotonic() - t0
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["ok"] is True and r["problems"] == []

@@ -4,12 +4,10 @@ tested in test_goodput_slo.py and test_goodput_report.py)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+from bench_cli import run_bench
 
 
 @pytest.mark.e2e
@@ -20,31 +18,20 @@ def test_bench_goodput_sweeps_single_and_rapidkv_adaptive_and_matches(tmp_path: 
     rate of both configurations is measured, every output equals the
     reference, and the JSON has the documented keys."""
     out = tmp_path / "goodput.json"
-    t0 = time.monotonic()
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rapidkv.cli",
-            "bench",
-            "goodput",
-            "--quick",
-            "--workloads",
-            "prefill-heavy",
-            "--configs",
-            "single,rapidkv-adaptive",
-            "--json",
-            str(out),
-            "--plot",
-            str(tmp_path / "goodput.png"),
-            "--log-dir",
-            str(tmp_path / "logs"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=280,
+    proc, elapsed = run_bench(
+        "goodput",
+        "--quick",
+        "--workloads",
+        "prefill-heavy",
+        "--configs",
+        "single,rapidkv-adaptive",
+        "--json",
+        str(out),
+        "--plot",
+        str(tmp_path / "goodput.png"),
+        "--log-dir",
+        str(tmp_path / "logs"),
     )
-    elapsed = time.monotonic() - t0
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["ok"] is True and report["meta"]["cpu"]

@@ -4,12 +4,10 @@ tested in test_migrate_report.py)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+from bench_cli import run_bench
 
 
 @pytest.mark.e2e
@@ -22,27 +20,16 @@ def test_bench_migrate_quick_moves_requests_there_and_back_in_both_modes_and_mat
     reference, the KV loaded is what the destinations' vLLM counted, and the
     JSON has the documented keys."""
     out = tmp_path / "migrate.json"
-    t0 = time.monotonic()
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rapidkv.cli",
-            "bench",
-            "migrate",
-            "--quick",
-            "--json",
-            str(out),
-            "--plot",
-            str(tmp_path / "migrate.png"),
-            "--log-dir",
-            str(tmp_path / "logs"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=280,
+    proc, elapsed = run_bench(
+        "migrate",
+        "--quick",
+        "--json",
+        str(out),
+        "--plot",
+        str(tmp_path / "migrate.png"),
+        "--log-dir",
+        str(tmp_path / "logs"),
     )
-    elapsed = time.monotonic() - t0
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["ok"] is True and report["errors"] == []

@@ -7,13 +7,11 @@ import argparse
 import asyncio
 import json
 import math
-import subprocess
-import sys
-import time
 import types
 from pathlib import Path
 
 import pytest
+from bench_cli import run_bench
 
 from rapidkv.bench.serve.loads import Load
 from rapidkv.bench.serve.nixl_tuning import guarded_setaffinity, parse_cpus, patch_nixl_api
@@ -387,34 +385,23 @@ def test_bench_serve_runs_single_and_rapidkv_and_matches(tmp_path: Path) -> None
     positive figures, the rapidkv decode instance received the prompts' KV, only
     the router that configuration uses was started, and it runs on P's core."""
     out = tmp_path / "serve.json"
-    t0 = time.monotonic()
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rapidkv.cli",
-            "bench",
-            "serve",
-            "--configs",
-            "rapidkv,single-noop-connector",
-            "--requests",
-            "2",
-            "--loads",
-            "c1",
-            "--warmup",
-            "0",
-            "--json",
-            str(out),
-            "--plot",
-            str(tmp_path / "serve.png"),
-            "--log-dir",
-            str(tmp_path / "logs"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=280,
+    proc, elapsed = run_bench(
+        "serve",
+        "--configs",
+        "rapidkv,single-noop-connector",
+        "--requests",
+        "2",
+        "--loads",
+        "c1",
+        "--warmup",
+        "0",
+        "--json",
+        str(out),
+        "--plot",
+        str(tmp_path / "serve.png"),
+        "--log-dir",
+        str(tmp_path / "logs"),
     )
-    elapsed = time.monotonic() - t0
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["ok"] is True and report["reference"]["tiny"]["error"] is None
