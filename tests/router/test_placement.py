@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -123,6 +124,46 @@ def test_prefill_on_a_busy_decoder_is_avoided_when_it_breaks_tpot() -> None:
     d = decide([busy, spare], models, request, SLO(tpot_ms=15))
     assert (d.kind, d.prefill, d.decode, d.reason) == ("pd", 1, 0, "tpot-slo")
     assert d.tpot_ms == pytest.approx(models.step_ms(0, 9))
+
+
+def test_stalls_a_running_decode_already_suffered_count_against_the_next_one() -> None:
+    """Each prefill placed beside a decode may be within the SLO on its own;
+    the decode's TPOT carries them all. Instance 0's decodes suffered 120 ms of
+    prefill already, instance 1's none: a prompt that would fit beside either
+    alone goes where it adds to nothing."""
+    request, slo = Request(300), SLO(tpot_ms=15)
+    models = Models(2)
+    fresh = [
+        InstanceLoad(decodes=2),
+        InstanceLoad(decodes=2, waiting_prefills=1, waiting_prefill_tokens=100),
+    ]
+    d = decide(fresh, models, request, slo, Policy(pd=False, split=False))
+    assert (d.kind, d.decode) == ("local", 0)  # no queue ahead on 0, within the SLO
+    stalled = [dataclasses.replace(fresh[0], stalled_ms=120.0), fresh[1]]
+    opts = options(stalled, models, request, Policy(pd=False, split=False))
+    on0 = option_for(opts, Placement("local", 0, 0))
+    assert on0.tpot_ms == pytest.approx(
+        option_for(options(fresh, models, request), Placement("local", 0, 0)).tpot_ms + 120.0 / 16
+    )
+    d = decide(stalled, models, request, slo, Policy(pd=False, split=False))
+    assert (d.kind, d.decode, d.reason) == ("local", 1, "tpot-slo")
+
+
+def test_the_fleet_state_reports_the_stall_its_running_decodes_suffered() -> None:
+    fleet = FleetState(2)
+    fleet.on_dispatch("a", Placement("local", 0, 0), 100, now_s=0.0)
+    fleet.on_first_token("a", now_s=0.02)
+    assert fleet.view()[0].stalled_ms == 0.0
+    fleet.on_dispatch("b", Placement("local", 0, 0), 1000, now_s=0.05)
+    fleet.on_first_token("b", now_s=0.15)  # 100 ms of "b"'s prefill beside "a"
+    fleet.on_dispatch("c", Placement("pd", 0, 1), 500, now_s=0.2)
+    fleet.on_prefill_done("c", now_s=0.25)  # 50 more: "a" 150, "b" 50
+    assert fleet.view()[0].stalled_ms == pytest.approx(150.0)
+    assert fleet.view()[1].stalled_ms == 0.0
+    fleet.on_finish("a", now_s=0.3, output_tokens=16)
+    assert fleet.view()[0].stalled_ms == pytest.approx(50.0)  # "b" is the most stalled now
+    fleet.on_finish("b", now_s=0.35, output_tokens=16)
+    assert fleet.view()[0].stalled_ms == 0.0
 
 
 def test_a_split_onto_a_busy_decoder_is_charged_the_whole_wait_for_its_head() -> None:
@@ -451,6 +492,7 @@ loads = st.builds(
     waiting_prefill_tokens=st.integers(0, 8000),
     outstanding=st.integers(0, 10),
     block_size=st.sampled_from([None, 16, 64]),
+    stalled_ms=st.just(0.0) | st.floats(0, 500),
 )
 fleets = st.lists(loads, min_size=1, max_size=5)
 requests = st.builds(

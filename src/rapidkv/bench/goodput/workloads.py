@@ -96,7 +96,7 @@ WORKLOADS: dict[str, Workload] = {
             900,
             32,
             256,
-            default_rates=(0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0),
+            default_rates=(0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0),
             quick_rates=(1.0, 4.0),
             salt=1,
         ),

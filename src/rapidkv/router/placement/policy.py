@@ -41,12 +41,17 @@ queued prefills a forward that also runs the step of its decodes), ``pf``,
 
 - TPOT, of the decodes of every instance the option touches, the worst: on an
   instance with ``b_k`` decodes and ``e`` (1 on the decoder, else 0) added,
-  ``step_k(b_k + e) + (W_k + S_k) / L``. ``S_k`` is the stall this request's
+  ``step_k(b_k + e) + (D_k + W_k + S_k) / L``. ``D_k`` is the stall the most
+  stalled of its running decodes has already suffered
+  (`InstanceLoad.stalled_ms`): a decode's TPOT carries every prefill that ran
+  beside it, so stalls each within the SLO add up past it when they land on
+  the same requests one after another. ``S_k`` is the stall this request's
   prefill work inflicts on ``k``'s decodes (a CPU forward that computes a
   prompt holds back every decode in it): ``pf`` of what ``k`` computes, and for
   a split's decoder the whole time its tail forward lasts, waiting for the head
   included (``max(...) - Q_j``). ``L = max(output_tokens, min_horizon_tokens)``
-  is the stretch of output the stalls are spread over. An instance with no
+  is the stretch of output the stalls are spread over (the running decodes'
+  own lengths are not known here: the new request's stands for them). An instance with no
   decodes before this request harms nobody's TPOT: the new request's own
   decode starts after its prefill and the queue ahead of it, so its TPOT is
   ``step_j(1)``; a prefill-only instance does not count.
@@ -294,7 +299,7 @@ class _Predictor:
         step = self.m.step_ms(k, b + added)
         if b == 0:
             return step
-        return step + (self.work[k] + stall_ms) / self.horizon
+        return step + (self.loads[k].stalled_ms + self.work[k] + stall_ms) / self.horizon
 
     def local(self, j: int) -> Option:
         pf = self.m.prefill_ms(j, self.tokens)

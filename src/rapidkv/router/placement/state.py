@@ -85,7 +85,11 @@ class InstanceLoad:
     - `outstanding`: requests with any part still in flight here;
     - `splits`: split requests in flight with a part here whose split is not
       over (the head's answer or the tail's first token still to come);
-    - `block_size`: its KV block size when known (a split's head is whole blocks).
+    - `block_size`: its KV block size when known (a split's head is whole blocks);
+    - `stalled_ms`: of the requests decoding here (first token seen), the most
+      prefill service time this instance spent since one's first token: the
+      stall it has already suffered, which its final TPOT carries whatever is
+      placed next (0 with none decoding).
     """
 
     role: Role = "any"
@@ -97,12 +101,13 @@ class InstanceLoad:
     outstanding: int = 0
     block_size: int | None = None
     splits: int = 0
+    stalled_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, not {self.role!r}")
         counts = (self.decodes, self.waiting_prefills, self.waiting_prefill_tokens)
-        if min(*counts, self.outstanding, self.splits) < 0:
+        if min(*counts, self.outstanding, self.splits, self.stalled_ms) < 0:
             raise ValueError(f"negative load: {self}")
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, not {self.block_size}")
@@ -237,12 +242,16 @@ class FleetState:
     def view(self) -> tuple[InstanceLoad, ...]:
         """Every instance's `InstanceLoad`, by index."""
         splits = [0] * len(self._inst)
+        stalled = [0.0] * len(self._inst)
         for r in self._requests.values():
             p = r.placement
             tail_pending = r.first_token_s is None and not r.decode_over
             if p.kind == "split" and (not r.prefill_over or tail_pending):
                 splits[p.prefill] += 1
                 splits[r.decoder] += 1
+            if r.first_token_s is not None and not r.decode_over:
+                suffered = self._inst[r.decoder].prefill_busy_ms - r.busy_at_first
+                stalled[r.decoder] = max(stalled[r.decoder], suffered)
         return tuple(
             InstanceLoad(
                 role=s.role,
@@ -254,6 +263,7 @@ class FleetState:
                 outstanding=s.outstanding,
                 block_size=s.block_size,
                 splits=splits[i],
+                stalled_ms=max(stalled[i], 0.0),
             )
             for i, s in enumerate(self._inst)
         )
