@@ -112,7 +112,7 @@ def parse_rates(text: str) -> tuple[str | None, tuple[float, ...]]:
 
 def run(args: argparse.Namespace) -> int:
     from rapidkv.bench.goodput.report import build_report, print_report
-    from rapidkv.bench.serve.report import to_json
+    from rapidkv.bench.serve.report import git_describe, to_json
     from rapidkv.bench.serve.run import Progress
 
     try:
@@ -120,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"rapidkv bench goodput: error: {e}", file=sys.stderr)
         return 2
+    git_describe()  # the checkout measured: as it is now (cached)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="rapidkv-bench-goodput-"))
     progress = Progress(opts.units())
     t0 = time.monotonic()

@@ -118,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"rapidkv bench migrate: error: {e}", file=sys.stderr)
         return 2
+    git_describe()  # the checkout measured: as it is now (cached)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="rapidkv-bench-migrate-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     progress = Progress(

@@ -7,6 +7,7 @@ noise warnings, start-up times and the issue's acceptance ratios.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import subprocess
@@ -296,8 +297,11 @@ def meta(runs: list[ModelRun], opts: Options, log_dir: Path) -> dict[str, Any]:
     }
 
 
+@functools.cache
 def git_describe() -> str | None:
-    """`git describe --always --dirty` of this checkout (None outside one)."""
+    """`git describe --always --dirty` of this checkout (None outside one), as
+    at the first call: a benchmark calls it when it starts, so a commit made
+    while it runs does not relabel what it measured."""
     root = Path(__file__).resolve().parents[4]  # src/rapidkv/bench/serve/report.py
     try:
         out = subprocess.run(

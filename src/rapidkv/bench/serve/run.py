@@ -129,6 +129,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"rapidkv bench serve: error: {e}", file=sys.stderr)
         return 2
+    from rapidkv.bench.serve.report import git_describe
+
+    git_describe()  # the checkout measured: as it is now (cached)
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="rapidkv-bench-serve-"))
     progress = Progress(total_units(opts))
     trace = open(args.trace, "w") if args.trace else None  # noqa: SIM115 - closed below
