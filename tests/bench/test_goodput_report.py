@@ -44,6 +44,8 @@ def test_options_default_quick_and_given_rates() -> None:
     assert r.server_args[-2:] == ("--max-num-seqs", "4")
     r = parse("--rates", "chat=1,0.5", "--rates", "3,6")  # a named list wins, in any order
     assert r.rates == {"prefill-heavy": (3.0, 6.0), "chat": (0.5, 1.0)}
+    g = parse("--tpot-slo-ms", "12.5")
+    assert (g.ttft_slo_ms, g.tpot_slo_ms) == (None, 12.5) and o.tpot_slo_ms is None
     r = parse("--rates", "chat=2")
     assert r.rates["chat"] == (2.0,) and r.rates["prefill-heavy"] == o.rates["prefill-heavy"]
     for bad in (
@@ -58,6 +60,7 @@ def test_options_default_quick_and_given_rates() -> None:
         ["--configs", "dp2,dp2"],
         ["--requests", "1"],
         ["--ttft-slo-factor", "0"],
+        ["--tpot-slo-ms", "0"],
     ):
         with pytest.raises(ValueError):
             parse(*bad)
@@ -226,6 +229,21 @@ def test_the_summary_and_the_plot_are_written(tmp_path: Path) -> None:
     assert "rapidkv-adaptive" in text and "met False" in text
     path = plot(report, tmp_path / "goodput.png")
     assert path.stat().st_size > 0
+
+
+def test_an_slo_given_in_ms_is_reported_as_given() -> None:
+    import dataclasses
+    import io
+
+    sweep, opts = _sweep()
+    opts = dataclasses.replace(opts, tpot_slo_ms=10.0)
+    report = json.loads(to_json(build_report(sweep, opts, Path("/logs"), 1.0, None)))
+    slo = report["workloads"]["prefill-heavy"]["slo"]
+    assert (slo["ttft_factor"], slo["tpot_factor"]) == (4.0, None)
+    assert (report["meta"]["ttft_slo_ms"], report["meta"]["tpot_slo_ms"]) == (None, 10.0)
+    out = io.StringIO()
+    print_report(report, out)
+    assert "TTFT 100.0 ms (4 x single c1 p50 25.00), TPOT 10.00 ms (given)" in out.getvalue()
 
 
 # ---------------------------------------------------------------- the client, the router

@@ -17,6 +17,7 @@ from rapidkv.bench.goodput.slo import (
     attainment,
     attains,
     derive,
+    given,
     goodput,
     rate_key,
 )
@@ -108,6 +109,16 @@ def test_slos_are_factors_of_singles_c1_p50s() -> None:
             derive(bad, 5.0, 4.0, 1.5)
         with pytest.raises(ValueError):
             derive(50.0, bad, 4.0, 1.5)
+
+
+def test_an_slo_given_in_ms_replaces_the_derived_one() -> None:
+    derived = derive(50.0, 5.0, 4.0, 1.5)
+    assert given(derived, None, None) == derived
+    assert given(derived, None, 12.0) == SLO(200.0, 12.0)
+    assert given(derived, 300.0, 12.0) == SLO(300.0, 12.0)
+    for bad in (0.0, -1.0, math.nan):
+        with pytest.raises(ValueError):
+            given(derived, bad, None)
 
 
 def test_a_request_attains_when_complete_right_and_within_both_slos() -> None:

@@ -14,7 +14,8 @@ first: per workload it serves every request once with `logprobs: 2` (the
 reference, `serve.stats.Reference`, at the workload's longest `max_tokens`;
 a request's reference is its prefix), then every request at c1, whose TTFT
 and TPOT p50s give the workload's SLOs (`slo.derive`: TTFT SLO = 4x, TPOT
-SLO = 1.5x, `--ttft-slo-factor`, `--tpot-slo-factor`). The adaptive router is
+SLO = 1.5x, `--ttft-slo-factor`, `--tpot-slo-factor`; or given in ms,
+`--ttft-slo-ms`, `--tpot-slo-ms`). The adaptive router is
 started, per workload, with those SLOs as `--ttft-slo-ms`/`--tpot-slo-ms`
 (`serve.configs.RunningGroup.start_front`), beside `rapidkv`'s router on the
 same P/D pair, on core 0 with P and the client.
@@ -100,6 +101,20 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         type=float,
         default=1.5,
         help="TPOT SLO = this x single's c1 TPOT p50 (%(default)s)",
+    )
+    add(
+        "--ttft-slo-ms",
+        type=float,
+        default=None,
+        metavar="MS",
+        help="TTFT SLO in ms, the same in every run (instead of the factor)",
+    )
+    add(
+        "--tpot-slo-ms",
+        type=float,
+        default=None,
+        metavar="MS",
+        help="TPOT SLO in ms, the same in every run (instead of the factor)",
     )
     add("--quick", action="store_true", help="8 requests per rate, 2 rates, 1 warm-up")
     add("--timeout", type=float, default=60.0, help="per request, seconds (%(default)s)")

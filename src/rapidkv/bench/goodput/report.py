@@ -67,8 +67,9 @@ def build_report(
             else {
                 "ttft_ms": w.slo.ttft_ms,
                 "tpot_ms": w.slo.tpot_ms,
-                "ttft_factor": opts.ttft_slo_factor,
-                "tpot_factor": opts.tpot_slo_factor,
+                # None: given in ms (--ttft-slo-ms / --tpot-slo-ms)
+                "ttft_factor": None if opts.ttft_slo_ms is not None else opts.ttft_slo_factor,
+                "tpot_factor": None if opts.tpot_slo_ms is not None else opts.tpot_slo_factor,
                 "attainment_target": _target(),
             },
             "single_c1": c1,
@@ -271,6 +272,8 @@ def meta(opts: Options, log_dir: Path, wall_s: float, command: str | None) -> di
         "arrival_seed": f"each workload's seed + {ARRIVAL_SALT}, the same gaps at every rate",
         "ttft_slo_factor": opts.ttft_slo_factor,
         "tpot_slo_factor": opts.tpot_slo_factor,
+        "ttft_slo_ms": opts.ttft_slo_ms,
+        "tpot_slo_ms": opts.tpot_slo_ms,
         "attainment_target": _target(),
         "timeout_s": opts.timeout,
         "server_args": [*COMMON_ARGS, *opts.server_args],
@@ -301,12 +304,16 @@ def print_report(report: dict[str, Any], out: IO[str]) -> None:
             noise = base.get("other_cpu_cores")
             if noise is not None and noise > NOISY_CORES:
                 print(f"WARNING: others used {noise:.2f} cores during single's c1", file=out)
+            ttft, tpot = (
+                "given"
+                if slo[f"{k}_factor"] is None
+                else f"{slo[f'{k}_factor']:g} x single c1 p50 {_fmt(base[f'{k}_ms']['p50'], 2)}"
+                for k in ("ttft", "tpot")
+            )
             print(
-                f"SLOs: TTFT {_fmt(slo['ttft_ms'])} ms ({slo['ttft_factor']:g} x single c1 p50 "
-                f"{_fmt(base['ttft_ms']['p50'])}), TPOT {_fmt(slo['tpot_ms'], 2)} ms "
-                f"({slo['tpot_factor']:g} x {_fmt(base['tpot_ms']['p50'], 2)}); goodput: the "
-                f"highest rate before the first with < {slo['attainment_target']:.0%} "
-                "attaining both",
+                f"SLOs: TTFT {_fmt(slo['ttft_ms'])} ms ({ttft}), TPOT {_fmt(slo['tpot_ms'], 2)} "
+                f"ms ({tpot}); goodput: the highest rate before the first with < "
+                f"{slo['attainment_target']:.0%} attaining both",
                 file=out,
             )
         head = f"{'config':<18}{'rate':>6}{'offer':>7}{'attain':>8}{'ttft':>6}{'tpot':>6}"

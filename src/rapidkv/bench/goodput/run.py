@@ -35,6 +35,8 @@ class Options:
     seed: int
     ttft_slo_factor: float
     tpot_slo_factor: float
+    ttft_slo_ms: float | None  # given: used instead of the factor's
+    tpot_slo_ms: float | None
     timeout: float
     dtype: str
     server_args: tuple[str, ...]  # --max-model-len first, then --server-args
@@ -72,6 +74,9 @@ class Options:
             raise ValueError("--warmup must be >= 0")
         if args.ttft_slo_factor <= 0 or args.tpot_slo_factor <= 0:
             raise ValueError("the SLO factors must be > 0")
+        for flag, v in (("--ttft-slo-ms", args.ttft_slo_ms), ("--tpot-slo-ms", args.tpot_slo_ms)):
+            if v is not None and not v > 0:
+                raise ValueError(f"{flag} must be > 0")
         return cls(
             workloads=workloads,
             configs=configs,
@@ -81,6 +86,8 @@ class Options:
             seed=args.seed,
             ttft_slo_factor=args.ttft_slo_factor,
             tpot_slo_factor=args.tpot_slo_factor,
+            ttft_slo_ms=args.ttft_slo_ms,
+            tpot_slo_ms=args.tpot_slo_ms,
             timeout=args.timeout,
             dtype=DTYPES[args.dtype],
             server_args=("--max-model-len", str(MAX_MODEL_LEN), *shlex.split(args.server_args)),
@@ -399,7 +406,7 @@ class Sweep:
 
     def single_c1(self, w: WorkloadRun, url: str, group: Any) -> None:
         """Every request once on `single`, one at a time: the SLOs' base."""
-        from rapidkv.bench.goodput.slo import derive
+        from rapidkv.bench.goodput.slo import derive, given
         from rapidkv.bench.serve.configs import CONFIGS, helper_cpus
         from rapidkv.bench.serve.loads import Load, run_load
         from rapidkv.bench.serve.run import PAIR_PAUSE_S
@@ -421,11 +428,15 @@ class Sweep:
         w.single_c1_other_cpu_s = cpu.close()[2]
         ok = [r for r in results if r.error is None]
         try:
-            w.slo = derive(
-                summarize([r.ttft_ms for r in ok])["p50"],
-                summarize([r.tpot_ms for r in ok])["p50"],
-                self.opts.ttft_slo_factor,
-                self.opts.tpot_slo_factor,
+            w.slo = given(
+                derive(
+                    summarize([r.ttft_ms for r in ok])["p50"],
+                    summarize([r.tpot_ms for r in ok])["p50"],
+                    self.opts.ttft_slo_factor,
+                    self.opts.tpot_slo_factor,
+                ),
+                self.opts.ttft_slo_ms,
+                self.opts.tpot_slo_ms,
             )
         except ValueError as e:
             w.error = f"{e} ({len(results) - len(ok)} of {len(results)} c1 requests failed)"

@@ -2,7 +2,9 @@
 
 SLOs are relative to `single` measured in the same run, per workload: TTFT
 SLO = `ttft_factor` (4) x its c1 TTFT p50, TPOT SLO = `tpot_factor` (1.5) x
-its c1 TPOT p50 (`derive`).
+its c1 TPOT p50 (`derive`), unless one is given in ms (`given`): the same in
+every run, where one c1 measurement of `single` moves between runs more than
+the differences a run compares.
 
 A request *attains* when it completed (no error), its output is not a hard
 mismatch (a wrong answer is no good output, however fast; a near-tie is
@@ -58,6 +60,17 @@ def derive(
         if not (math.isfinite(v) and v > 0):
             raise ValueError(f"single's c1 {what} p50 is {v}: no SLO can be derived")
     return SLO(ttft_factor * single_ttft_p50_ms, tpot_factor * single_tpot_p50_ms)
+
+
+def given(derived: SLO, ttft_ms: float | None, tpot_ms: float | None) -> SLO:
+    """`derived` with each SLO given in ms (not None) in its place."""
+    for what, v in (("TTFT", ttft_ms), ("TPOT", tpot_ms)):
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise ValueError(f"a {what} SLO is a positive number of ms, not {v}")
+    return SLO(
+        derived.ttft_ms if ttft_ms is None else ttft_ms,
+        derived.tpot_ms if tpot_ms is None else tpot_ms,
+    )
 
 
 @dataclass(frozen=True)
