@@ -207,9 +207,14 @@ def leave_when(pair: Pair, sock: socket.socket | None, when: str, p0: dict[str, 
     if when == "p_computes":
         wait_until(lambda: engine_gauge(pair.p, "num_requests_running") >= 1, 30, what=what)
     elif when == "kv_crossing":
+        # P holds the transfer live (it admitted the request: it computes the
+        # prompt, sending each layer as it is done) and D waits for the KV.
+        # Not "P's bytes_sent grew": P's workers report bytes at the end of its
+        # step, and the SendDone follows at once, so that window is a few ms
+        # and a poll of two RPCs can miss it.
         wait_until(
             lambda: (
-                pair.stats("p").get("bytes_sent", 0) > p0.get("bytes_sent", 0)
+                pair.stats("p").get("transfers_live", 0) >= 1
                 and pair.stats("d")["waiting_for_kv"] >= 1
             ),
             30,
