@@ -144,7 +144,7 @@ def test_an_instance_killed_mid_transfer_and_restarted_on_its_address_heals(
         url = restarted.base_url
         # killed, as by a crash, while a request's KV crosses
         inflight = pool.submit(complete_full, router.url, prompts[3], MAX_TOKENS)
-        leave_when(pd_pair, None, "kv_crossing", before["p"])
+        leave_when(pd_pair, None, "kv_crossing")
         restarted.stop(grace=0)
         if side == "p":  # D computes what P could not send: the client sees nothing
             assert inflight.result(60).token_ids == expected[3]
@@ -201,7 +201,7 @@ def engine_gauge(server: VLLMServer, name: str) -> float:
     return metric_sum(get_metrics(server.base_url), f"vllm:{name}")
 
 
-def leave_when(pair: Pair, sock: socket.socket | None, when: str, p0: dict[str, float]) -> None:
+def leave_when(pair: Pair, sock: socket.socket | None, when: str) -> None:
     """Block until the request is at `when`, then return (the caller closes)."""
     what = f"the request to reach {when}"
     if when == "p_computes":
@@ -262,7 +262,7 @@ def test_a_client_that_leaves_at_any_phase_leaves_nothing_behind(
     with start_router(config) as router:
         sock = open_request(router.url, "/v1/completions", dict(body, stream=stream))
         try:
-            leave_when(pd_pair, sock, when, before["p"])
+            leave_when(pd_pair, sock, when)
         finally:
             sock.close()
         wait_until(
@@ -306,7 +306,7 @@ def test_a_p_frozen_past_ds_timeout_cannot_write_into_reused_blocks(
     mark = log_mark(pd_pair.d)
     with start_router(config) as router, ThreadPoolExecutor(1) as pool:
         inflight = pool.submit(complete_full, router.url, prompts[0], MAX_TOKENS)
-        leave_when(pd_pair, None, "kv_crossing", before["p"])
+        leave_when(pd_pair, None, "kv_crossing")
         pd_pair.p.signal(signal.SIGSTOP)
         try:
             # past D's 10 s TransferKV timeout: D has given up the transfer...

@@ -15,11 +15,12 @@ import asyncio
 import socket
 import time
 
+import httpx
 import pytest
 from fake_vllm import MakeFake, MakeRouter
 
-from rapidkv.harness.client import KEEPALIVE_EXPIRY_S
-from rapidkv.router import RouterConfig
+from rapidkv.harness.client import KEEPALIVE_EXPIRY_S, pool_limits
+from rapidkv.router import Instance, RouterConfig
 from rapidkv.router.upstream import open_session, post_json
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
@@ -76,7 +77,7 @@ def test_the_router_drops_an_idle_upstream_connection_before_vllm_would(
     two when more than `upstream_keep_alive_s` apart (seen from the instance:
     the caller's port)."""
     fake = make_fake("d", "decode")
-    config = RouterConfig(decode=(), instances=(), etcd=("http://127.0.0.1:1",))
+    config = RouterConfig(decode=(Instance(fake.url),), dispatch="local")
     assert config.upstream_keep_alive_s < VLLM_KEEP_ALIVE_S
     config = config.replace(upstream_keep_alive_s=0.4)
     body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 1}
@@ -96,5 +97,21 @@ def test_the_router_drops_an_idle_upstream_connection_before_vllm_would(
     assert third != second  # 800 ms apart: the router had closed it
 
 
-def test_test_clients_drop_idle_connections_before_vllm_would() -> None:
+def test_test_clients_drop_idle_connections_before_vllm_would(make_fake: MakeFake) -> None:
+    """A client made with `pool_limits` opens a new connection after
+    `KEEPALIVE_EXPIRY_S` idle, before vLLM's 5 s would close the old one."""
     assert KEEPALIVE_EXPIRY_S < VLLM_KEEP_ALIVE_S
+    fake = make_fake("d", "decode")
+    body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 1}
+
+    async def run() -> list[tuple[str, int] | None]:
+        async with httpx.AsyncClient(limits=pool_limits(1), trust_env=False) as client:
+            for pause in (0.05, KEEPALIVE_EXPIRY_S + 0.3, 0.0):
+                resp = await client.post(f"{fake.url}/v1/completions", json=body)
+                assert resp.status_code == 200
+                await asyncio.sleep(pause)
+        return [s.client for s in fake.seen]
+
+    first, second, third = asyncio.run(run())
+    assert first is not None and second == first  # reused within the expiry
+    assert third != second  # closed by the client after it

@@ -16,10 +16,10 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 
-from rapidkv.control.client import RpcClient
 from rapidkv.control.messages import Stats, StatsRequest
 from rapidkv.router.config import Instance, RouterConfig
 from rapidkv.router.metrics import RouterMetrics
+from rapidkv.router.rpc import LazyRpc
 from rapidkv.router.transfers import TransferWatch
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ class TransferWatcher:
         self._metrics = metrics
         self._decoders = decoders  # (member index, instance) of those that may decode now
         self._watch = TransferWatch()
-        self._client: RpcClient | None = None
+        self._rpc = LazyRpc(config.secret)  # made at the first reading
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -53,15 +53,16 @@ class TransferWatcher:
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self._config.transfer_check_interval_s)
-            for index, inst in list(self._decoders()):
+            for index, inst in self._decoders():
                 if inst.control:
                     self._observe(index, inst.url, await self._read(inst.control))
 
     async def _read(self, address: str) -> dict[str, float] | None:
-        if self._client is None:
-            self._client = RpcClient(secret=self._config.secret)
+        client = self._rpc.get()
+        if client is None:  # closed
+            return None
         try:
-            future = self._client.submit(address, StatsRequest(), self._config.health_timeout_s)
+            future = client.submit(address, StatsRequest(), self._config.health_timeout_s)
             reply = await asyncio.wrap_future(future)
         except Exception as e:  # any failure: the state is unknown
             log.debug("transfer check of %s failed: %r", address, e)
@@ -86,5 +87,4 @@ class TransferWatcher:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        if self._client is not None:
-            await asyncio.to_thread(self._client.close)
+        await asyncio.to_thread(self._rpc.close)

@@ -263,7 +263,7 @@ class FleetState:
                 outstanding=s.outstanding,
                 block_size=s.block_size,
                 splits=splits[i],
-                stalled_ms=max(stalled[i], 0.0),
+                stalled_ms=stalled[i],
             )
             for i, s in enumerate(self._inst)
         )
