@@ -42,14 +42,17 @@ from rapidkv.harness.server import pd_specs
 # The e2e files in the order that starts the fewest servers (the pool runs at
 # most two; switching groups costs a start of ~30 s): the demo first (its
 # servers are its own: it runs alone), the single instance's tests (the
-# reference outputs are computed on it, still running; the one-P TTL test
-# beside it), then
+# reference outputs are computed on it, still running), the router's own e2e
+# test (from tests/router: the same two single instances), the one-P TTL test
+# beside it, then
 # every user of the shared pair, the fleet's last (its pair test first), then
 # the files with groups of their own. A file not named runs after these, in
-# collection order; the order inside a file is kept.
+# collection order; the order inside a file is kept. Names are relative to
+# this directory.
 E2E_ORDER = (
     "test_demo.py",
     "test_single_instance_oracle.py",
+    "../router/test_router_e2e.py",
     "test_pd_finished_ttl.py",
     "test_harness_teardown.py",
     "test_migration.py",
@@ -67,14 +70,13 @@ E2E_ORDER = (
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Reorder the e2e tests by `E2E_ORDER` (a stable sort: their slice of
-    the session stays where it was, everything else is untouched)."""
+    """Reorder the e2e tests, and the named ones of other directories, by
+    `E2E_ORDER` (a stable sort over the places they hold in the session:
+    everything else stays where it was)."""
     here = Path(__file__).parent
-    slots = [i for i, item in enumerate(items) if item.path.parent == here]
-    rank = {name: k for k, name in enumerate(E2E_ORDER)}
-    ordered = sorted(
-        (items[i] for i in slots), key=lambda item: rank.get(item.path.name, len(rank))
-    )
+    named = {(here / name).resolve(): k for k, name in enumerate(E2E_ORDER)}
+    slots = [i for i, item in enumerate(items) if item.path.parent == here or item.path in named]
+    ordered = sorted((items[i] for i in slots), key=lambda item: named.get(item.path, len(named)))
     for i, item in zip(slots, ordered, strict=True):
         items[i] = item
 

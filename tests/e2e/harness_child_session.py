@@ -1,6 +1,6 @@
 """Run only as a child pytest session by test_harness_teardown.py (not collected otherwise).
 
-Starts the shared `single_server` fixture, writes its pids to
+Starts the shared server fixture named by $RAPIDKV_CHILD_SERVER, writes its pids to
 $RAPIDKV_CHILD_INFO, then waits to be signalled.
 """
 
@@ -21,7 +21,8 @@ pytestmark = pytest.mark.e2e
 
 @pytest.mark.skipif("RAPIDKV_CHILD_INFO" not in os.environ, reason="child session only")
 @pytest.mark.timeout(0)
-def test_hold_server_until_signalled(single_server: VLLMServer) -> None:
+def test_hold_server_until_signalled(request: pytest.FixtureRequest) -> None:
+    single_server: VLLMServer = request.getfixturevalue(os.environ["RAPIDKV_CHILD_SERVER"])
     # A runner started in the background of a non-interactive shell inherits
     # SIGINT ignored, and Python keeps it so: take it back, as a terminal's
     # Ctrl-C would find it.

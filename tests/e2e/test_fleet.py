@@ -97,28 +97,29 @@ def test_an_adaptive_fleet_of_two_uses_every_placement_and_matches_a_single_inst
 
 
 def test_one_prefill_and_two_decode_instances_spread_requests_over_both_decoders(
-    server_pool: ServerPool, tiny_model: Path, workloads: dict
+    server_pool: ServerPool, pd_pair: Pair, tiny_model: Path, workloads: dict
 ) -> None:
     """Three instances, roles pinned (`--prefill`, `--decode` twice), fixed
-    placement: requests go to both decoders, every one's KV from the one P, and
-    every output is the single instance's."""
+    placement: the shared pair and a second decoder beside it (on D's core).
+    Requests go to both decoders, every one's KV from the one P, and every
+    output is the single instance's."""
     from rapidkv.harness.server import pd_specs
     from rapidkv.router.config import Instance, RouterConfig
     from rapidkv.router.server import start_router
 
-    pc, dc, dc2 = free_port(), free_port(), free_port()
-    p_spec, d_spec = pd_specs(tiny_model, connector_config(pc), connector_config(dc))
-    d2_spec = d_spec.replace(name="decode2", kv_transfer_config=connector_config(dc2))
-    p, d, d2 = server_pool.get("fleet3", [p_spec, d_spec, d2_spec])
+    dc2 = free_port()
+    d2_spec = pd_specs(tiny_model, {}, connector_config(dc2))[1].replace(name="decode2")
+    (d2,) = server_pool.get("fleet3-d2", [d2_spec], keep=("pd",))
     pairs = [
-        Pair(tiny_model, p, d, f"127.0.0.1:{pc}", f"127.0.0.1:{dc}"),
-        Pair(tiny_model, p, d2, f"127.0.0.1:{pc}", f"127.0.0.1:{dc2}"),
+        pd_pair,
+        Pair(tiny_model, pd_pair.p, d2, pd_pair.p_control, f"127.0.0.1:{dc2}"),
     ]
     try:
+        assert pd_pair.p.running and pd_pair.d.running  # kept beside the new decoder
         prompts, expected = workloads["fleet-3"]
         before = [{"p": pair.stats("p"), "d": pair.stats("d")} for pair in pairs]
         config = RouterConfig(
-            prefill=(Instance(p.base_url),),
+            prefill=(Instance(pd_pair.p.base_url),),
             decode=tuple(Instance(x.d.base_url, x.d_control) for x in pairs),
             port=0,
         )
@@ -133,6 +134,5 @@ def test_one_prefill_and_two_decode_instances_spread_requests_over_both_decoders
             assert pair.since(b, "d", "recompute_fallbacks") == 0
             assert_back_to_baseline(pair)
     finally:
-        for pair in pairs:
-            pair.close()
-        server_pool.stop("fleet3")  # three servers on two cores: give them back
+        pairs[1].close()
+        server_pool.stop("fleet3-d2")  # three servers on two cores: give one back

@@ -3,7 +3,8 @@
 A *group* is a list of `ServerSpec`s started together (a single server, or a
 prefill/decode pair) under a key. `get(key, specs)` returns the running group,
 starting it on first use; at most `max_running` servers run at once, the least
-recently used groups being stopped to make room (2 cores: one or two servers).
+recently used groups being stopped to make room (2 cores: one or two servers),
+but for the groups a caller asks to `keep` beside the new one.
 
 Invariants: a key always maps to the same specs (asking again with different
 specs is an error, so two tests cannot silently share a differently configured
@@ -32,8 +33,13 @@ class ServerPool:
         self._lock = threading.RLock()
         self.startups: list[tuple[str, float]] = []  # (server name, seconds), every start
 
-    def get(self, key: str, specs: Sequence[ServerSpec]) -> list[VLLMServer]:
-        """The running group `key` (started from `specs` if it is not running)."""
+    def get(
+        self, key: str, specs: Sequence[ServerSpec], *, keep: Sequence[str] = ()
+    ) -> list[VLLMServer]:
+        """The running group `key` (started from `specs` if it is not running).
+        The groups named in `keep` are not stopped to make room for it, even if
+        that runs more than `max_running` servers (one more server beside a
+        running pair costs less than starting three)."""
         specs = tuple(spec.replace(name=f"{key}.{spec.name}") for spec in specs)
         with self._lock:
             known = self._specs.setdefault(key, specs)
@@ -45,7 +51,7 @@ class ServerPool:
                 return group
             if group is not None:  # something died: restart the whole group
                 self.stop(key)
-            self._make_room(len(specs))
+            self._make_room(len(specs), keep)
             group = start_servers(specs, self.log_dir)
             self._record(group)
             self._running[key] = group
@@ -90,9 +96,11 @@ class ServerPool:
         with self._lock:
             return sum(len(g) for g in self._running.values())
 
-    def _make_room(self, n: int) -> None:
-        while self._running and self.running_count() + n > self.max_running:
-            oldest = next(iter(self._running))
+    def _make_room(self, n: int, keep: Sequence[str] = ()) -> None:
+        while self.running_count() + n > self.max_running:
+            oldest = next((k for k in self._running if k not in keep), None)
+            if oldest is None:
+                return
             self.stop(oldest)
 
     def _record(self, group: list[VLLMServer]) -> None:
