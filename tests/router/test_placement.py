@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 
 from rapidkv.router.placement import (
     SLO,
+    Decision,
+    Decode,
     DecodeObservation,
     FleetState,
     InstanceLoad,
@@ -139,7 +141,7 @@ def test_stalls_a_running_decode_already_suffered_count_against_the_next_one() -
     ]
     d = decide(fresh, models, request, slo, Policy(pd=False, split=False))
     assert (d.kind, d.decode) == ("local", 0)  # no queue ahead on 0, within the SLO
-    stalled = [dataclasses.replace(fresh[0], stalled_ms=120.0), fresh[1]]
+    stalled = [dataclasses.replace(fresh[0], running=(Decode(120.0), Decode())), fresh[1]]
     opts = options(stalled, models, request, Policy(pd=False, split=False))
     on0 = option_for(opts, Placement("local", 0, 0))
     assert on0.tpot_ms == pytest.approx(
@@ -151,19 +153,52 @@ def test_stalls_a_running_decode_already_suffered_count_against_the_next_one() -
 
 def test_the_fleet_state_reports_the_stall_its_running_decodes_suffered() -> None:
     fleet = FleetState(2)
-    fleet.on_dispatch("a", Placement("local", 0, 0), 100, now_s=0.0)
+    fleet.on_dispatch("a", Placement("local", 0, 0), 100, now_s=0.0, output_tokens=40)
+    assert fleet.view()[0].running == (Decode(0.0, 40),)
     fleet.on_first_token("a", now_s=0.02)
     assert fleet.view()[0].stalled_ms == 0.0
-    fleet.on_dispatch("b", Placement("local", 0, 0), 1000, now_s=0.05)
+    fleet.on_dispatch("b", Placement("local", 0, 0), 1000, now_s=0.05)  # length not known
     fleet.on_first_token("b", now_s=0.15)  # 100 ms of "b"'s prefill beside "a"
-    fleet.on_dispatch("c", Placement("pd", 0, 1), 500, now_s=0.2)
+    fleet.on_dispatch("c", Placement("pd", 0, 1), 500, now_s=0.2, output_tokens=8)
     fleet.on_prefill_done("c", now_s=0.25)  # 50 more: "a" 150, "b" 50
     assert fleet.view()[0].stalled_ms == pytest.approx(150.0)
-    assert fleet.view()[1].stalled_ms == 0.0
-    fleet.on_finish("a", now_s=0.3, output_tokens=16)
+    assert [d.output_tokens for d in fleet.view()[0].running] == [40, None]
+    assert [d.stalled_ms for d in fleet.view()[0].running] == pytest.approx([150.0, 50.0])
+    assert fleet.view()[1].running == (Decode(0.0, 8),)  # "c": no first token yet
+    fleet.on_finish("a", now_s=0.3, output_tokens=40)
     assert fleet.view()[0].stalled_ms == pytest.approx(50.0)  # "b" is the most stalled now
     fleet.on_finish("b", now_s=0.35, output_tokens=16)
-    assert fleet.view()[0].stalled_ms == 0.0
+    assert fleet.view()[0].stalled_ms == 0.0 and fleet.view()[0].running == ()
+
+
+def test_a_short_answer_beside_a_prefill_suffers_more_than_a_long_one() -> None:
+    """A stall spreads over the output of the decode that suffers it: beside
+    a running 20-token answer, a prefill that a 200-token answer would absorb
+    breaks the SLO. The request's own length no longer stands for the
+    running ones'."""
+    request, models = Request(600, output_tokens=200), Models(2)
+    pf = models.prefill_ms(0, 600)
+    slo = SLO(tpot_ms=models.step_ms(0, 2) + pf / 50)  # 200 tokens absorb it, 20 do not
+    nobody = Policy(pd=False, split=False)
+
+    def on(running: tuple[Decode, ...]) -> Decision:
+        loads = [InstanceLoad(decodes=1, running=running), InstanceLoad(decodes=1)]
+        return decide(loads, models, request, slo, nobody)
+
+    long_one = on((Decode(0.0, 200),))
+    assert (long_one.decode, long_one.reason) == (0, "lowest-ttft")
+    short_one = on((Decode(0.0, 20),))
+    assert short_one.meets_tpot and short_one.decode == 1  # as fast, and within the SLO
+    opts = options(
+        [InstanceLoad(decodes=1, running=(Decode(0.0, 20),)), InstanceLoad(decodes=1)],
+        models,
+        request,
+        nobody,
+    )
+    beside_short = option_for(opts, Placement("local", 0, 0)).tpot_ms
+    assert (
+        beside_short == pytest.approx(models.step_ms(0, 2) + pf / 20) and beside_short > slo.tpot_ms
+    )
 
 
 def test_a_split_onto_a_busy_decoder_is_charged_the_whole_wait_for_its_head() -> None:
@@ -362,14 +397,18 @@ def test_learning_takes_the_decode_step_out_of_prefill_and_transfer_times() -> N
 
 def test_a_local_request_is_queued_then_decodes_then_leaves() -> None:
     fleet = FleetState(2)
-    fleet.on_dispatch("a", Placement("local", 1, 1), 300, now_s=10.0)
+    fleet.on_dispatch("a", Placement("local", 1, 1), 300, now_s=10.0, output_tokens=11)
     assert fleet.view()[1] == InstanceLoad(
-        decodes=1, waiting_prefills=1, waiting_prefill_tokens=300, outstanding=1
+        decodes=1,
+        waiting_prefills=1,
+        waiting_prefill_tokens=300,
+        outstanding=1,
+        running=(Decode(0.0, 11),),
     )
     (obs,) = fleet.on_first_token("a", now_s=10.05)
     assert obs == PrefillObservation(1, 300, pytest.approx(50.0), batch=0)
     assert fleet.on_first_token("a", now_s=10.06) == []
-    assert fleet.view()[1] == InstanceLoad(decodes=1, outstanding=1)
+    assert fleet.view()[1] == InstanceLoad(decodes=1, outstanding=1, running=(Decode(0.0, 11),))
     (obs,) = fleet.on_finish("a", now_s=10.05 + 0.006 * 10, output_tokens=11)
     assert obs == DecodeObservation(1, pytest.approx(1.0), pytest.approx(6.0))
     assert fleet.view() == (InstanceLoad(), InstanceLoad()) and fleet.in_flight == 0
@@ -482,19 +521,25 @@ def test_the_state_and_models_learn_a_simulated_pair_s_true_costs() -> None:
 
 # properties
 
-loads = st.builds(
-    InstanceLoad,
-    role=st.sampled_from(ROLES),
-    healthy=st.booleans() | st.just(True),
-    draining=st.just(False) | st.booleans(),
-    decodes=st.integers(0, 40),
-    waiting_prefills=st.integers(0, 6),
-    waiting_prefill_tokens=st.integers(0, 8000),
-    outstanding=st.integers(0, 10),
-    block_size=st.sampled_from([None, 16, 64]),
-    stalled_ms=st.just(0.0) | st.floats(0, 500),
-)
-fleets = st.lists(loads, min_size=1, max_size=5)
+
+@st.composite
+def loads(draw: st.DrawFn) -> InstanceLoad:
+    decodes = draw(st.integers(0, 40))
+    decode = st.builds(Decode, st.just(0.0) | st.floats(0, 500), st.none() | st.integers(1, 256))
+    return InstanceLoad(
+        role=draw(st.sampled_from(ROLES)),
+        healthy=draw(st.booleans() | st.just(True)),
+        draining=draw(st.just(False) | st.booleans()),
+        decodes=decodes,
+        waiting_prefills=draw(st.integers(0, 6)),
+        waiting_prefill_tokens=draw(st.integers(0, 8000)),
+        outstanding=draw(st.integers(0, 10)),
+        block_size=draw(st.sampled_from([None, 16, 64])),
+        running=tuple(draw(st.lists(decode, max_size=min(decodes, 3)))),
+    )
+
+
+fleets = st.lists(loads(), min_size=1, max_size=5)
 requests = st.builds(
     Request,
     prompt_tokens=st.integers(1, 4000),
@@ -678,11 +723,15 @@ def test_a_migrated_decode_counts_on_its_new_instance_and_teaches_no_decode_step
     fleet = FleetState(2)
     fleet.on_dispatch("a", Placement("local", 0, 0), 300, now_s=0.0)
     assert len(fleet.on_first_token("a", now_s=0.05)) == 1  # the local prefill learnt
+    fleet.on_dispatch("b", Placement("local", 0, 0), 200, now_s=0.1)
+    fleet.on_first_token("b", now_s=0.14)  # 40 ms of prefill beside "a"
+    fleet.on_finish("b", now_s=0.15, output_tokens=2)
     fleet.on_migrated("a", 1, now_s=0.2)
     fleet.check()
     loads = fleet.view()
     assert (loads[0].decodes, loads[0].outstanding) == (0, 0)
     assert (loads[1].decodes, loads[1].outstanding) == (1, 1)
+    assert loads[1].stalled_ms == pytest.approx(40.0)  # the stall it suffered moved with it
     fleet.on_migrated("a", 1, now_s=0.3)  # already there: nothing changes
     assert fleet.view() == loads
     # its window spans two instances: no decode step is learnt from it

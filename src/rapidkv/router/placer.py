@@ -89,15 +89,20 @@ class Placer:
         self.fleet = FleetState(len(members), tuple(_role(m) for m in members))
         self.models = Models(len(members))
 
-    def decide(self, body: Body, endpoint: Endpoint, splittable: bool) -> tuple[Decision, int]:
-        """The decision for this request and its estimated prompt tokens
-        (`placement.NoPlacement` if no available instance can decode it)."""
+    def decide(self, body: Body, endpoint: Endpoint, splittable: bool) -> tuple[Decision, Request]:
+        """The decision for this request and the request as placement saw it
+        (its estimated prompt tokens, the output it asks for);
+        `placement.NoPlacement` if no available instance can decode it."""
         tokens = estimate_prompt_tokens(body, endpoint)
         request = Request(tokens, requested_output_tokens(body), splittable)
-        return decide(self.fleet, self.models, request, self.slo, self.policy), tokens
+        return decide(self.fleet, self.models, request, self.slo, self.policy), request
 
-    def dispatched(self, xfer_id: str, placement: Placement, prompt_tokens: int) -> None:
-        self.fleet.on_dispatch(xfer_id, placement, prompt_tokens, time.monotonic())
+    def dispatched(
+        self, xfer_id: str, placement: Placement, prompt_tokens: int, output_tokens: int
+    ) -> None:
+        self.fleet.on_dispatch(
+            xfer_id, placement, prompt_tokens, time.monotonic(), output_tokens=output_tokens
+        )
 
     def prefill_done(self, xfer_id: str, ok: bool) -> None:
         self._learn(self.fleet.on_prefill_done, xfer_id, ok=ok)

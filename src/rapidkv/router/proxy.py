@@ -173,6 +173,7 @@ class Exchange:
     decision: Decision | None = None  # adaptive placement's, for the request
     output_events: int = 0  # streamed output events relayed (about the tokens)
     estimated_tokens: int = 0  # the prompt's length as placement estimated it
+    output_tokens: int = 0  # the output it asks for, as placement read it
     decode_index: int = -1  # the instance that decodes it now (counted outstanding)
     # why it cannot be migrated (None: it can, once `relay` exists)
     unmigratable: str | None = "migration is off (no admin token)"
@@ -410,11 +411,12 @@ class Router:
             splits = self.config.split_prefill and splittable(body, ex.endpoint)
             splits = splits and client_transfer_kv_mode(body) in (None, "substep")
             try:
-                decision, ex.estimated_tokens = self._placer.decide(body, ex.endpoint, splits)
+                decision, request = self._placer.decide(body, ex.endpoint, splits)
             except NoPlacement as e:
                 await _send_error(send, 503, f"no instance can take the request: {e}")
                 return "unavailable"
             ex.decision = decision
+            ex.estimated_tokens, ex.output_tokens = request.prompt_tokens, request.output_tokens
             d_index = self._take(decision.decode)
             p_index = None if decision.kind == "local" else decision.prefill
             split = None
@@ -616,7 +618,8 @@ class Router:
         ex.decision = dataclasses.replace(ex.decision, placement=placement)
         self.metrics.placements.labels(kind, ex.decision.reason).inc()
         ex.placement = ex.decision.header_value()
-        self._placer.dispatched(ex.xfer_id, placement, max(ex.estimated_tokens, head + 1))
+        prompt_tokens = max(ex.estimated_tokens, head + 1)
+        self._placer.dispatched(ex.xfer_id, placement, prompt_tokens, ex.output_tokens)
 
     def _prefill_done(self, ex: Exchange, task: asyncio.Task[bool]) -> None:
         """P's request failed: tell P's connector, so that D's TransferKV is

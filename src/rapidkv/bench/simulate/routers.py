@@ -170,7 +170,9 @@ class AdaptiveRouter(Router):
         self.decide_s += time.perf_counter() - t
         self.kinds[d.kind] += 1
         self.reasons[d.reason] += 1
-        self.fleet.on_dispatch(rid, d.placement, max(prompt, d.head_tokens + 1), now_ms / 1000)
+        self.fleet.on_dispatch(
+            rid, d.placement, max(prompt, d.head_tokens + 1), now_ms / 1000, output_tokens=output
+        )
         self._checked()
         return d.placement
 

@@ -15,7 +15,7 @@ The router's loop, once wired:
 
     fleet, models = FleetState(n), Models(n)
     d = decide(fleet, models, Request(prompt_tokens, max_tokens, splittable), slo)
-    fleet.on_dispatch(xfer_id, d.placement, prompt_tokens, time.monotonic())
+    fleet.on_dispatch(xfer_id, d.placement, prompt_tokens, time.monotonic(), max_tokens)
     response.headers["x-rapidkv-placement"] = d.header_value()
     ...
     for obs in fleet.on_first_token(xfer_id, time.monotonic()):  # likewise
@@ -42,11 +42,19 @@ from rapidkv.router.placement.policy import (
     decide,
     options,
 )
-from rapidkv.router.placement.state import FleetState, InstanceLoad, Kind, Placement, Role
+from rapidkv.router.placement.state import (
+    Decode,
+    FleetState,
+    InstanceLoad,
+    Kind,
+    Placement,
+    Role,
+)
 
 __all__ = [
     "SLO",
     "Decision",
+    "Decode",
     "DecodeObservation",
     "FleetState",
     "InstanceLoad",

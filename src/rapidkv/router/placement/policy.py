@@ -41,20 +41,22 @@ queued prefills a forward that also runs the step of its decodes), ``pf``,
 
 - TPOT, of the decodes of every instance the option touches, the worst: on an
   instance with ``b_k`` decodes and ``e`` (1 on the decoder, else 0) added,
-  ``step_k(b_k + e) + (D_k + W_k + S_k) / L``. ``D_k`` is the stall the most
-  stalled of its running decodes has already suffered
-  (`InstanceLoad.stalled_ms`): a decode's TPOT carries every prefill that ran
-  beside it, so stalls each within the SLO add up past it when they land on
-  the same requests one after another. ``S_k`` is the stall this request's
-  prefill work inflicts on ``k``'s decodes (a CPU forward that computes a
-  prompt holds back every decode in it): ``pf`` of what ``k`` computes, and for
-  a split's decoder the whole time its tail forward lasts, waiting for the head
-  included (``max(...) - Q_j``). ``L = max(output_tokens, min_horizon_tokens)``
-  is the stretch of output the stalls are spread over (the running decodes'
-  own lengths are not known here: the new request's stands for them). An instance with no
-  decodes before this request harms nobody's TPOT: the new request's own
-  decode starts after its prefill and the queue ahead of it, so its TPOT is
-  ``step_j(1)``; a prefill-only instance does not count.
+  ``step_k(b_k + e) + max_r (D_r + W_k + S_k) / L_r`` over its decodes ``r``.
+  ``D_r`` is the stall ``r`` has already suffered (`InstanceLoad.running`):
+  a decode's TPOT carries every prefill that ran beside it, so stalls each
+  within the SLO add up past it when they land on the same requests one after
+  another. ``S_k`` is the stall this request's prefill work inflicts on
+  ``k``'s decodes (a CPU forward that computes a prompt holds back every
+  decode in it): ``pf`` of what ``k`` computes, and for a split's decoder the
+  whole time its tail forward lasts, waiting for the head included
+  (``max(...) - Q_j``). ``L_r = max(output_tokens_r, min_horizon_tokens)`` is
+  the stretch of output ``r``'s stalls are spread over: a short answer
+  suffers a stall more than a long one. A decode whose length is not known
+  (or not listed in `running`) is taken as long as this request's output,
+  and as not stalled yet. An instance with no decodes before this request
+  harms nobody's TPOT: the new request's own decode starts after its prefill
+  and the queue ahead of it, so its TPOT is ``step_j(1)``; a prefill-only
+  instance does not count.
 
 Choice: among the options whose TPOT is within `SLO.tpot_ms`, the lowest TTFT;
 options within `Policy.tie_ms` of it are tied, and ties go to ``local``, then
@@ -276,7 +278,8 @@ class _Predictor:
         self.loads = loads
         self.m = models
         self.tokens = request.prompt_tokens
-        self.horizon = max(request.output_tokens, policy.min_horizon_tokens)
+        self.min_horizon = policy.min_horizon_tokens
+        self.horizon = max(request.output_tokens, self.min_horizon)
         self.fraction = policy.split_fraction
         self.work = [  # W_k: queued prefill work beyond steps
             models.prefill_queue_ms(k, load.waiting_prefills, load.waiting_prefill_tokens)
@@ -292,14 +295,22 @@ class _Predictor:
 
     def tpot(self, k: int, added: int, stall_ms: float) -> float | None:
         """TPOT of `k`'s decodes with `added` more and `stall_ms` more prefill
-        work; None when `k` has no decode to slow down."""
-        b = self.loads[k].decodes
+        work, the worst of them; None when `k` has no decode to slow down."""
+        load = self.loads[k]
+        b = load.decodes
         if b + added == 0:
             return None
         step = self.m.step_ms(k, b + added)
         if b == 0:
             return step
-        return step + (self.loads[k].stalled_ms + self.work[k] + stall_ms) / self.horizon
+        ahead = self.work[k] + stall_ms
+        worst = 0.0 if len(load.running) == b else ahead / self.horizon  # unlisted ones
+        for d in load.running:
+            horizon = self.horizon
+            if d.output_tokens is not None:
+                horizon = max(d.output_tokens, self.min_horizon)
+            worst = max(worst, (d.stalled_ms + ahead) / horizon)
+        return step + worst
 
     def local(self, j: int) -> Option:
         pf = self.m.prefill_ms(j, self.tokens)

@@ -55,7 +55,7 @@ Invariants (`check` verifies them; the tests call it after every event):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal, NamedTuple, get_args
 
 from rapidkv.router.placement.model import (
     DecodeObservation,
@@ -68,6 +68,16 @@ Role = Literal["any", "prefill", "decode"]
 ROLES: tuple[str, ...] = get_args(Role)
 Kind = Literal["local", "pd", "split"]
 KINDS: tuple[str, ...] = get_args(Kind)
+
+
+class Decode(NamedTuple):
+    """One request dispatched to decode on an instance: the prefill service
+    time the instance spent since its first token (the stall it has suffered,
+    which its final TPOT carries; 0 before its first token) and the output
+    tokens it asked for (None: not known)."""
+
+    stalled_ms: float = 0.0
+    output_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -86,10 +96,8 @@ class InstanceLoad:
     - `splits`: split requests in flight with a part here whose split is not
       over (the head's answer or the tail's first token still to come);
     - `block_size`: its KV block size when known (a split's head is whole blocks);
-    - `stalled_ms`: of the requests decoding here (first token seen), the most
-      prefill service time this instance spent since one's first token: the
-      stall it has already suffered, which its final TPOT carries whatever is
-      placed next (0 with none decoding).
+    - `running`: a `Decode` per request of `decodes` (fewer in a hand-made
+      load: the others' stall and length are then not known).
     """
 
     role: Role = "any"
@@ -101,14 +109,24 @@ class InstanceLoad:
     outstanding: int = 0
     block_size: int | None = None
     splits: int = 0
-    stalled_ms: float = 0.0
+    running: tuple[Decode, ...] = ()
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, not {self.role!r}")
         counts = (self.decodes, self.waiting_prefills, self.waiting_prefill_tokens)
-        if min(*counts, self.outstanding, self.splits, self.stalled_ms) < 0:
+        stalls = (d.stalled_ms for d in self.running)
+        if min(*counts, self.outstanding, self.splits, *stalls) < 0:
             raise ValueError(f"negative load: {self}")
+        if len(self.running) > self.decodes:
+            raise ValueError(f"more entries in running than decodes: {self}")
+        if any(d.output_tokens is not None and d.output_tokens < 1 for d in self.running):
+            raise ValueError(f"a decode asks for at least one token: {self}")
+
+    @property
+    def stalled_ms(self) -> float:
+        """The most stall any of its decodes has suffered (0 with none)."""
+        return max((d.stalled_ms for d in self.running), default=0.0)
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, not {self.block_size}")
 
@@ -196,6 +214,7 @@ class _Request:
     pending: dict[int, int]  # instance -> prefill tokens not done there
     prefill_over: bool  # P's part over (always for local)
     decoder: int  # the instance decoding it now (`placement.decode` until moved)
+    output_tokens: int | None  # what it asked for (None: not known)
     prefill_done_s: float | None = None  # P's successful answer
     first_token_s: float | None = None
     area_at_first: float = 0.0
@@ -242,16 +261,18 @@ class FleetState:
     def view(self) -> tuple[InstanceLoad, ...]:
         """Every instance's `InstanceLoad`, by index."""
         splits = [0] * len(self._inst)
-        stalled = [0.0] * len(self._inst)
+        running: list[list[Decode]] = [[] for _ in self._inst]
         for r in self._requests.values():
             p = r.placement
             tail_pending = r.first_token_s is None and not r.decode_over
             if p.kind == "split" and (not r.prefill_over or tail_pending):
                 splits[p.prefill] += 1
                 splits[r.decoder] += 1
-            if r.first_token_s is not None and not r.decode_over:
-                suffered = self._inst[r.decoder].prefill_busy_ms - r.busy_at_first
-                stalled[r.decoder] = max(stalled[r.decoder], suffered)
+            if not r.decode_over:
+                suffered = 0.0
+                if r.first_token_s is not None:
+                    suffered = self._inst[r.decoder].prefill_busy_ms - r.busy_at_first
+                running[r.decoder].append(Decode(suffered, r.output_tokens))
         return tuple(
             InstanceLoad(
                 role=s.role,
@@ -263,7 +284,7 @@ class FleetState:
                 outstanding=s.outstanding,
                 block_size=s.block_size,
                 splits=splits[i],
-                stalled_ms=stalled[i],
+                running=tuple(running[i]),
             )
             for i, s in enumerate(self._inst)
         )
@@ -289,14 +310,22 @@ class FleetState:
     # request events
 
     def on_dispatch(
-        self, request_id: str, placement: Placement, prompt_tokens: int, now_s: float
+        self,
+        request_id: str,
+        placement: Placement,
+        prompt_tokens: int,
+        now_s: float,
+        output_tokens: int | None = None,
     ) -> None:
-        """`request_id` was sent where `placement` says. ValueError for an id
-        already in flight, a placement outside the fleet or an empty prompt."""
+        """`request_id` was sent where `placement` says, asking for
+        `output_tokens` (None: not known). ValueError for an id already in
+        flight, a placement outside the fleet, an empty prompt or output."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already in flight")
         if prompt_tokens < 1:
             raise ValueError(f"request {request_id!r}: a prompt has at least one token")
+        if output_tokens is not None and output_tokens < 1:
+            raise ValueError(f"request {request_id!r}: an output has at least one token")
         self._at(placement.prefill)
         self._at(placement.decode)
         pending = placement.work(prompt_tokens)
@@ -314,6 +343,7 @@ class FleetState:
             pending=pending,
             prefill_over=placement.kind == "local",
             decoder=placement.decode,
+            output_tokens=output_tokens,
         )
 
     def on_prefill_done(self, request_id: str, now_s: float, ok: bool = True) -> list[Observation]:
@@ -409,6 +439,8 @@ class FleetState:
             old.decoding -= 1
             new.advance(now_s)
             new.decoding += 1
+            # the stall it suffered moves with it; it suffers `new`'s from now on
+            r.busy_at_first = new.prefill_busy_ms - (old.prefill_busy_ms - r.busy_at_first)
         old.decodes -= 1
         old.outstanding -= 1
         new.decodes += 1
