@@ -103,12 +103,13 @@ def test_one_prefill_and_two_decode_instances_spread_requests_over_both_decoders
     placement: the shared pair and a second decoder beside it (on D's core).
     Requests go to both decoders, every one's KV from the one P, and every
     output is the single instance's."""
-    from rapidkv.harness.server import pd_specs
     from rapidkv.router.config import Instance, RouterConfig
     from rapidkv.router.server import start_router
 
-    dc2 = free_port()
-    d2_spec = pd_specs(tiny_model, {}, connector_config(dc2))[1].replace(name="decode2")
+    dc2 = free_port()  # D's spec on its own control and HTTP ports, registered nowhere
+    d2_spec = pd_pair.d.spec.replace(
+        name="decode2", port=None, kv_transfer_config=connector_config(dc2)
+    )
     (d2,) = server_pool.get("fleet3-d2", [d2_spec], keep=("pd",))
     pairs = [
         pd_pair,

@@ -151,6 +151,21 @@ def test_stalls_a_running_decode_already_suffered_count_against_the_next_one() -
     assert (d.kind, d.decode, d.reason) == ("local", 1, "tpot-slo")
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(block_size=0),
+        dict(decodes=1, running=(Decode(-1.0),)),
+        dict(decodes=1, running=(Decode(0.0, 0),)),
+        dict(decodes=1, running=(Decode(), Decode())),
+    ],
+    ids=["block-size-0", "negative-stall", "no-output", "more-running-than-decodes"],
+)
+def test_an_impossible_instance_load_is_refused(bad: dict) -> None:
+    with pytest.raises(ValueError):
+        InstanceLoad(**bad)
+
+
 def test_the_fleet_state_reports_the_stall_its_running_decodes_suffered() -> None:
     fleet = FleetState(2)
     fleet.on_dispatch("a", Placement("local", 0, 0), 100, now_s=0.0, output_tokens=40)

@@ -122,13 +122,13 @@ class InstanceLoad:
             raise ValueError(f"more entries in running than decodes: {self}")
         if any(d.output_tokens is not None and d.output_tokens < 1 for d in self.running):
             raise ValueError(f"a decode asks for at least one token: {self}")
+        if self.block_size is not None and self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, not {self.block_size}")
 
     @property
     def stalled_ms(self) -> float:
         """The most stall any of its decodes has suffered (0 with none)."""
         return max((d.stalled_ms for d in self.running), default=0.0)
-        if self.block_size is not None and self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, not {self.block_size}")
 
     @property
     def available(self) -> bool:
