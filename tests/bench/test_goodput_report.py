@@ -114,7 +114,14 @@ def _sweep(adaptive_fast: bool = True) -> tuple[SimpleNamespace, Options]:
     ):
         c = ConfigRun(name, startup_s=10.0)
         c.rates["prefill-heavy"] = {
-            2.0: RateRun(2.0, arrivals, at2, 1.0, {"local": 1.0, "pd": 1.0, "split": 0.0}),
+            2.0: RateRun(
+                2.0,
+                arrivals,
+                at2,
+                1.0,
+                {"local": 1.0, "pd": 1.0, "split": 0.0},
+                {"lowest-ttft": 1.0, "tpot-slo": 1.0},
+            ),
             4.0: RateRun(4.0, arrivals, at4, 0.5),
         }
         c.rates["prefill-heavy"][2.0].server_cpu_s = {"a": 0.9}
@@ -154,6 +161,7 @@ def test_the_json_has_the_documented_keys_and_goodputs() -> None:
     assert r2["ttft_ms"]["p50"] == 55.0 and r2["ttft_ms"]["p90"] == pytest.approx(59.0)
     assert r2["tpot_ms"]["p50"] == 5.5 and r2["offered_req_s"] == pytest.approx(2.5)
     assert r2["placements"] == {"local": 1.0, "pd": 1.0, "split": 0.0}
+    assert r2["reasons"] == {"lowest-ttft": 1.0, "tpot-slo": 1.0}
     assert r2["other_cpu_cores"] == pytest.approx(0.05) and r2["server_cpu_s"] == {"a": 0.9}
     assert report["noisy"] == ["prefill-heavy rapidkv 4"]  # 0.3 cores of others at 4 req/s
     assert dp2["rates"]["4"]["ttft_attainment"] == 0.5 and dp2["rates"]["4"]["placements"] is None

@@ -7,6 +7,7 @@ import pytest
 from rapidkv.bench.simulate.compare import (
     Target,
     compare,
+    goodput_rule,
     policy_for,
     rates_of,
     relative_error,
@@ -23,6 +24,13 @@ def test_relative_error() -> None:
     assert relative_error(8.0, 10.0) == pytest.approx(-0.2)
     assert relative_error(0.0, 0.0) == 0.0
     assert relative_error(2.0, 0.0) is None
+
+
+def test_goodput_is_bench_goodputs_rule_the_last_rate_before_the_first_miss() -> None:
+    assert goodput_rule({4.0: 1.0, 6.0: 0.95, 8.0: 0.5, 10.0: 0.92}) == 6.0  # max rule: 10
+    assert goodput_rule({4.0: 0.5, 6.0: 0.95}) == 0.0
+    assert goodput_rule({4.0: 0.9, 6.0: 0.91}) == 6.0
+    assert goodput_rule({}) == 0.0
 
 
 def test_configurations_map_to_policies() -> None:
@@ -53,6 +61,8 @@ def real_run() -> dict:
                     "dp2": {"goodput_req_s": 4.0, "attainment": {"2": 0.97, "4": 0.93, "8": 0.7}},
                     # no goodput_req_s: taken from the attainment
                     "rapidkv": {"attainment": {"4": 0.99, "8": 0.95, "16": 0.4}},
+                    # a pass above a miss: bench goodput's rule stops at the miss
+                    "rapidkv-step": {"attainment": {"2": 0.95, "4": 0.5, "8": 0.95}},
                     "single": {"attainment": {"1": 1.0, "4": 0.5}},
                     "baseline": {"attainment": {"4": 1.0}},
                     "rapidkv-adaptive": {"goodput_req_s": 3.0},
@@ -67,16 +77,20 @@ def test_compare_simulates_the_real_rates_and_reports_the_errors() -> None:
     out = compare(real_run(), DEFAULT_FIT, seed=0)
     w = out["workloads"]["prefill-heavy"]
     assert w["slo"] == {"ttft_ms": 220.0, "tpot_ms": 8.1, "source": "the real run's"}
-    assert set(w["configs"]) == {"dp2", "rapidkv", "single"}
+    assert set(w["configs"]) == {"dp2", "rapidkv", "rapidkv-step", "single"}
     assert w["configs"]["single"]["instances"] == 1
     dp2, pd = w["configs"]["dp2"], w["configs"]["rapidkv"]
     assert (dp2["policy"], dp2["instances"], dp2["requests"]) == ("dp", 2, 100)
-    assert pd["measured"]["goodput_req_s"] == 8.0  # highest rate at >= 90 %
+    assert pd["measured"]["goodput_req_s"] == 8.0  # the last rate before the first miss
+    assert w["configs"]["rapidkv-step"]["measured"]["goodput_req_s"] == 2.0  # not 8
     for c in (dp2, pd):
         sim = c["simulated"]
         assert list(sim["attainment"]) == list(c["measured"]["attainment"])  # the same rates
-        passing = [float(r) for r, a in sim["attainment"].items() if a >= 0.9]
-        assert sim["goodput_req_s"] == max(passing, default=0.0)
+        rates = sorted(float(r) for r in sim["attainment"])
+        first_miss = next(
+            (i for i, r in enumerate(rates) if sim["attainment"][f"{r:g}"] < 0.9), len(rates)
+        )
+        assert sim["goodput_req_s"] == (rates[first_miss - 1] if first_miss else 0.0)
         measured = c["measured"]["goodput_req_s"]
         err = (sim["goodput_req_s"] - measured) / measured
         assert c["relative_error"] == pytest.approx(err)

@@ -447,6 +447,25 @@ def test_a_pd_request_yields_prefill_transfer_and_decode_observations() -> None:
     assert fleet.in_flight == 0
 
 
+def test_a_transfer_observation_takes_out_ds_own_prompts_computed_meanwhile() -> None:
+    """P answers at 70 ms; D then computes a local prompt for 80 ms before the
+    PD request's first token at 170 ms: the transfer is 20 ms, not 100 (D's
+    queue is the policy's ``Q_j``, counted apart)."""
+    fleet = FleetState(2)
+    fleet.on_dispatch("a", Placement("pd", 0, 1), 512, now_s=0.0)
+    fleet.on_dispatch("b", Placement("local", 1, 1), 800, now_s=0.075)
+    fleet.on_prefill_done("a", now_s=0.070)
+    (pre,) = fleet.on_first_token("b", now_s=0.155)
+    assert pre == PrefillObservation(1, 800, pytest.approx(80.0), batch=0)
+    (obs,) = fleet.on_first_token("a", now_s=0.170)
+    assert obs == TransferObservation(0, 1, 512, pytest.approx(20.0), batch=1)
+    # a prompt D finished before P's answer is not taken out of a later transfer
+    fleet.on_dispatch("c", Placement("pd", 0, 1), 512, now_s=0.2)
+    fleet.on_prefill_done("c", now_s=0.26)
+    (obs,) = fleet.on_first_token("c", now_s=0.275)
+    assert obs == TransferObservation(0, 1, 512, pytest.approx(15.0), batch=2)
+
+
 def test_p_outliving_d_keeps_its_work_until_p_is_over() -> None:
     fleet = FleetState(2)
     fleet.on_dispatch("a", Placement("split", 0, 1, head_tokens=256), 600, now_s=0.0)

@@ -753,6 +753,13 @@ def test_adaptive_placement_keeps_a_short_prompt_local_and_says_so(
     assert not a[1 - int(placement["decode"])].requests()
     assert metric(router, "rapidkv_router_placements_total", kind="local") == 1
     assert metric(router, "rapidkv_router_placements_total", kind="pd") == 0
+    # its learned costs, one line per instance (no stream: nothing learned, the priors')
+    for fake in a:
+        step = {"instance": fake.url, "term": "intercept"}
+        assert metric(router, "rapidkv_router_model_step_ms", **step) > 0
+        assert (
+            metric(router, "rapidkv_router_model_prefill_ms", instance=fake.url, term="slope") > 0
+        )
 
 
 def test_fixed_placement_names_the_instances_in_the_header(

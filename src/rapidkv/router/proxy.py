@@ -84,6 +84,7 @@ from rapidkv.router.metrics import RouterMetrics
 from rapidkv.router.migration.bodies import local_body, migratable, streamed
 from rapidkv.router.migration.relay import MigratingRelay, MigrationError
 from rapidkv.router.migration.room import RoomCheck
+from rapidkv.router.model_metrics import ModelsCollector
 from rapidkv.router.placement import SLO, Decision, NoPlacement, Placement, Policy
 from rapidkv.router.placer import Placer
 from rapidkv.router.rewrite import (
@@ -210,6 +211,12 @@ class Router:
             if config.placement == "adaptive"
             else None
         )
+        if self._placer is not None:
+            self.metrics.registry.register(
+                ModelsCollector(
+                    self._placer.models, lambda: [m.instance.url for m in self._members]
+                )
+            )
         self._aborter = ControlAborter(config.secret, config.abort_timeout_s, self.metrics)
         self._transfers = TransferWatcher(
             config,

@@ -172,6 +172,8 @@ def rate_report(run: Any, w: WorkloadRun) -> dict[str, Any]:
         hard_mismatches=s["hard_mismatches"],
         near_tie_mismatches=s["near_tie_mismatches"],
         placements=run.placements,
+        reasons=run.reasons,
+        learned=run.learned,
         server_cpu_s=run.server_cpu_s,
         client_cpu_s=run.client_cpu_s,
         other_cpu_cores=run.other_cpu_s / run.wall_s if run.wall_s > 0 else math.nan,

@@ -165,6 +165,8 @@ class RateRun:
     results: list[Any]  # serve.stats.RequestResult, in prompt order
     wall_s: float
     placements: dict[str, float] | None = None  # a rapidkv router's, by kind
+    reasons: dict[str, float] | None = None  # ... and by the policy's reason (or "fixed")
+    learned: dict[str, Any] | None = None  # an adaptive router's models after the rate
     server_cpu_s: dict[str, float] = field(default_factory=dict)  # per process tree
     client_cpu_s: float = 0.0  # this process: the load generator
     other_cpu_s: float = 0.0  # everything else on the machine (noise: should be ~0)
@@ -456,7 +458,7 @@ class Sweep:
         url = group.url(config)
         router = (config.front or "").startswith("router")
         time.sleep(PAIR_PAUSE_S)  # vLLM spins on its queues for 1 s after a step
-        before = placements(url) if router else None
+        before = placement_counts(url) if router else None
         cpu = CpuWindow(group)
         results, wall = run_load(
             url,
@@ -472,8 +474,11 @@ class Sweep:
         run = RateRun(rate, arrivals, results, wall)
         run.server_cpu_s, run.client_cpu_s, run.other_cpu_s = cpu.close()
         if before is not None:
-            after = placements(url)
-            run.placements = {k: after[k] - before.get(k, 0.0) for k in after}
+            after = placement_counts(url)
+            run.placements, run.reasons = (
+                {k: v - before[i].get(k, 0.0) for k, v in after[i].items()} for i in (0, 1)
+            )
+            run.learned = after[2] or None
         self.configs[name].rates.setdefault(w.name, {})[rate] = run
         if any(r.error and r.error.startswith(TIMEOUT) for r in results):
             why = (
@@ -512,9 +517,25 @@ class CpuWindow:
 PLACEMENT_KINDS = ("local", "pd", "split")
 
 
-def placements(router_url: str) -> dict[str, float]:
-    """A rapidkv router's requests so far by placement kind (its /metrics)."""
-    from rapidkv.harness import get_metrics, metric_sum
+def placement_counts(
+    router_url: str,
+) -> tuple[dict[str, float], dict[str, float], dict[str, Any]]:
+    """A rapidkv router's requests so far by placement kind and by reason, and
+    an adaptive router's learned costs as they are now (its /metrics:
+    ``{"step_ms": {"<url>": {"intercept": ms, "slope": ms}}, "transfer_ms":
+    {"<P url> -> <D url>": {...}}, ...}``, empty for a fixed router)."""
+    from rapidkv.harness import get_metrics
 
-    m = get_metrics(router_url)
-    return {k: metric_sum(m, "rapidkv_router_placements_total", kind=k) for k in PLACEMENT_KINDS}
+    kinds = dict.fromkeys(PLACEMENT_KINDS, 0.0)
+    reasons: dict[str, float] = {}
+    learned: dict[str, Any] = {}
+    prefix = "rapidkv_router_model_"
+    for (name, labels), v in get_metrics(router_url).items():
+        lab = dict(labels)
+        if name == "rapidkv_router_placements_total":
+            kinds[lab["kind"]] = kinds.get(lab["kind"], 0.0) + v
+            reasons[lab["reason"]] = reasons.get(lab["reason"], 0.0) + v
+        elif name.startswith(prefix) and "term" in lab:
+            where = lab.get("instance") or f"{lab.get('prefill')} -> {lab.get('decode')}"
+            learned.setdefault(name.removeprefix(prefix), {}).setdefault(where, {})[lab["term"]] = v
+    return kinds, reasons, learned

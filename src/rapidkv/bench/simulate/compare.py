@@ -18,8 +18,10 @@ configuration it can map to a policy (`policy_for`: ``dp2`` -> ``dp``,
 directly: `target_for`), simulates the same rates with the same SLOs
 (the real run's when it gives them, else the fit's) on the testbed as it is
 (`engine`'s ``shared_core`` for a routed pair: the router and the client on
-instance 0's core), takes the goodput by the same rule (`goodput.goodput_of`), and
-reports both with the relative error ``(simulated - measured) / measured``
+instance 0's core), takes the goodput of both by `bench goodput`'s own rule
+(`rapidkv.bench.goodput.slo.goodput`: the last swept rate before the first
+miss, so a simulated pass above a simulated miss counts no more than a real
+one does), and reports both with the relative error ``(simulated - measured) / measured``
 (`relative_error`). Anything it cannot use is listed in ``skipped`` with
 the reason, never fatal. A comparison is `within` tolerance (`TOLERANCE`,
 15 %) when every error is defined and at most that in size.
@@ -32,8 +34,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rapidkv.bench.goodput.slo import goodput
 from rapidkv.bench.simulate.fit import Fit
-from rapidkv.bench.simulate.goodput import goodput_of, reference_slo, run_point
+from rapidkv.bench.simulate.goodput import reference_slo, run_point
 from rapidkv.bench.simulate.workload import WORKLOADS, requests
 from rapidkv.router.placement import SLO
 
@@ -70,6 +73,12 @@ def policy_for(config: str) -> str | None:
     """The simulator's policy for a `bench goodput` configuration (None: not modelled)."""
     target = target_for(config)
     return None if target is None else target.policy
+
+
+def goodput_rule(attainment: dict[float, float]) -> float:
+    """`bench goodput`'s goodput of ``{rate: attainment}``: the last rate before
+    the first miss (0 when none passes)."""
+    return goodput(attainment).req_s or 0.0
 
 
 def relative_error(simulated: float, measured: float) -> float | None:
@@ -145,7 +154,7 @@ def compare(
             n = _int(cdata.get("instances")) or target.instances
             measured = _float(cdata.get("goodput_req_s"))
             if measured is None:
-                measured = goodput_of(measured_att)
+                measured = goodput_rule(measured_att)
             specs = requests(workload, count or max(min_requests, requests_per_instance * n), seed)
             points = {}
             for rate in sorted(measured_att):
@@ -162,7 +171,7 @@ def compare(
                     shared_core=target.shared_core and n == 2,
                 )
             sim_att = {r: p.attainment for r, p in points.items()}
-            simulated = goodput_of(sim_att)
+            simulated = goodput_rule(sim_att)
             err = relative_error(simulated, measured)
             errors.append(err)
             wout["configs"][cname] = {

@@ -67,8 +67,9 @@ class PrefillObservation:
 
 @dataclass(frozen=True)
 class TransferObservation:
-    """`ms` from P's (`src`) prefill answer to D's (`dst`) first token, for a
-    prompt of `tokens` tokens, with `batch` requests decoding on D before it."""
+    """`ms` from P's (`src`) prefill answer to D's (`dst`) first token, less
+    the time D spent computing other prompts meanwhile, for a prompt of
+    `tokens` tokens, with `batch` requests decoding on D before it."""
 
     src: int
     dst: int

@@ -35,8 +35,10 @@ Measures (what the observations say):
   the end of that instance's previous prefill, to its own end (P's answer, or
   D's first token for a local prompt): right for one prefill at a time, an
   approximation when vLLM batches several;
-- a transfer is from P's answer to D's first token (`Models.learn` takes D's
-  step out); none when D's first token comes first;
+- a transfer is from P's answer to D's first token, less the prefill service
+  time D spent on other prompts in that window (D's queue, which the policy
+  counts on its own; `Models.learn` takes D's step out too); none when D's
+  first token comes first;
 - a decode step is the request's time from first token to finish, minus the
   prefill service time its instance spent in that window, over its output
   tokens after the first; its batch is the mean number of requests decoding on
@@ -216,6 +218,7 @@ class _Request:
     decoder: int  # the instance decoding it now (`placement.decode` until moved)
     output_tokens: int | None  # what it asked for (None: not known)
     prefill_done_s: float | None = None  # P's successful answer
+    busy_at_done: float = 0.0  # the decoder's `prefill_busy_ms` then
     first_token_s: float | None = None
     area_at_first: float = 0.0
     busy_at_first: float = 0.0
@@ -366,6 +369,7 @@ class FleetState:
             ms = s.prefill_ended(r.dispatched_s, now_s)
             if ok:
                 r.prefill_done_s = now_s
+                r.busy_at_done = self._inst[r.decoder].prefill_busy_ms
                 out.append(PrefillObservation(p.prefill, tokens, ms, s.decoding))
         self._forget_if_over(request_id, r)
         return out
@@ -385,7 +389,8 @@ class FleetState:
             if p.kind == "local":
                 out.append(PrefillObservation(p.decode, tokens, ms, j.decoding))
         elif p.kind == "pd" and r.prefill_done_s is not None and not r.moved:
-            gap = max(now_s - r.prefill_done_s, 0.0) * 1000
+            busy_ms = j.prefill_busy_ms - r.busy_at_done  # D computing other prompts
+            gap = max((now_s - r.prefill_done_s) * 1000 - busy_ms, 0.0)
             out.append(TransferObservation(p.prefill, p.decode, r.prompt_tokens, gap, j.decoding))
         j.advance(now_s)
         j.decoding += 1

@@ -1,0 +1,70 @@
+"""The adaptive router's learned costs as Prometheus gauges, read at each scrape.
+
+Every cost of `placement.Models` is a line ``ms = intercept + slope * x``; each
+is exported as two samples, ``term="intercept"`` (ms) and ``term="slope"``
+(ms per unit of its x):
+
+- ``rapidkv_router_model_prefill_ms{instance}``: x = prompt tokens computed;
+- ``rapidkv_router_model_step_ms{instance}``: x = requests decoding;
+- ``rapidkv_router_model_transfer_ms{prefill, decode}``: x = prompt tokens,
+  for each ordered pair the router has observed (a pair never observed uses
+  the prior, which is not exported).
+
+``instance``, ``prefill`` and ``decode`` are instance URLs. The collector holds
+no state of its own: a scrape reads the models as they are at that moment
+(the router's one event loop is the only writer; a scrape from the same loop
+sees a consistent model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from rapidkv.router.placement import Models
+from rapidkv.router.placement.model import LinearCost
+
+
+class ModelsCollector(Collector):
+    """Exports `models`; `urls()` gives the URL of each instance index."""
+
+    def __init__(self, models: Models, urls: Callable[[], Sequence[str]]) -> None:
+        self.models = models
+        self.urls = urls
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        urls = list(self.urls())
+        n = min(len(urls), self.models.n)
+        prefill = GaugeMetricFamily(
+            "rapidkv_router_model_prefill_ms",
+            "Learned prefill cost beyond a decode step: intercept (ms), slope (ms per token)",
+            labels=["instance", "term"],
+        )
+        step = GaugeMetricFamily(
+            "rapidkv_router_model_step_ms",
+            "Learned decode step: intercept (ms), slope (ms per decoding request)",
+            labels=["instance", "term"],
+        )
+        transfer = GaugeMetricFamily(
+            "rapidkv_router_model_transfer_ms",
+            "Learned KV transfer after P's answer, per observed pair: intercept (ms), slope "
+            "(ms per token)",
+            labels=["prefill", "decode", "term"],
+        )
+        for i in range(n):
+            _add(prefill, [urls[i]], self.models.prefill[i])
+            _add(step, [urls[i]], self.models.step[i])
+        for (i, j), cost in sorted(self.models.transfer.items()):
+            if i < n and j < n:
+                _add(transfer, [urls[i], urls[j]], cost)
+        yield from (prefill, step, transfer)
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return []  # unchecked: the series depend on the fleet
+
+
+def _add(family: GaugeMetricFamily, labels: list[str], cost: LinearCost) -> None:
+    family.add_metric([*labels, "intercept"], cost.intercept)
+    family.add_metric([*labels, "slope"], cost.slope)

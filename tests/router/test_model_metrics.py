@@ -1,0 +1,66 @@
+"""The adaptive router's learned costs on /metrics (`ModelsCollector`)."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from rapidkv.router.model_metrics import ModelsCollector
+from rapidkv.router.placement import Models
+
+pytestmark = pytest.mark.unit
+
+URLS = ["http://a:1", "http://b:2"]
+
+
+def scrape(models: Models, urls: list[str]) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    registry = CollectorRegistry()
+    registry.register(ModelsCollector(models, lambda: urls))
+    text = generate_latest(registry).decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_every_instance_exports_its_lines_and_only_observed_pairs_a_transfer() -> None:
+    models = Models(2)
+    models.observe_step(1, 4, 9.0)
+    models.observe_transfer(0, 1, 500, 30.0)
+    got = scrape(models, URLS)
+    for i, url in enumerate(URLS):
+        for name, cost in (("prefill", models.prefill[i]), ("step", models.step[i])):
+            key = f"rapidkv_router_model_{name}_ms"
+            assert got[(key, (("instance", url), ("term", "intercept")))] == cost.intercept
+            assert got[(key, (("instance", url), ("term", "slope")))] == cost.slope
+    # what instance 1 taught its step model shows, instance 0 still has the prior's
+    assert (
+        got[("rapidkv_router_model_step_ms", (("instance", URLS[1]), ("term", "slope")))]
+        != (got[("rapidkv_router_model_step_ms", (("instance", URLS[0]), ("term", "slope")))])
+    )
+    transfers = {k: v for k, v in got.items() if k[0] == "rapidkv_router_model_transfer_ms"}
+    pair = (("decode", URLS[1]), ("prefill", URLS[0]))
+    assert transfers == {
+        ("rapidkv_router_model_transfer_ms", (*pair, ("term", "intercept"))): models.transfer[
+            (0, 1)
+        ].intercept,
+        ("rapidkv_router_model_transfer_ms", (*pair, ("term", "slope"))): models.transfer[
+            (0, 1)
+        ].slope,
+    }
+
+
+def test_a_scrape_reads_the_models_as_they_are_now() -> None:
+    models = Models(1)
+    before = scrape(models, URLS[:1])
+    models.observe_prefill(0, 800, 400.0)
+    after = scrape(models, URLS[:1])
+    key = ("rapidkv_router_model_prefill_ms", (("instance", URLS[0]), ("term", "slope")))
+    assert after[key] > before[key]
+
+
+def test_an_instance_the_models_do_not_have_yet_is_left_out() -> None:
+    got = scrape(Models(1), URLS)  # a member appended before the models grew
+    assert {dict(k[1])["instance"] for k in got} == {URLS[0]}
