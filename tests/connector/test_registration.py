@@ -64,7 +64,9 @@ def test_an_instance_registers_once_it_answers_health_and_leaves_at_close(
     config = ConnectorConfig(
         etcd_endpoints=(etcd.url,), etcd_prefix=prefix, etcd_ttl_s=2.0, advertise_url=health.url
     )
-    sched = SchedulerSide(config, "inst-r", 16, 1, "fp", roles=kv_roles("kv_consumer"))
+    sched = SchedulerSide(
+        config, "inst-r", 16, 1, "fp", roles=kv_roles("kv_consumer"), max_num_seqs=8
+    )
     try:
         assert not sched.registrar.wait_registered(1.0), "registered before /health answered"
         assert records(etcd, prefix) == {}
@@ -83,6 +85,7 @@ def test_an_instance_registers_once_it_answers_health_and_leaves_at_close(
             "inst-r",
             sched.incarnation,
         )
+        assert record.max_num_seqs == 8
     finally:
         sched.close()
     wait_until(lambda: records(etcd, prefix) == {}, 2.0, what="the record gone at close")

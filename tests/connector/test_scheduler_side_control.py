@@ -348,3 +348,19 @@ def test_a_wildcard_bind_advertises_the_configured_host() -> None:
             assert client.call(f"127.0.0.1:{port}", StatsRequest(), 5).counters is not None
     finally:
         side.close()
+
+
+def test_the_identity_a_router_learns_carries_block_size_and_max_num_seqs() -> None:
+    config = ConnectorConfig(transport="tcp")
+    sides = [
+        SchedulerSide(config, "P", 16, 1, "fingerprint", max_num_seqs=8),
+        SchedulerSide(config, "Q", 32, 1, "fingerprint"),
+    ]
+    try:
+        known, unknown = (s.identity()["rapidkv"] for s in sides)
+        assert (known["block_size"], known["max_num_seqs"]) == (16, 8)
+        assert unknown["block_size"] == 32 and "max_num_seqs" not in unknown
+        assert known["instance_id"] == "P" and known["control"] == sides[0].shared.control_address
+    finally:
+        for s in sides:
+            s.close()

@@ -37,6 +37,7 @@ def record(i: int, roles: tuple[str, ...] = ("prefill", "decode")) -> InstanceRe
         block_size=128,
         instance_id=f"inst-{i}",
         incarnation=f"inc-{i}",
+        max_num_seqs=8,
     )
 
 
@@ -46,6 +47,8 @@ def record(i: int, roles: tuple[str, ...] = ("prefill", "decode")) -> InstanceRe
 def test_a_record_round_trips_and_a_bad_one_says_what_is_wrong() -> None:
     r = record(1, ("decode",))
     assert decode_record(encode_record(r)) == r
+    older = encode_record(r).replace(',"max_num_seqs":8', "")  # from an instance before it
+    assert '"max_num_seqs"' not in older and decode_record(older).max_num_seqs is None
     assert record_key("/p/", "inst-1") == "/p/instances/inst-1"
     for bad, why in (
         ("{", "not JSON"),
@@ -53,6 +56,7 @@ def test_a_record_round_trips_and_a_bad_one_says_what_is_wrong() -> None:
         (encode_record(r).replace("http://", "ftp://"), "http"),
         (encode_record(r).replace('["decode"]', '["cook"]'), "roles"),
         (encode_record(r).replace('"block_size":128', '"block_size":0'), "block_size"),
+        (encode_record(r).replace('"max_num_seqs":8', '"max_num_seqs":0'), "max_num_seqs"),
         ("x" * 5000, "at most"),
     ):
         with pytest.raises(ValueError, match=why):

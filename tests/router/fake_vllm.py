@@ -95,6 +95,7 @@ class FakeVLLM:
         # the control address a connector would report in its full answers'
         # kv_transfer_params (None: no connector, as plain vLLM)
         self.control: str | None = None
+        self.max_num_seqs = 4  # what it reports with the control address
         self.seen: list[Seen] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._gate: asyncio.Event | None = None
@@ -222,7 +223,12 @@ class FakeVLLM:
             full = _full(seen, chat, self.name)
             if self.control is not None:
                 full["kv_transfer_params"] = {
-                    "rapidkv": {"control": self.control, "instance_id": self.name, "block_size": 4}
+                    "rapidkv": {
+                        "control": self.control,
+                        "instance_id": self.name,
+                        "block_size": 4,
+                        "max_num_seqs": self.max_num_seqs,
+                    }
                 }
             answer = json.dumps(full).encode()
             await self._answer(seen, send, 200, "application/json", [answer])

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from rapidkv.router.config import Instance
-from rapidkv.router.discovery import DiscoveryError, control_from_answer, probe_body
+from rapidkv.router.discovery import (
+    Discovered,
+    DiscoveryError,
+    control_from_answer,
+    discovered_from_answer,
+    probe_body,
+)
 
 P = Instance("http://10.1.2.3:8100")
 
@@ -44,3 +50,15 @@ def test_a_wildcard_host_becomes_the_instance_urls_host(wildcard: str) -> None:
 def test_anything_else_is_a_clear_error(bad: object) -> None:
     with pytest.raises(DiscoveryError, match=r"10\.1\.2\.3"):
         control_from_answer(P, bad)
+
+
+def test_block_size_and_max_num_seqs_come_with_the_address_when_valid() -> None:
+    full = answer("127.0.0.1:9100")
+    full["kv_transfer_params"]["rapidkv"].update(block_size=16, max_num_seqs=8)
+    assert discovered_from_answer(P, full) == Discovered("127.0.0.1:9100", 16, 8)
+    for bad in (0, -1, True, 8.0, "8", None):
+        odd = answer("127.0.0.1:9100")
+        odd["kv_transfer_params"]["rapidkv"].update(block_size=bad, max_num_seqs=bad)
+        assert discovered_from_answer(P, odd) == Discovered("127.0.0.1:9100", None, None)
+    with pytest.raises(DiscoveryError):
+        discovered_from_answer(P, {"kv_transfer_params": {"rapidkv": {"max_num_seqs": 8}}})

@@ -7,7 +7,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from rapidkv.router.model_metrics import ModelsCollector
-from rapidkv.router.placement import Models
+from rapidkv.router.placement import FleetState, Models
 
 pytestmark = pytest.mark.unit
 
@@ -64,3 +64,13 @@ def test_a_scrape_reads_the_models_as_they_are_now() -> None:
 def test_an_instance_the_models_do_not_have_yet_is_left_out() -> None:
     got = scrape(Models(1), URLS)  # a member appended before the models grew
     assert {dict(k[1])["instance"] for k in got} == {URLS[0]}
+
+
+def test_the_capacity_the_router_learned_is_exported_per_instance() -> None:
+    fleet = FleetState(2)
+    fleet.set_max_num_seqs(1, 8)
+    registry = CollectorRegistry()
+    registry.register(ModelsCollector(Models(2), lambda: URLS, fleet))
+    seqs = "rapidkv_router_instance_max_num_seqs"
+    assert registry.get_sample_value(seqs, {"instance": URLS[1]}) == 8.0
+    assert registry.get_sample_value(seqs, {"instance": URLS[0]}) is None  # not known

@@ -158,8 +158,15 @@ def test_stalls_a_running_decode_already_suffered_count_against_the_next_one() -
         dict(decodes=1, running=(Decode(-1.0),)),
         dict(decodes=1, running=(Decode(0.0, 0),)),
         dict(decodes=1, running=(Decode(), Decode())),
+        dict(max_num_seqs=0),
     ],
-    ids=["block-size-0", "negative-stall", "no-output", "more-running-than-decodes"],
+    ids=[
+        "block-size-0",
+        "negative-stall",
+        "no-output",
+        "more-running-than-decodes",
+        "max-num-seqs-0",
+    ],
 )
 def test_an_impossible_instance_load_is_refused(bad: dict) -> None:
     with pytest.raises(ValueError):
@@ -233,6 +240,48 @@ def test_a_split_onto_a_busy_decoder_is_charged_the_whole_wait_for_its_head() ->
     assert split.tpot_ms > models.step_ms(0, 7) + queue_p / 16  # the wait counts as a stall
     assert split.tpot_ms > local.tpot_ms
     assert decide([decoder, queued_p], models, request, policy=half).kind == "local"
+
+
+def test_a_full_engine_is_waited_for_and_one_with_a_free_slot_preferred() -> None:
+    """Instance 0 runs its max_num_seqs (8) requests, each asking 200 tokens:
+    a ninth waits for one of them to finish, about 1/9 of an output of 8-wide
+    steps. Instance 1 has a prompt queued but a free slot: it wins, where an
+    unknown capacity (or one slot fewer in use) would have chosen 0."""
+    models, request, no_cross = Models(2), Request(100), Policy(pd=False, split=False)
+
+    def load(n: int, cap: int | None, queued: int = 0) -> InstanceLoad:
+        return InstanceLoad(
+            decodes=n,
+            outstanding=n,
+            running=(Decode(0.0, 200),) * n,
+            waiting_prefills=1 if queued else 0,
+            waiting_prefill_tokens=queued,
+            max_num_seqs=cap,
+        )
+
+    unknown = [load(8, None), load(5, None, queued=600)]
+    full = [load(8, 8), load(5, 8, queued=600)]
+    assert decide(unknown, models, request, policy=no_cross).decode == 0
+    d = decide(full, models, request, policy=no_cross)
+    assert (d.kind, d.decode) == ("local", 1)
+    wait = 200 * models.step_ms(0, 8) / 9
+    local = Placement("local", 0, 0)
+    assert option_for(options(full, models, request), local).ttft_ms == pytest.approx(
+        option_for(options(unknown, models, request), local).ttft_ms + wait
+    )
+    # a slot free: no wait; two requests beyond the slots: twice the wait
+    free = [load(7, 8), load(5, 8, queued=600)]
+    assert decide(free, models, request, policy=no_cross).decode == 0
+    over = [dataclasses.replace(full[0], outstanding=9), full[1]]
+    assert option_for(options(over, models, request), local).ttft_ms == pytest.approx(
+        option_for(options(unknown, models, request), local).ttft_ms + 2 * wait
+    )
+    # the state passes the capacity on
+    fleet = FleetState(2)
+    fleet.set_max_num_seqs(1, 8)
+    assert [load.max_num_seqs for load in fleet.view()] == [None, 8]
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        fleet.set_max_num_seqs(0, 0)
 
 
 def test_when_no_option_meets_tpot_the_least_violation_is_chosen() -> None:
@@ -464,6 +513,29 @@ def test_a_transfer_observation_takes_out_ds_own_prompts_computed_meanwhile() ->
     fleet.on_prefill_done("c", now_s=0.26)
     (obs,) = fleet.on_first_token("c", now_s=0.275)
     assert obs == TransferObservation(0, 1, 512, pytest.approx(15.0), batch=2)
+
+
+def test_a_request_that_found_no_free_slot_teaches_no_prefill_or_transfer() -> None:
+    """With max_num_seqs 1 on instance 1, a second request dispatched there
+    waits in vLLM's queue for a time no event shows: its prefill (local) and
+    its transfer (PD) are not observed; its decode step still is."""
+    fleet = FleetState(2)
+    fleet.set_max_num_seqs(1, 1)
+    fleet.on_dispatch("a", Placement("local", 1, 1), 100, now_s=0.0)
+    fleet.on_dispatch("b", Placement("local", 1, 1), 100, now_s=0.001)
+    fleet.on_dispatch("c", Placement("pd", 0, 1), 100, now_s=0.002)
+    (first,) = fleet.on_first_token("a", now_s=0.02)
+    assert isinstance(first, PrefillObservation)
+    assert fleet.on_finish("a", now_s=0.10, output_tokens=9) != []
+    assert fleet.on_prefill_done("c", now_s=0.03) != []  # instance 0 had a free slot
+    assert fleet.on_first_token("b", now_s=0.12) == []
+    assert fleet.on_first_token("c", now_s=0.13) == []
+    (step,) = fleet.on_finish("b", now_s=0.20, output_tokens=9)
+    assert isinstance(step, DecodeObservation)
+    # below the capacity again: observed as before
+    fleet.on_finish("c", now_s=0.21, output_tokens=1)
+    fleet.on_dispatch("d", Placement("local", 1, 1), 100, now_s=0.3)
+    assert len(fleet.on_first_token("d", now_s=0.32)) == 1
 
 
 def test_p_outliving_d_keeps_its_work_until_p_is_over() -> None:

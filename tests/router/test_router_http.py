@@ -762,6 +762,31 @@ def test_adaptive_placement_keeps_a_short_prompt_local_and_says_so(
         )
 
 
+def test_adaptive_placement_asks_every_instance_its_block_size_and_max_num_seqs(
+    make_fake: MakeFake, make_router: MakeRouter, http: httpx.Client
+) -> None:
+    """Even with their control addresses configured, an adaptive router probes
+    each instance: a split needs the block size, and an engine with
+    max_num_seqs requests running queues the next."""
+    a = [make_fake(f"A{i}", "decode") for i in range(2)]
+    for i, fake in enumerate(a):
+        fake.control = f"127.0.0.1:{7100 + i}"
+        fake.max_num_seqs = 4 + i
+    configured = [Instance(fake.url, f"127.0.0.1:{7200 + i}") for i, fake in enumerate(a)]
+    router = make_router([], [], instances=configured, placement="adaptive", discover=True)
+    seqs = "rapidkv_router_instance_max_num_seqs"
+    wait_until(
+        lambda: [metric(router, seqs, instance=fake.url) for fake in a] == [4, 5],
+        10,
+        what="both instances probed",
+    )
+    assert all(
+        fake.requests()[0].kv_transfer_params == {"rapidkv": {"discover": True}} for fake in a
+    )
+    resp = http.post(f"{router.url}/v1/completions", json=COMPLETION)
+    assert resp.status_code == 200
+
+
 def test_fixed_placement_names_the_instances_in_the_header(
     pd: tuple[FakeVLLM, FakeVLLM], make_router: MakeRouter, http: httpx.Client
 ) -> None:

@@ -104,6 +104,7 @@ class RapidKVConnector(KVConnectorBase_V1):
                 vllm_config.parallel_config.tensor_parallel_size,
                 model_fingerprint(vllm_config.model_config),
                 roles=kv_roles(ktc.kv_role),
+                max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

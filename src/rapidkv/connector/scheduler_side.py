@@ -82,10 +82,12 @@ class SchedulerSide:
         tp_size: int,
         fingerprint: str,
         roles: tuple[str, ...] = ("prefill", "decode"),
+        max_num_seqs: int | None = None,
     ) -> None:
         self.config = config
         self.instance_id = instance_id
         self.block_size = block_size
+        self.max_num_seqs = max_num_seqs  # vLLM's; a router's placement waits beyond it
         self.tp_size = tp_size
         self.fingerprint = fingerprint
         self.shared = SharedState(config, instance_id, block_size, tp_size)
@@ -225,15 +227,17 @@ class SchedulerSide:
 
     def identity(self) -> dict[str, Any]:
         """What a router learns from our answers (`kv_transfer_params`): where
-        our control plane listens, who we are, our block size."""
-        return {
-            "rapidkv": {
-                "control": self.shared.control_address,
-                "instance_id": self.instance_id,
-                "incarnation": self.incarnation,
-                "block_size": self.block_size,
-            }
+        our control plane listens, who we are, our block size and how many
+        requests our engine runs at once."""
+        ours: dict[str, Any] = {
+            "control": self.shared.control_address,
+            "instance_id": self.instance_id,
+            "incarnation": self.incarnation,
+            "block_size": self.block_size,
         }
+        if self.max_num_seqs is not None:
+            ours["max_num_seqs"] = self.max_num_seqs
+        return {"rapidkv": ours}
 
     def update_output(
         self,
@@ -318,6 +322,7 @@ class SchedulerSide:
             block_size=self.block_size,
             instance_id=self.instance_id,
             incarnation=self.incarnation,
+            max_num_seqs=self.max_num_seqs,
         )
 
         def ready() -> bool:

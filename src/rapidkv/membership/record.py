@@ -14,7 +14,9 @@ MAX_RECORD_BYTES = 4096  # a record is a few hundred bytes; anything larger is r
 
 class InstanceRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     """One instance: its HTTP base URL, control address, the roles it may play
-    (``prefill``, ``decode``), its KV block size and who it is."""
+    (``prefill``, ``decode``), its KV block size, who it is and how many
+    requests its engine runs at once (vLLM's ``max_num_seqs``; absent from
+    records of older instances)."""
 
     url: str
     control: str
@@ -22,6 +24,7 @@ class InstanceRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     block_size: int
     instance_id: str
     incarnation: str = ""
+    max_num_seqs: int | None = None
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -30,6 +33,8 @@ class InstanceRecord(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
             raise ValueError(f"roles are prefill and/or decode, not {self.roles!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, not {self.block_size}")
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, not {self.max_num_seqs}")
 
 
 def record_key(prefix: str, instance_id: str) -> str:

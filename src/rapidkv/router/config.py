@@ -39,6 +39,7 @@ class Instance:
     url: str
     control: str | None = None
     block_size: int | None = None  # a prefill instance's KV block size, once discovered
+    max_num_seqs: int | None = None  # its engine's, from its etcd record (else discovered)
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)

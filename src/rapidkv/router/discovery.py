@@ -4,15 +4,17 @@ When an instance is configured without one (``--prefill URL``), the router
 sends it a one-token completion whose ``kv_transfer_params`` carry
 ``{"rapidkv": {"discover": true}}``. The instance's connector answers in the
 response's ``kv_transfer_params``: ``{"rapidkv": {"control": "host:port",
-"instance_id": ..., "block_size": N}}``. A control plane listening on every
-interface (``0.0.0.0`` or ``::``) is reached at the host of the instance's URL.
-The block size (which a split prefill's head is a multiple of) is optional.
+"instance_id": ..., "block_size": N, "max_num_seqs": M}}``. A control plane
+listening on every interface (``0.0.0.0`` or ``::``) is reached at the host of
+the instance's URL. The block size (which a split prefill's head is a multiple
+of) and the engine's ``max_num_seqs`` (how many requests it runs at once: the
+adaptive placement's capacity) are optional.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -24,6 +26,14 @@ from rapidkv.router.upstream import UPSTREAM_ERRORS, get, post_json
 
 class DiscoveryError(RuntimeError):
     """The instance did not say where its control plane listens."""
+
+
+class Discovered(NamedTuple):
+    """What an instance's connector told of itself."""
+
+    control: str
+    block_size: int | None = None
+    max_num_seqs: int | None = None
 
 
 def probe_body() -> dict[str, Any]:
@@ -57,16 +67,36 @@ def control_from_answer(inst: Instance, answer: Any) -> str:
 
 def block_size_from_answer(answer: Any) -> int | None:
     """The block size in a probe's answer, if it gives a valid one."""
-    ours = answer.get("kv_transfer_params", {}).get("rapidkv", {})
-    size = ours.get("block_size")
-    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
+    return _positive_int(answer, "block_size")
+
+
+def max_num_seqs_from_answer(answer: Any) -> int | None:
+    """The engine's ``max_num_seqs`` in a probe's answer, if it gives a valid one."""
+    return _positive_int(answer, "max_num_seqs")
+
+
+def discovered_from_answer(inst: Instance, answer: Any) -> Discovered:
+    """Everything a probe's (or any P's) answer tells; DiscoveryError without
+    a control address."""
+    return Discovered(
+        control_from_answer(inst, answer),
+        block_size_from_answer(answer),
+        max_num_seqs_from_answer(answer),
+    )
+
+
+def _positive_int(answer: Any, key: str) -> int | None:
+    params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+    ours = params.get("rapidkv") if isinstance(params, dict) else None
+    v = ours.get(key) if isinstance(ours, dict) else None
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
 
 async def discover_control(
     http: aiohttp.ClientSession, inst: Instance, timeout: float
-) -> tuple[str, int | None]:
-    """Ask `inst` for its control address and block size; DiscoveryError if it
-    cannot tell the address."""
+) -> Discovered:
+    """Ask `inst` for its control address, block size and max_num_seqs;
+    DiscoveryError if it cannot tell the address."""
     try:
         status, raw, _ = await get(http, f"{inst.url}/v1/models", timeout)
         if status != 200:
@@ -82,4 +112,4 @@ async def discover_control(
         answer = json.loads(raw)
     except ValueError:
         raise DiscoveryError(f"{inst.url}: probe answer is not JSON") from None
-    return control_from_answer(inst, answer), block_size_from_answer(answer)
+    return discovered_from_answer(inst, answer)

@@ -10,6 +10,10 @@ is exported as two samples, ``term="intercept"`` (ms) and ``term="slope"``
   for each ordered pair the router has observed (a pair never observed uses
   the prior, which is not exported).
 
+and, from the fleet's state, ``rapidkv_router_instance_max_num_seqs{instance}``
+for each instance whose engine's ``max_num_seqs`` the router has learned
+(discovery or etcd): the capacity the policy waits beyond.
+
 ``instance``, ``prefill`` and ``decode`` are instance URLs. The collector holds
 no state of its own: a scrape reads the models as they are at that moment
 (the router's one event loop is the only writer; a scrape from the same loop
@@ -23,16 +27,20 @@ from collections.abc import Callable, Iterator, Sequence
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from rapidkv.router.placement import Models
+from rapidkv.router.placement import FleetState, Models
 from rapidkv.router.placement.model import LinearCost
 
 
 class ModelsCollector(Collector):
-    """Exports `models`; `urls()` gives the URL of each instance index."""
+    """Exports `models` (and `fleet`'s capacities); `urls()` gives the URL of
+    each instance index."""
 
-    def __init__(self, models: Models, urls: Callable[[], Sequence[str]]) -> None:
+    def __init__(
+        self, models: Models, urls: Callable[[], Sequence[str]], fleet: FleetState | None = None
+    ) -> None:
         self.models = models
         self.urls = urls
+        self.fleet = fleet
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         urls = list(self.urls())
@@ -60,6 +68,16 @@ class ModelsCollector(Collector):
             if i < n and j < n:
                 _add(transfer, [urls[i], urls[j]], cost)
         yield from (prefill, step, transfer)
+        if self.fleet is not None:
+            seqs = GaugeMetricFamily(
+                "rapidkv_router_instance_max_num_seqs",
+                "The instance engine's max_num_seqs, as the router learned it",
+                labels=["instance"],
+            )
+            for i, load in enumerate(self.fleet.view()[:n]):
+                if load.max_num_seqs is not None:
+                    seqs.add_metric([urls[i]], load.max_num_seqs)
+            yield seqs
 
     def describe(self) -> list[GaugeMetricFamily]:
         return []  # unchecked: the series depend on the fleet

@@ -11,7 +11,8 @@ one event loop (no locks):
   token the router can see, and teaches the models nothing), `finished` when
   D's answer is over; each feeds the observations it yields to the models;
 - `migrated` when a live migration moved the request's decode;
-- `set_healthy`, `set_draining` and `set_block_size` as the router learns them.
+- `set_healthy`, `set_draining`, `set_block_size` and `set_max_num_seqs` as
+  the router learns them.
 
 A request's prompt length is estimated before it is tokenized: token ids are
 counted, text is taken as `CHARS_PER_TOKEN` characters a token (the policy
@@ -120,13 +121,14 @@ class Placer:
 
     def join(self, index: int, member: Member) -> None:
         """Member `index` joined the fleet (a new one: the next index) or came
-        back (`Router.follow`): healthy, with its role and block size."""
+        back (`Router.follow`): healthy, with its role, block size and max_num_seqs."""
         if index == len(self.fleet):
             self.models.add()
             self.fleet.add(_role(member))
         self.fleet.set_role(index, _role(member))
         self.fleet.set_healthy(index, True)
         self.fleet.set_block_size(index, member.instance.block_size)
+        self.fleet.set_max_num_seqs(index, member.instance.max_num_seqs)
 
     def set_healthy(self, index: int, healthy: bool) -> None:
         self.fleet.set_healthy(index, healthy)
@@ -136,6 +138,9 @@ class Placer:
 
     def set_block_size(self, index: int, block_size: int | None) -> None:
         self.fleet.set_block_size(index, block_size)
+
+    def set_max_num_seqs(self, index: int, max_num_seqs: int | None) -> None:
+        self.fleet.set_max_num_seqs(index, max_num_seqs)
 
     def _learn(self, event: Any, xfer_id: str, **kwargs: Any) -> None:
         if xfer_id not in self.fleet:

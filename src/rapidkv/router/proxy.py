@@ -73,10 +73,10 @@ from rapidkv.router.aborts import ControlAborter
 from rapidkv.router.balance import LeastOutstanding
 from rapidkv.router.config import ROLES, Instance, Member, Role, RouterConfig
 from rapidkv.router.discovery import (
+    Discovered,
     DiscoveryError,
-    block_size_from_answer,
-    control_from_answer,
     discover_control,
+    discovered_from_answer,
 )
 from rapidkv.router.health import InstanceHealth
 from rapidkv.router.membership_diff import Left, MembershipDiff
@@ -214,7 +214,9 @@ class Router:
         if self._placer is not None:
             self.metrics.registry.register(
                 ModelsCollector(
-                    self._placer.models, lambda: [m.instance.url for m in self._members]
+                    self._placer.models,
+                    lambda: [m.instance.url for m in self._members],
+                    self._placer.fleet,
                 )
             )
         self._aborter = ControlAborter(config.secret, config.abort_timeout_s, self.metrics)
@@ -228,7 +230,7 @@ class Router:
         self._background: set[asyncio.Task[Any]] = set()
         # prefill URL -> its control address, once discovered (see `discovery`)
         # (probe, started)
-        self._discovery: dict[str, tuple[asyncio.Future[tuple[str, int | None]], float]] = {}
+        self._discovery: dict[str, tuple[asyncio.Future[Discovered], float]] = {}
         self._announced: set[str] = set()
 
     # ------------------------------------------------------------------ lifecycle
@@ -240,12 +242,17 @@ class Router:
 
     def discover_all(self) -> None:
         """Start asking every prefill instance configured without a control
-        address for it (done again on first use if an instance was not up yet)."""
-        for inst in self.config.role_instances("prefill") if self.config.discover else ():
-            if inst.control is None:
+        address for it (done again on first use if an instance was not up yet)
+        and, for adaptive placement, every instance for its block size and
+        max_num_seqs (a configured control address is kept)."""
+        if not self.config.discover:
+            return
+        for member in self._members:
+            inst = member.instance
+            if self._placer is not None or (inst.control is None and "prefill" in member.roles):
                 self._discovery_task(inst)
 
-    def _discovery_task(self, inst: Instance) -> asyncio.Future[tuple[str, int | None]]:
+    def _discovery_task(self, inst: Instance) -> asyncio.Future[Discovered]:
         """The probe of `inst` (a new one if the last failed over DISCOVERY_RETRY_S ago)."""
         entry = self._discovery.get(inst.url)
         if entry is not None:
@@ -267,13 +274,16 @@ class Router:
         if pending:
             await asyncio.wait([asyncio.shield(t) for t in pending])
 
-    def _discovered(self, url: str, task: asyncio.Future[tuple[str, int | None]]) -> None:
-        """Placement learns a prefill instance's block size (split heads are whole blocks)."""
+    def _discovered(self, url: str, task: asyncio.Future[Discovered]) -> None:
+        """Placement learns an instance's block size (split heads are whole
+        blocks) and its max_num_seqs (beyond which requests wait)."""
         if task.cancelled() or task.exception() is not None or self._placer is None:
             return
         index = self._index_of(url)
         if index is not None:
-            self._placer.set_block_size(index, task.result()[1])
+            found = task.result()
+            self._placer.set_block_size(index, found.block_size)
+            self._placer.set_max_num_seqs(index, found.max_num_seqs)
 
     async def _with_control(self, inst: Instance, ex: Exchange) -> Instance:
         """`inst` with its control address (and block size, for split prefills)
@@ -284,7 +294,7 @@ class Router:
         if known or not self.config.discover:
             return inst
         try:
-            control, block_size = await asyncio.shield(self._discovery_task(inst))
+            control, block_size, _ = await asyncio.shield(self._discovery_task(inst))
         except DiscoveryError as e:
             if inst.control is not None:
                 return inst  # configured address; no block size: no split prefills
@@ -317,20 +327,19 @@ class Router:
         if known is None or not known.done() or known.cancelled() or known.exception():
             return  # being discovered, or not at all: that answer comes first
         try:
-            answer = json.loads(data)
-            control = control_from_answer(inst, answer)
+            found = discovered_from_answer(inst, json.loads(data))
         except (ValueError, DiscoveryError):
             return  # no connector, or not ours: nothing to learn
-        if control == known.result()[0]:
+        if found.control == known.result().control:
             return
         log.warning(
             "prefill %s: control plane now at %s, not %s (restarted?)",
             inst.url,
-            control,
-            known.result()[0],
+            found.control,
+            known.result().control,
         )
-        learnt: asyncio.Future[tuple[str, int | None]] = asyncio.get_running_loop().create_future()
-        learnt.set_result((control, block_size_from_answer(answer)))
+        learnt: asyncio.Future[Discovered] = asyncio.get_running_loop().create_future()
+        learnt.set_result(found)
         self._discovery[inst.url] = (learnt, time.monotonic())
 
     async def close(self) -> None:
@@ -1120,7 +1129,8 @@ class Router:
 
     def _join(self, record: InstanceRecord) -> None:
         roles = frozenset(role for role in ROLES if role in record.roles)
-        member = Member(Instance(record.url, record.control, record.block_size), roles)
+        instance = Instance(record.url, record.control, record.block_size, record.max_num_seqs)
+        member = Member(instance, roles)
         index = self._index_of(record.url)
         if index is None:
             index = len(self._members)

@@ -159,6 +159,7 @@ class AdaptiveRouter(Router):
         self.fleet = FleetState(n)
         for i in range(n):
             self.fleet.set_block_size(i, fit.block_size)
+            self.fleet.set_max_num_seqs(i, fit.max_num_seqs)
         self.models = Models(n, priors)
         self.check = False  # FleetState.check() after every event (tests)
         self.reasons: Counter[str] = Counter()

@@ -28,9 +28,16 @@ can decode, `NoPlacement`.
 
 Predictions, with per instance ``k``: ``b_k`` its decodes (`InstanceLoad.decodes`),
 ``W_k`` its queued prefill work (`Models.prefill_queue_ms`), ``Q_k = W_k + n_k
-step_k(b_k)`` the time until its queued prefills are done (each of its ``n_k``
-queued prefills a forward that also runs the step of its decodes), ``pf``,
-``step``, ``xfer`` the `Models` costs:
+step_k(b_k) + Z_k`` the time until its queued prefills are done (each of its
+``n_k`` queued prefills a forward that also runs the step of its decodes) and
+it has a sequence slot for this request, ``pf``, ``step``, ``xfer`` the
+`Models` costs. ``Z_k`` is 0 while ``k`` holds fewer requests
+(`InstanceLoad.outstanding`) than its engine runs at once (`max_num_seqs`, 0
+when not known); beyond, vLLM queues the request until ``e`` of its ``c``
+running requests finish (``e`` the requests beyond the slots, this one
+included): taking each running one halfway through its output, the first of
+``c`` ends about ``1 / (c + 1)`` of an output in, so ``Z_k = e * L * step_k(c)
+/ (c + 1)``, ``L`` the mean output its running requests asked for:
 
 - TTFT, the later of the prompt's last KV being ready on the decoder and the
   decoder's own queue, then one decoder step with this request in the batch:
@@ -286,9 +293,26 @@ class _Predictor:
             for k, load in enumerate(loads)
         ]
         self.queue = [  # Q_k: until the queued prefills are done, their steps included
-            self.work[k] + load.waiting_prefills * models.step_ms(k, load.decodes)
+            self.work[k]
+            + load.waiting_prefills * models.step_ms(k, load.decodes)
+            + self.slot_wait(k, load)
             for k, load in enumerate(loads)
         ]
+
+    def slot_wait(self, k: int, load: InstanceLoad) -> float:
+        """Until `k` has a free sequence slot for one more request: 0 below its
+        `max_num_seqs` (or when it is not known); at or above it, the ``e``-th
+        of its ``c`` running requests to finish, ``e`` the requests beyond the
+        slots, each running one taken halfway through its output, the earliest
+        of ``c`` about ``1 / (c + 1)`` of an output in."""
+        cap = load.max_num_seqs
+        excess = load.outstanding - cap + 1 if cap is not None else 0
+        if excess <= 0:
+            return 0.0
+        assert cap is not None
+        lengths = [d.output_tokens or self.horizon for d in load.running] or [self.horizon]
+        mean_len = sum(lengths) / len(lengths)
+        return excess * mean_len * self.m.step_ms(k, min(load.decodes, cap)) / (cap + 1)
 
     def first_step(self, j: int) -> float:
         return self.m.step_ms(j, self.loads[j].decodes + 1)

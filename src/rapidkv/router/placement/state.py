@@ -45,6 +45,9 @@ Measures (what the observations say):
   the instance over that window (from a running time integral).
 A split tail's time on D (spent partly waiting for the head) counts as D busy
 but yields no prefill observation; a failed answer (``ok=False``) yields none.
+Nor does a request dispatched to an instance already holding its
+`max_num_seqs` requests (when known) yield a prefill or transfer observation
+of that instance: vLLM queued it for a slot for a time no event shows.
 
 Invariants (`check` verifies them; the tests call it after every event):
 - each instance's counters (`InstanceLoad`) are the sums over the requests
@@ -98,6 +101,8 @@ class InstanceLoad:
     - `splits`: split requests in flight with a part here whose split is not
       over (the head's answer or the tail's first token still to come);
     - `block_size`: its KV block size when known (a split's head is whole blocks);
+    - `max_num_seqs`: how many requests its engine runs at once when known
+      (vLLM's ``--max-num-seqs``; more wait for a slot);
     - `running`: a `Decode` per request of `decodes` (fewer in a hand-made
       load: the others' stall and length are then not known).
     """
@@ -112,6 +117,7 @@ class InstanceLoad:
     block_size: int | None = None
     splits: int = 0
     running: tuple[Decode, ...] = ()
+    max_num_seqs: int | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -126,6 +132,8 @@ class InstanceLoad:
             raise ValueError(f"a decode asks for at least one token: {self}")
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, not {self.block_size}")
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, not {self.max_num_seqs}")
 
     @property
     def stalled_ms(self) -> float:
@@ -180,6 +188,7 @@ class _Instance:
     healthy: bool = True
     draining: bool = False
     block_size: int | None = None
+    max_num_seqs: int | None = None
     decodes: int = 0
     decoding: int = 0  # first token seen, not finished
     waiting_prefills: int = 0
@@ -224,6 +233,7 @@ class _Request:
     busy_at_first: float = 0.0
     decode_over: bool = False
     moved: bool = False  # migrated: what it cost spans two instances (nothing is learnt)
+    queued: frozenset[int] = frozenset()  # instances it found with no free sequence slot
 
 
 class FleetState:
@@ -288,6 +298,7 @@ class FleetState:
                 block_size=s.block_size,
                 splits=splits[i],
                 running=tuple(running[i]),
+                max_num_seqs=s.max_num_seqs,
             )
             for i, s in enumerate(self._inst)
         )
@@ -309,6 +320,11 @@ class FleetState:
         if block_size is not None and block_size < 1:
             raise ValueError(f"block_size must be >= 1, not {block_size}")
         self._at(i).block_size = block_size
+
+    def set_max_num_seqs(self, i: int, max_num_seqs: int | None) -> None:
+        if max_num_seqs is not None and max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, not {max_num_seqs}")
+        self._at(i).max_num_seqs = max_num_seqs
 
     # request events
 
@@ -336,6 +352,11 @@ class FleetState:
             s = self._inst[i]
             s.waiting_prefills += 1
             s.waiting_tokens += tokens
+        queued = frozenset(
+            i
+            for i in {placement.prefill, placement.decode}
+            if (cap := self._inst[i].max_num_seqs) is not None and self._inst[i].outstanding >= cap
+        )
         for i in {placement.prefill, placement.decode}:
             self._inst[i].outstanding += 1
         self._inst[placement.decode].decodes += 1
@@ -347,6 +368,7 @@ class FleetState:
             prefill_over=placement.kind == "local",
             decoder=placement.decode,
             output_tokens=output_tokens,
+            queued=queued,
         )
 
     def on_prefill_done(self, request_id: str, now_s: float, ok: bool = True) -> list[Observation]:
@@ -370,7 +392,8 @@ class FleetState:
             if ok:
                 r.prefill_done_s = now_s
                 r.busy_at_done = self._inst[r.decoder].prefill_busy_ms
-                out.append(PrefillObservation(p.prefill, tokens, ms, s.decoding))
+                if p.prefill not in r.queued:
+                    out.append(PrefillObservation(p.prefill, tokens, ms, s.decoding))
         self._forget_if_over(request_id, r)
         return out
 
@@ -386,9 +409,14 @@ class FleetState:
         tokens = self._take(r, r.decoder)
         if tokens and not r.moved:  # local prompt or split tail: j's prefill work is done
             ms = j.prefill_ended(r.dispatched_s, now_s)
-            if p.kind == "local":
+            if p.kind == "local" and p.decode not in r.queued:
                 out.append(PrefillObservation(p.decode, tokens, ms, j.decoding))
-        elif p.kind == "pd" and r.prefill_done_s is not None and not r.moved:
+        elif (
+            p.kind == "pd"
+            and r.prefill_done_s is not None
+            and not r.moved
+            and p.decode not in r.queued
+        ):
             busy_ms = j.prefill_busy_ms - r.busy_at_done  # D computing other prompts
             gap = max((now_s - r.prefill_done_s) * 1000 - busy_ms, 0.0)
             out.append(TransferObservation(p.prefill, p.decode, r.prompt_tokens, gap, j.decoding))
