@@ -41,7 +41,8 @@ def test_an_adaptive_fleet_of_two_uses_every_placement_and_matches_a_single_inst
     prompts, expected = workloads["fleet"]
     before = {"p": pd_pair.stats("p"), "d": pd_pair.stats("d")}
     p, d = Instance(pd_pair.p.base_url), Instance(pd_pair.d.base_url)  # controls discovered
-    either = RouterConfig(instances=(p, d), placement="adaptive", port=0)
+    # the lowest TTFT, whatever the headroom: idle long prompts split
+    either = RouterConfig(instances=(p, d), placement="adaptive", ttft_headroom=0.0, port=0)
     pinned = RouterConfig(
         prefill=(p,), instances=(d,), placement="adaptive", tpot_slo_ms=0.01, port=0
     )

@@ -36,6 +36,7 @@ from rapidkv.router.split import split_point
 pytestmark = pytest.mark.unit
 
 IDLE = InstanceLoad(block_size=16)
+FASTEST = Policy(ttft_headroom=0.0)  # the lowest TTFT, whatever the SLO's headroom
 
 
 def option_for(opts: list[Option], placement: Placement) -> Option:
@@ -54,7 +55,7 @@ def test_a_short_prompt_on_an_idle_fleet_stays_local() -> None:
 
 def test_a_long_splittable_prompt_on_an_idle_pair_is_split_and_predicted_faster() -> None:
     models, request = Models(2), Request(900, splittable=True)
-    d = decide([IDLE, IDLE], models, request)
+    d = decide([IDLE, IDLE], models, request, policy=FASTEST)
     assert d.kind == "split" and d.reason == "lowest-ttft"
     assert d.head_tokens % 16 == 0 and 0 < d.head_tokens < 900
     # the head carries the crossing's fixed cost: it is the smaller half
@@ -86,9 +87,8 @@ def test_a_long_prompt_behind_a_queue_goes_to_an_idle_prefill_instance() -> None
 
 
 def test_a_fixed_split_fraction_is_used_when_set() -> None:
-    d = decide(
-        [IDLE, IDLE], Models(2), Request(1000, splittable=True), policy=Policy(split_fraction=0.5)
-    )
+    policy = Policy(split_fraction=0.5, ttft_headroom=0.0)
+    d = decide([IDLE, IDLE], Models(2), Request(1000, splittable=True), policy=policy)
     assert d.kind == "split" and d.head_tokens == split_point(1000, 16, 0.5)
 
 
@@ -348,10 +348,28 @@ def test_ties_go_to_local_and_then_to_the_less_loaded_instance() -> None:
     opts = options(fleet, Models(2), request)
     best = min(opts, key=lambda o: o.ttft_ms)
     assert best.placement.kind == "split"
-    d = decide(fleet, Models(2), request)
+    d = decide(fleet, Models(2), request, policy=FASTEST)
     assert (d.kind, d.decode) == ("local", 1)
     assert d.ttft_ms <= best.ttft_ms + 5
-    assert decide(fleet, Models(2), request, policy=Policy(tie_ms=0)).kind == "split"
+    assert decide(fleet, Models(2), request, policy=Policy(tie_ms=0, ttft_headroom=0)).kind == (
+        "split"
+    )
+
+
+def test_a_ttft_within_the_slos_headroom_is_not_worth_a_crossing() -> None:
+    """Goodput counts a request that meets both SLOs: with the default
+    headroom (half the TTFT SLO), a split that would save ~45 ms is not taken
+    while local's TTFT is under it, and is once it is not."""
+    models, request = Models(2), Request(900, splittable=True)
+    local = option_for(options([IDLE, IDLE], models, request), Placement("local", 0, 0))
+    d = decide([IDLE, IDLE], models, request, SLO(ttft_ms=1000))
+    assert (d.kind, d.reason, d.ttft_ms) == ("local", "ttft-headroom", local.ttft_ms)
+    tight = SLO(ttft_ms=1.5 * local.ttft_ms)  # headroom 0.75x local's TTFT
+    assert decide([IDLE, IDLE], models, request, tight).kind == "split"
+    loose = SLO(ttft_ms=2.5 * local.ttft_ms)
+    assert decide([IDLE, IDLE], models, request, loose).kind == "local"
+    with pytest.raises(ValueError, match="ttft_headroom"):
+        Policy(ttft_headroom=1.5)
 
 
 def test_the_header_value_names_the_placement() -> None:
@@ -360,7 +378,7 @@ def test_the_header_value_names_the_placement() -> None:
     assert (
         d.header_value() == "kind=pd;prefill=1;decode=0;reason=tpot-slo;ttft_ms=273.9;tpot_ms=9.9"
     )
-    d = decide([IDLE, IDLE], Models(2), Request(900, splittable=True))
+    d = decide([IDLE, IDLE], Models(2), Request(900, splittable=True), policy=FASTEST)
     assert d.header_value().startswith(f"kind=split;prefill=0;decode=1;head={d.head_tokens};")
 
 
@@ -740,10 +758,13 @@ def test_the_chosen_ttft_is_the_lowest_of_the_options_that_meet_tpot(case: tuple
     meets = [o for o in opts if o.tpot_ms <= slo.tpot_ms]
     if meets:
         best = min(o.ttft_ms for o in meets)
-        assert d.meets_tpot and d.ttft_ms <= best + policy.tie_ms
-        if any(o.placement.kind == "local" and o.ttft_ms <= best + policy.tie_ms for o in meets):
+        tied = max(best + policy.tie_ms, policy.ttft_headroom * slo.ttft_ms)
+        assert d.meets_tpot and d.ttft_ms <= tied
+        if any(o.placement.kind == "local" and o.ttft_ms <= tied for o in meets):
             assert d.kind == "local"  # ties go to local
-        if policy.tie_ms == 0:
+        if d.ttft_ms > best + policy.tie_ms:  # only for the headroom, and said so
+            assert d.reason == "ttft-headroom" and d.ttft_ms <= policy.ttft_headroom * slo.ttft_ms
+        if tied == best:
             assert d.ttft_ms == best
     else:
         assert d.reason in ("no-option-meets-tpot", "role-fallback")
@@ -855,7 +876,7 @@ def test_no_split_touches_an_instance_with_a_split_in_flight() -> None:
         fleet.set_block_size(i, 16)
     models = Models(2)
     long = Request(900, 16, splittable=True)
-    first = decide(fleet, models, long)
+    first = decide(fleet, models, long, policy=FASTEST)
     assert first.kind == "split"
     fleet.on_dispatch("a", first.placement, 900, 0.0)
     assert [load.splits for load in fleet.view()] == [1, 1]
@@ -869,4 +890,4 @@ def test_no_split_touches_an_instance_with_a_split_in_flight() -> None:
     fleet.on_first_token("a", 0.1)
     assert [load.splits for load in fleet.view()] == [0, 0]
     assert "split" in kinds()
-    assert decide(fleet, models, long).kind == "split"
+    assert decide(fleet, models, long, policy=FASTEST).kind == "split"

@@ -87,6 +87,15 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         "(default %(default)s)",
     )
     parser.add_argument(
+        "--ttft-headroom",
+        type=float,
+        default=0.5,
+        metavar="FRACTION",
+        help="adaptive placement: options whose predicted TTFT is below this fraction of "
+        "--ttft-slo-ms count as equally fast, and the one with the fewest crossings is taken "
+        "(0: always the lowest TTFT; default %(default)s)",
+    )
+    parser.add_argument(
         "--secret-file",
         type=Path,
         default=None,
@@ -169,6 +178,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         placement=args.placement,
         ttft_slo_ms=args.ttft_slo_ms,
         tpot_slo_ms=args.tpot_slo_ms,
+        ttft_headroom=args.ttft_headroom,
         secret=read_secret(args.secret_file) if args.secret_file is not None else None,
         admin_token=(
             read_secret(args.admin_token_file).decode()

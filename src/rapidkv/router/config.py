@@ -133,6 +133,7 @@ class RouterConfig:
     placement: Placement = "fixed"
     ttft_slo_ms: float = 1000.0
     tpot_slo_ms: float = 100.0
+    ttft_headroom: float = 0.5  # adaptive: TTFTs below this fraction of the SLO tie
     # ask prefill instances configured without a control address for it
     discover: bool = True
     # dual dispatch: P's first token opens the client's stream when it may (see `stitch`)
@@ -180,6 +181,8 @@ class RouterConfig:
             raise ValueError("adaptive placement needs dual dispatch")
         if not (self.ttft_slo_ms > 0 and self.tpot_slo_ms > 0):
             raise ValueError("the TTFT and TPOT SLOs must be > 0 ms")
+        if not 0 <= self.ttft_headroom <= 1:
+            raise ValueError(f"ttft_headroom must be in [0, 1], not {self.ttft_headroom}")
         decoders = self.pool("decode")  # `members` raises for conflicting control addresses
         if not decoders and not self.etcd:
             raise ValueError("a router needs at least one instance that may decode (or etcd)")

@@ -206,7 +206,7 @@ class Router:
             Placer(
                 self._members,
                 SLO(config.ttft_slo_ms, config.tpot_slo_ms),
-                Policy(split=config.split_prefill),
+                Policy(split=config.split_prefill, ttft_headroom=config.ttft_headroom),
             )
             if config.placement == "adaptive"
             else None

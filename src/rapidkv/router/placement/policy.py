@@ -66,19 +66,29 @@ included): taking each running one halfway through its output, the first of
   instance does not count.
 
 Choice: among the options whose TPOT is within `SLO.tpot_ms`, the lowest TTFT;
-options within `Policy.tie_ms` of it are tied, and ties go to ``local``, then
-``pd``, then ``split`` (the fewer crossings), then the lower TTFT, the fewer
-outstanding requests, the lower indices. `tie_ms` defaults to 5 ms, about one
-decode step: a crossing must save more than that to be taken, which keeps the
-predictions' noise and the costs no model sees (a text prompt's ``/tokenize``
-before a split) from sending short prompts across (on an idle fleet, with the
-priors and 16-token blocks, prompts under about 190 tokens stay local).
+options within `Policy.tie_ms` of it are tied, and so is every option whose
+TTFT is within `Policy.ttft_headroom` of the TTFT SLO; ties go to ``local``,
+then ``pd``, then ``split`` (the fewer crossings), then the lower TTFT, the
+fewer outstanding requests, the lower indices. `tie_ms` defaults to 5 ms,
+about one decode step: a crossing must save more than that to be taken, which
+keeps the predictions' noise and the costs no model sees (a text prompt's
+``/tokenize`` before a split) from sending short prompts across (on an idle
+fleet, with the priors and 16-token blocks, prompts under about 190 tokens
+stay local, when the TTFT SLO leaves no headroom). `ttft_headroom` (0.5)
+serves goodput: a request counts when it meets both SLOs, so a TTFT below
+half its SLO gains nothing from being lower, while every crossing costs TPOT
+somewhere (a split's decoder holds its decodes for the whole tail) and
+carries costs the models do not see. Measured (`bench goodput`, 23:10 run,
+docs/benchmarks.md): minimising TTFT alone split 40 of 60 prompts at 4 req/s
+and lost TPOT where `dp2`, all local, did not.
 If no option meets the TPOT SLO: the one with the lowest TPOT (the least
 violation), then the lowest TTFT.
 
 Reasons: ``only-option`` (one option, and it meets TPOT), ``lowest-ttft``
 (the best TTFT of all, within `tie_ms`), ``tpot-slo`` (a lower TTFT was passed
-over for TPOT), ``no-option-meets-tpot``, ``role-fallback``.
+over for TPOT), ``ttft-headroom`` (a lower TTFT, by more than `tie_ms`, was
+passed over for fewer crossings, the TTFT being within the headroom),
+``no-option-meets-tpot``, ``role-fallback``.
 """
 
 from __future__ import annotations
@@ -91,7 +101,14 @@ from rapidkv.router.placement.model import Models
 from rapidkv.router.placement.state import FleetState, InstanceLoad, Kind, Placement
 from rapidkv.router.split import split_point
 
-Reason = Literal["lowest-ttft", "tpot-slo", "only-option", "no-option-meets-tpot", "role-fallback"]
+Reason = Literal[
+    "lowest-ttft",
+    "tpot-slo",
+    "ttft-headroom",
+    "only-option",
+    "no-option-meets-tpot",
+    "role-fallback",
+]
 REASONS: tuple[str, ...] = get_args(Reason)
 KIND_RANK: dict[str, int] = {"local": 0, "pd": 1, "split": 2}  # ties: fewer crossings first
 
@@ -135,10 +152,13 @@ class Policy:
     split_fraction: float | None = None
     tie_ms: float = 5.0
     min_horizon_tokens: int = 16
+    ttft_headroom: float = 0.5  # of the TTFT SLO: TTFTs below it are tied (0: none)
 
     def __post_init__(self) -> None:
         if self.split_fraction is not None and not 0 < self.split_fraction < 1:
             raise ValueError(f"split_fraction must be in (0, 1), not {self.split_fraction}")
+        if not 0 <= self.ttft_headroom <= 1:
+            raise ValueError(f"ttft_headroom must be in [0, 1], not {self.ttft_headroom}")
         if self.tie_ms < 0 or self.min_horizon_tokens < 1:
             raise ValueError(f"need tie_ms >= 0 and min_horizon_tokens >= 1: {self}")
 
@@ -246,13 +266,16 @@ def decide(
     reason: Reason
     if meets:
         best = min(o.ttft_ms for o in meets)
-        chosen = min((o for o in meets if o.ttft_ms <= best + policy.tie_ms), key=rank)
+        tied = max(best + policy.tie_ms, policy.ttft_headroom * slo.ttft_ms)
+        chosen = min((o for o in meets if o.ttft_ms <= tied), key=rank)
         if len(opts) == 1:
             reason = "only-option"
         elif chosen.ttft_ms <= min(o.ttft_ms for o in opts) + policy.tie_ms:
             reason = "lowest-ttft"
-        else:
+        elif chosen.ttft_ms <= best + policy.tie_ms:
             reason = "tpot-slo"
+        else:
+            reason = "ttft-headroom"
     else:
         chosen = min(opts, key=lambda o: (o.tpot_ms, o.ttft_ms, rank(o)))
         reason = "no-option-meets-tpot"
