@@ -63,15 +63,7 @@ def test_bench_goodput_sweeps_single_and_rapidkv_adaptive_and_matches(tmp_path: 
         assert sum(s["placements"].values()) == 8
         assert sum(s["reasons"].values()) == 8 and "fixed" not in s["reasons"]
         # what it learned (or its priors), per instance; a transfer once it saw one
-        assert (
-            {"prefill_ms", "step_ms"}
-            <= set(s["learned"])
-            <= {
-                "prefill_ms",
-                "step_ms",
-                "transfer_ms",
-            }
-        )
+        assert set(s["learned"]) - {"transfer_ms"} == {"prefill_ms", "step_ms"}
         assert all(len(s["learned"][m]) == 2 for m in ("prefill_ms", "step_ms"))
     assert w["configs"]["single"]["rates"]["2"]["placements"] is None
     # P and the router on core 0, D alone on core 1

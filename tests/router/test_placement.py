@@ -30,7 +30,7 @@ from rapidkv.router.placement import (
     decide,
     options,
 )
-from rapidkv.router.placement.state import ROLES
+from rapidkv.router.placement.state import ROLES, beyond_slots
 from rapidkv.router.split import split_point
 
 pytestmark = pytest.mark.unit
@@ -276,6 +276,8 @@ def test_a_full_engine_is_waited_for_and_one_with_a_free_slot_preferred() -> Non
     assert option_for(options(over, models, request), local).ttft_ms == pytest.approx(
         option_for(options(unknown, models, request), local).ttft_ms + 2 * wait
     )
+    assert [beyond_slots(n, 8) for n in (0, 7, 8, 9)] == [0, 0, 1, 2]
+    assert beyond_slots(100, None) == 0  # capacity not known: never full
     # the state passes the capacity on
     fleet = FleetState(2)
     fleet.set_max_num_seqs(1, 8)

@@ -70,22 +70,18 @@ def block_size_from_answer(answer: Any) -> int | None:
     return _positive_int(answer, "block_size")
 
 
-def max_num_seqs_from_answer(answer: Any) -> int | None:
-    """The engine's ``max_num_seqs`` in a probe's answer, if it gives a valid one."""
-    return _positive_int(answer, "max_num_seqs")
-
-
 def discovered_from_answer(inst: Instance, answer: Any) -> Discovered:
     """Everything a probe's (or any P's) answer tells; DiscoveryError without
     a control address."""
     return Discovered(
         control_from_answer(inst, answer),
         block_size_from_answer(answer),
-        max_num_seqs_from_answer(answer),
+        _positive_int(answer, "max_num_seqs"),
     )
 
 
 def _positive_int(answer: Any, key: str) -> int | None:
+    """``kv_transfer_params.rapidkv.<key>`` of an answer if it is an int > 0."""
     params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
     ours = params.get("rapidkv") if isinstance(params, dict) else None
     v = ours.get(key) if isinstance(ours, dict) else None

@@ -98,7 +98,13 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from rapidkv.router.placement.model import Models
-from rapidkv.router.placement.state import FleetState, InstanceLoad, Kind, Placement
+from rapidkv.router.placement.state import (
+    FleetState,
+    InstanceLoad,
+    Kind,
+    Placement,
+    beyond_slots,
+)
 from rapidkv.router.split import split_point
 
 Reason = Literal[
@@ -328,11 +334,9 @@ class _Predictor:
         of its ``c`` running requests to finish, ``e`` the requests beyond the
         slots, each running one taken halfway through its output, the earliest
         of ``c`` about ``1 / (c + 1)`` of an output in."""
-        cap = load.max_num_seqs
-        excess = load.outstanding - cap + 1 if cap is not None else 0
-        if excess <= 0:
+        excess, cap = beyond_slots(load.outstanding, load.max_num_seqs), load.max_num_seqs
+        if not excess or cap is None:
             return 0.0
-        assert cap is not None
         lengths = [d.output_tokens or self.horizon for d in load.running] or [self.horizon]
         mean_len = sum(lengths) / len(lengths)
         return excess * mean_len * self.m.step_ms(k, min(load.decodes, cap)) / (cap + 1)

@@ -75,6 +75,13 @@ Kind = Literal["local", "pd", "split"]
 KINDS: tuple[str, ...] = get_args(Kind)
 
 
+def beyond_slots(outstanding: int, max_num_seqs: int | None) -> int:
+    """How many requests, one more included, an instance holding `outstanding`
+    has beyond its engine's `max_num_seqs` (0: a slot is free, or the capacity
+    is not known)."""
+    return 0 if max_num_seqs is None else max(outstanding - max_num_seqs + 1, 0)
+
+
 class Decode(NamedTuple):
     """One request dispatched to decode on an instance: the prefill service
     time the instance spent since its first token (the stall it has suffered,
@@ -355,7 +362,7 @@ class FleetState:
         queued = frozenset(
             i
             for i in {placement.prefill, placement.decode}
-            if (cap := self._inst[i].max_num_seqs) is not None and self._inst[i].outstanding >= cap
+            if beyond_slots(self._inst[i].outstanding, self._inst[i].max_num_seqs)
         )
         for i in {placement.prefill, placement.decode}:
             self._inst[i].outstanding += 1
