@@ -37,6 +37,7 @@ pytestmark = pytest.mark.unit
 
 IDLE = InstanceLoad(block_size=16)
 FASTEST = Policy(ttft_headroom=0.0)  # the lowest TTFT, whatever the SLO's headroom
+UNSTITCHED = Policy(stitch=False)  # a PD's first token is D's (--no-prefill-first-token)
 
 
 def option_for(opts: list[Option], placement: Placement) -> Option:
@@ -119,11 +120,11 @@ def test_prefill_on_a_busy_decoder_is_avoided_when_it_breaks_tpot() -> None:
     busy = InstanceLoad(decodes=8)
     spare = InstanceLoad(role="prefill")
     models, request = Models(2), Request(2000)
-    d = decide([busy, spare], models, request)  # TPOT SLO 100 ms: local is fastest
-    assert (d.kind, d.decode, d.reason) == ("local", 0, "lowest-ttft")
+    d = decide([busy, spare], models, request, policy=UNSTITCHED)  # TPOT SLO 100 ms
+    assert (d.kind, d.decode, d.reason) == ("local", 0, "lowest-ttft")  # the fastest
     # 2000 tokens on the decoder stall its 8 decodes by ~240 ms over 16 tokens
     assert d.tpot_ms > 20
-    d = decide([busy, spare], models, request, SLO(tpot_ms=15))
+    d = decide([busy, spare], models, request, SLO(tpot_ms=15), UNSTITCHED)
     assert (d.kind, d.prefill, d.decode, d.reason) == ("pd", 1, 0, "tpot-slo")
     assert d.tpot_ms == pytest.approx(models.step_ms(0, 9))
 
@@ -176,7 +177,7 @@ def test_an_impossible_instance_load_is_refused(bad: dict) -> None:
 def test_the_fleet_state_reports_the_stall_its_running_decodes_suffered() -> None:
     fleet = FleetState(2)
     fleet.on_dispatch("a", Placement("local", 0, 0), 100, now_s=0.0, output_tokens=40)
-    assert fleet.view()[0].running == (Decode(0.0, 40),)
+    assert fleet.view()[0].running == (Decode(0.0, 40, started=False),)
     fleet.on_first_token("a", now_s=0.02)
     assert fleet.view()[0].stalled_ms == 0.0
     fleet.on_dispatch("b", Placement("local", 0, 0), 1000, now_s=0.05)  # length not known
@@ -186,7 +187,7 @@ def test_the_fleet_state_reports_the_stall_its_running_decodes_suffered() -> Non
     assert fleet.view()[0].stalled_ms == pytest.approx(150.0)
     assert [d.output_tokens for d in fleet.view()[0].running] == [40, None]
     assert [d.stalled_ms for d in fleet.view()[0].running] == pytest.approx([150.0, 50.0])
-    assert fleet.view()[1].running == (Decode(0.0, 8),)  # "c": no first token yet
+    assert fleet.view()[1].running == (Decode(0.0, 8, started=False),)  # "c": no first token
     fleet.on_finish("a", now_s=0.3, output_tokens=40)
     assert fleet.view()[0].stalled_ms == pytest.approx(50.0)  # "b" is the most stalled now
     fleet.on_finish("b", now_s=0.35, output_tokens=16)
@@ -287,18 +288,39 @@ def test_a_full_engine_is_waited_for_and_one_with_a_free_slot_preferred() -> Non
 
 
 def test_when_no_option_meets_tpot_the_least_violation_is_chosen() -> None:
+    """One running 16-token decode per instance, under a 10 ms TPOT SLO: 0's
+    not stalled yet, 1's by 30 ms. A 900-token prompt (~110 ms) breaks
+    whichever instance computes it. The least violation: computed beside the
+    less stalled decode (0's) and decoded on 1, which adds a step to 1's
+    batch but no stall."""
+    models, request, slo = Models(2), Request(900), SLO(tpot_ms=10)
     fleet = [
-        InstanceLoad(decodes=20),
-        InstanceLoad(decodes=12, waiting_prefills=1, waiting_prefill_tokens=500),
+        InstanceLoad(decodes=1, running=(Decode(0.0, 16),)),
+        InstanceLoad(decodes=1, running=(Decode(30.0, 16),)),
     ]
-    models, request, slo = Models(2), Request(300), SLO(tpot_ms=1)
     d = decide(fleet, models, request, slo)
-    opts = options(fleet, models, request)
+    opts = options(fleet, models, request, slo=slo)
     assert d.reason == "no-option-meets-tpot" and not d.meets_tpot
     assert d.tpot_ms == min(o.tpot_ms for o in opts)
-    # the least violation, not the fastest: the prompt is computed on 1, decoded on 0
-    assert d.placement == Placement("pd", 1, 0)
-    assert d.ttft_ms > min(o.ttft_ms for o in opts)
+    assert d.prefill == 0 and d.decode == 1  # PD from the less stalled, onto the other
+
+
+def test_a_decode_already_past_its_tpot_slo_does_not_veto_a_prefill() -> None:
+    """A decode whose stall and queue already break the TPOT SLO misses it
+    whatever this request does: it no longer keeps prompts off its instance.
+    The prompt is computed there and decoded beside the decode that can still
+    make it (no option would meet the SLO if the lost one counted)."""
+    models, request, slo = Models(2), Request(900), SLO(tpot_ms=10)
+    lost = InstanceLoad(decodes=1, running=(Decode(400.0, 16),))  # 25 ms of stall a token
+    fresh = InstanceLoad(decodes=1, running=(Decode(0.0, 16),))
+    d = decide([lost, fresh], models, request, slo)
+    assert d.meets_tpot and d.prefill == 0 and d.decode == 1
+    assert d.reason != "no-option-meets-tpot"
+    local = option_for(options([lost, fresh], models, request, slo=slo), Placement("local", 0, 0))
+    assert local.tpot_ms == pytest.approx(models.step_ms(0, 2))  # its own steps only
+    # without the SLO (no decode is lost), the stalled decode counts
+    worst = option_for(options([lost, fresh], models, request), Placement("local", 0, 0))
+    assert worst.tpot_ms > 25
 
 
 def test_down_and_draining_instances_are_never_chosen() -> None:
@@ -376,7 +398,7 @@ def test_a_ttft_within_the_slos_headroom_is_not_worth_a_crossing() -> None:
 
 def test_the_header_value_names_the_placement() -> None:
     fleet = [InstanceLoad(decodes=8), InstanceLoad(role="prefill")]
-    d = decide(fleet, Models(2), Request(2000), SLO(tpot_ms=15))
+    d = decide(fleet, Models(2), Request(2000), SLO(tpot_ms=15), UNSTITCHED)
     assert (
         d.header_value() == "kind=pd;prefill=1;decode=0;reason=tpot-slo;ttft_ms=273.9;tpot_ms=9.9"
     )
@@ -487,7 +509,7 @@ def test_a_local_request_is_queued_then_decodes_then_leaves() -> None:
         waiting_prefills=1,
         waiting_prefill_tokens=300,
         outstanding=1,
-        running=(Decode(0.0, 11),),
+        running=(Decode(0.0, 11, started=False),),
     )
     (obs,) = fleet.on_first_token("a", now_s=10.05)
     assert obs == PrefillObservation(1, 300, pytest.approx(50.0), batch=0)
@@ -679,6 +701,8 @@ policies = st.builds(
     split=st.booleans() | st.just(True),
     split_fraction=st.none() | st.floats(0.05, 0.95),
     tie_ms=st.sampled_from([0.0, 1.0, 5.0]),
+    keep_free=st.booleans(),
+    stitch=st.booleans(),
 )
 priors = st.builds(
     Priors,
@@ -719,14 +743,16 @@ def snapshot(models: Models) -> tuple:
 @given(cases())
 def test_the_decision_is_an_available_option_that_respects_roles(case: tuple) -> None:
     fleet, models, request, slo, policy = case
-    opts = options(fleet, models, request, policy)
+    opts = options(fleet, models, request, policy, slo)
     if not any(load.available and load.role != "prefill" for load in fleet):
         assert opts == []
         with pytest.raises(NoPlacement):
             decide(fleet, models, request, slo, policy)
         return
     d = decide(fleet, models, request, slo, policy)
-    assert Option(d.placement, d.ttft_ms, d.tpot_ms) in opts
+    assert (d.placement, d.ttft_ms, d.tpot_ms) in [
+        (o.placement, o.ttft_ms, o.tpot_ms) for o in opts
+    ]
     p = d.placement
     assert fleet[p.prefill].available and fleet[p.decode].available
     assert (
@@ -756,14 +782,19 @@ def test_the_chosen_ttft_is_the_lowest_of_the_options_that_meet_tpot(case: tuple
         d = decide(fleet, models, request, slo, policy)
     except NoPlacement:
         return
-    opts = options(fleet, models, request, policy)
+    opts = options(fleet, models, request, policy, slo)
     meets = [o for o in opts if o.tpot_ms <= slo.tpot_ms]
     if meets:
         best = min(o.ttft_ms for o in meets)
         tied = max(best + policy.tie_ms, policy.ttft_headroom * slo.ttft_ms)
         assert d.meets_tpot and d.ttft_ms <= tied
-        if any(o.placement.kind == "local" and o.ttft_ms <= tied for o in meets):
-            assert d.kind == "local"  # ties go to local
+        ties = [o for o in meets if o.ttft_ms <= tied]
+        chosen = next(o for o in ties if o.placement == d.placement)
+        if policy.keep_free and any(o.keeps_free for o in ties):
+            assert chosen.keeps_free  # ties go first to an instance left free of decodes
+            ties = [o for o in ties if o.keeps_free]
+        if any(o.placement.kind == "local" for o in ties):
+            assert d.kind == "local"  # then to local
         if d.ttft_ms > best + policy.tie_ms:  # only for the headroom, and said so
             assert d.reason == "ttft-headroom" and d.ttft_ms <= policy.ttft_headroom * slo.ttft_ms
         if tied == best:

@@ -206,7 +206,11 @@ class Router:
             Placer(
                 self._members,
                 SLO(config.ttft_slo_ms, config.tpot_slo_ms),
-                Policy(split=config.split_prefill, ttft_headroom=config.ttft_headroom),
+                Policy(
+                    split=config.split_prefill,
+                    ttft_headroom=config.ttft_headroom,
+                    stitch=config.prefill_first_token and config.dispatch == "dual",
+                ),
             )
             if config.placement == "adaptive"
             else None

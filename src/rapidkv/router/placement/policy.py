@@ -39,37 +39,53 @@ included): taking each running one halfway through its output, the first of
 ``c`` ends about ``1 / (c + 1)`` of an output in, so ``Z_k = e * L * step_k(c)
 / (c + 1)``, ``L`` the mean output its running requests asked for:
 
-- TTFT, the later of the prompt's last KV being ready on the decoder and the
-  decoder's own queue, then one decoder step with this request in the batch:
+- TTFT, the client's first token: the later of the prompt's last KV being
+  ready on the decoder and the decoder's own queue, then one decoder step
+  with this request in the batch:
 
   - local: ``Q_j + pf_j(P) + step_j(b_j + 1)``
-  - pd: ``max(Q_i + pf_i(P) + xfer_ij(P), Q_j) + step_j(b_j + 1)``
+  - pd: ``max(Q_i + pf_i(P) + xfer_ij(P), Q_j) + step_j(b_j + 1)``; when the
+    router stitches P's first token into the stream (`Policy.stitch`, its
+    default dual dispatch), P's answer is the client's first token:
+    ``Q_i + pf_i(P) + step_i(b_i + 1)``, and the wait from it to D's first
+    token is the new request's TPOT, spread over its ``L - 1`` gaps
   - split: ``max(Q_i + pf_i(H) + xfer_ij(H), Q_j + pf_j(T)) + step_j(b_j + 1)``
 
 - TPOT, of the decodes of every instance the option touches, the worst: on an
   instance with ``b_k`` decodes and ``e`` (1 on the decoder, else 0) added,
-  ``step_k(b_k + e) + max_r (D_r + W_k + S_k) / L_r`` over its decodes ``r``.
-  ``D_r`` is the stall ``r`` has already suffered (`InstanceLoad.running`):
-  a decode's TPOT carries every prefill that ran beside it, so stalls each
-  within the SLO add up past it when they land on the same requests one after
-  another. ``S_k`` is the stall this request's prefill work inflicts on
-  ``k``'s decodes (a CPU forward that computes a prompt holds back every
-  decode in it): ``pf`` of what ``k`` computes, and for a split's decoder the
-  whole time its tail forward lasts, waiting for the head included
-  (``max(...) - Q_j``). ``L_r = max(output_tokens_r, min_horizon_tokens)`` is
-  the stretch of output ``r``'s stalls are spread over: a short answer
-  suffers a stall more than a long one. A decode whose length is not known
-  (or not listed in `running`) is taken as long as this request's output,
-  and as not stalled yet. An instance with no decodes before this request
-  harms nobody's TPOT: the new request's own decode starts after its prefill
-  and the queue ahead of it, so its TPOT is ``step_j(1)``; a prefill-only
-  instance does not count.
+  ``step_k(b_k + e) + max_r (D_r + A_r + S_k) / L_r`` over its decodes ``r``
+  that can still meet the TPOT SLO, and the new request's own (a step, plus a
+  stitched PD's wait). ``D_r`` is the stall ``r`` has already suffered
+  (`InstanceLoad.running`): a decode's TPOT carries every prefill that ran
+  beside it, so stalls each within the SLO add up past it when they land on
+  the same requests one after another. ``A_r`` is the queued prefill work
+  that will stall ``r``: all of ``W_k`` once ``r`` decodes, before its first
+  token only the work queued after it (`Decode.behind_prefills`; what is
+  queued ahead of it is done before it starts). ``S_k`` is the stall this
+  request's prefill work inflicts on ``k``'s decodes (a CPU forward that
+  computes a prompt holds back every decode in it): ``pf`` of what ``k``
+  computes, and for a split's decoder the whole time its tail forward lasts,
+  waiting for the head included (``max(...) - Q_j``). ``L_r =
+  max(output_tokens_r, min_horizon_tokens)`` is the stretch of output
+  ``r``'s stalls are spread over: a short answer suffers a stall more than a
+  long one. A decode whose length is not known (or not listed in `running`)
+  is taken as long as this request's output, decoding and not stalled yet.
+  A decode already past the SLO without this request (``step_k(b_k) + (D_r +
+  A_r) / L_r`` over it) misses it whatever is chosen: it is left out, so it
+  does not veto every option touching its instance (with no SLO given to
+  `options`, none is left out). An instance with no decodes before this
+  request harms nobody's TPOT: the new request's own decode starts after its
+  prefill and the queue ahead of it, so its TPOT is ``step_j(1)``; a
+  prefill-only instance does not count.
 
 Choice: among the options whose TPOT is within `SLO.tpot_ms`, the lowest TTFT;
 options within `Policy.tie_ms` of it are tied, and so is every option whose
-TTFT is within `Policy.ttft_headroom` of the TTFT SLO; ties go to ``local``,
-then ``pd``, then ``split`` (the fewer crossings), then the lower TTFT, the
-fewer outstanding requests, the lower indices. `tie_ms` defaults to 5 ms,
+TTFT is within `Policy.ttft_headroom` of the TTFT SLO; ties go first to the
+options that leave some instance other than their decoder with no decode
+that can still meet the SLO (`Policy.keep_free`: a prompt computed there
+later stalls nobody), then to ``local``, then ``pd``, then ``split`` (the
+fewer crossings), then the lower TTFT, the fewer outstanding requests, the
+lower indices. `tie_ms` defaults to 5 ms,
 about one decode step: a crossing must save more than that to be taken, which
 keeps the predictions' noise and the costs no model sees (a text prompt's
 ``/tokenize`` before a split) from sending short prompts across (on an idle
@@ -80,7 +96,15 @@ half its SLO gains nothing from being lower, while every crossing costs TPOT
 somewhere (a split's decoder holds its decodes for the whole tail) and
 carries costs the models do not see. Measured (`bench goodput`, 23:10 run,
 docs/benchmarks.md): minimising TTFT alone split 40 of 60 prompts at 4 req/s
-and lost TPOT where `dp2`, all local, did not.
+and lost TPOT where `dp2`, all local, did not. `keep_free` lets a fleet
+specialise when the TPOT SLO is tight: with every instance holding decodes,
+any prompt stalls someone (a 16-token answer has ~60 ms of stall to spare
+under a TPOT SLO of 9 ms with 5.4 ms steps, a 900-token prompt takes ~90),
+while a fleet that keeps an instance free of decodes computes prompts there
+and decodes elsewhere, as a fixed P/D pair does. Simulated (`bench
+simulate`'s instance models, 2 instances, prefill-heavy, SLOs 250 / 9 ms):
+goodput 4 req/s without it, 8 with it (fixed P/D 10, least outstanding 5);
+no change at looser TPOT SLOs.
 If no option meets the TPOT SLO: the one with the lowest TPOT (the least
 violation), then the lowest TTFT.
 
@@ -99,6 +123,7 @@ from typing import Literal, get_args
 
 from rapidkv.router.placement.model import Models
 from rapidkv.router.placement.state import (
+    Decode,
     FleetState,
     InstanceLoad,
     Kind,
@@ -151,7 +176,10 @@ class Request:
 
 @dataclass(frozen=True)
 class Policy:
-    """How `decide` chooses. `split_fraction` None: the head balances the halves."""
+    """How `decide` chooses. `split_fraction` None: the head balances the
+    halves; `stitch`: a PD's first token is P's (the router's dual dispatch
+    with `prefill_first_token`); `keep_free`: ties go first to options that
+    keep an instance free of decodes (see the module docstring)."""
 
     pd: bool = True
     split: bool = True
@@ -159,6 +187,8 @@ class Policy:
     tie_ms: float = 5.0
     min_horizon_tokens: int = 16
     ttft_headroom: float = 0.5  # of the TTFT SLO: TTFTs below it are tied (0: none)
+    keep_free: bool = True  # ties: first the options leaving an instance no decode to stall
+    stitch: bool = True  # a PD's first token is P's (the router's dual dispatch stitches it)
 
     def __post_init__(self) -> None:
         if self.split_fraction is not None and not 0 < self.split_fraction < 1:
@@ -171,11 +201,14 @@ class Policy:
 
 @dataclass(frozen=True)
 class Option:
-    """One placement with its predicted TTFT and TPOT (ms)."""
+    """One placement with its predicted TTFT and TPOT (ms), and whether it
+    leaves an instance other than its decoder with no decode that can still
+    meet the TPOT SLO (`keeps_free`)."""
 
     placement: Placement
     ttft_ms: float
     tpot_ms: float
+    keeps_free: bool = False
 
 
 @dataclass(frozen=True)
@@ -222,13 +255,14 @@ def options(
     models: Models,
     request: Request,
     policy: Policy = Policy(),
+    slo: SLO | None = None,
 ) -> list[Option]:
     """Every option `decide` chooses among (see the module docstring), predicted."""
     loads = _loads(fleet, models)
     up = [k for k, load in enumerate(loads) if load.available]
     prefillers = [k for k in up if loads[k].role != "decode"]
     decoders = [k for k in up if loads[k].role != "prefill"]
-    p = _Predictor(loads, models, request, policy)
+    p = _Predictor(loads, models, request, policy, slo)
     out = [p.local(j) for j in up if loads[j].role == "any"]
     for i in prefillers:
         for j in decoders:
@@ -255,7 +289,7 @@ def decide(
     """Where to run `request` (see the module docstring). `NoPlacement` if no
     available instance can decode it."""
     loads = _loads(fleet, models)
-    opts = options(loads, models, request, policy)
+    opts = options(loads, models, request, policy, slo)
     if not opts:
         states = ", ".join(
             f"{k}: {load.role}" + ("" if load.healthy else " down") + (" draining" * load.draining)
@@ -266,7 +300,8 @@ def decide(
     def rank(o: Option) -> tuple:
         pl = o.placement
         busy = sum(loads[k].outstanding for k in {pl.prefill, pl.decode})
-        return (KIND_RANK[pl.kind], o.ttft_ms, busy, pl.prefill, pl.decode, pl.head_tokens)
+        crowded = policy.keep_free and not o.keeps_free
+        return (crowded, KIND_RANK[pl.kind], o.ttft_ms, busy, pl.prefill, pl.decode, pl.head_tokens)
 
     meets = [o for o in opts if o.tpot_ms <= slo.tpot_ms]
     reason: Reason
@@ -309,9 +344,16 @@ class _Predictor:
     """The formulas of the module docstring, for one request on one fleet snapshot."""
 
     def __init__(
-        self, loads: tuple[InstanceLoad, ...], models: Models, request: Request, policy: Policy
+        self,
+        loads: tuple[InstanceLoad, ...],
+        models: Models,
+        request: Request,
+        policy: Policy,
+        slo: SLO | None = None,
     ) -> None:
         self.loads = loads
+        self.slo = None if slo is None else slo.tpot_ms
+        self.stitch = policy.stitch
         self.m = models
         self.tokens = request.prompt_tokens
         self.min_horizon = policy.min_horizon_tokens
@@ -327,6 +369,42 @@ class _Predictor:
             + self.slot_wait(k, load)
             for k, load in enumerate(loads)
         ]
+        self.free = [  # no decode that can still meet the TPOT SLO
+            not any(not self.doomed(k, d) for d in self.decodes(k)) for k in range(len(loads))
+        ]
+
+    def ahead(self, k: int, d: Decode) -> float:
+        """The queued prefill work on `k` that will stall decode `d`: all of it
+        once `d` decodes, the work queued after it before."""
+        if d.started:
+            return self.work[k]
+        return self.m.prefill_queue_ms(k, d.behind_prefills, d.behind_tokens)
+
+    def horizon_of(self, d: Decode) -> int:
+        if d.output_tokens is None:
+            return self.horizon
+        return max(d.output_tokens, self.min_horizon)
+
+    def doomed(self, k: int, d: Decode) -> bool:
+        """Whether decode `d` on `k` misses the TPOT SLO whatever this request
+        does: its stall and the work queued ahead of it already take it past
+        (never, without an SLO)."""
+        if self.slo is None:
+            return False
+        b = self.loads[k].decodes
+        return (
+            self.m.step_ms(k, b) + (d.stalled_ms + self.ahead(k, d)) / self.horizon_of(d) > self.slo
+        )
+
+    def decodes(self, k: int) -> list[Decode]:
+        """`k`'s decodes, the unlisted ones as not stalled yet and decoding."""
+        load = self.loads[k]
+        return list(load.running) + [Decode()] * (load.decodes - len(load.running))
+
+    def keeps_free(self, j: int) -> bool:
+        """Whether an instance other than the decoder `j` is left with no decode
+        that can still meet the TPOT SLO (a prompt computed there stalls nobody)."""
+        return any(free for k, free in enumerate(self.free) if k != j)
 
     def slot_wait(self, k: int, load: InstanceLoad) -> float:
         """Until `k` has a free sequence slot for one more request: 0 below its
@@ -344,23 +422,23 @@ class _Predictor:
     def first_step(self, j: int) -> float:
         return self.m.step_ms(j, self.loads[j].decodes + 1)
 
-    def tpot(self, k: int, added: int, stall_ms: float) -> float | None:
+    def tpot(
+        self, k: int, added: int, stall_ms: float, own_ms: float | None = None
+    ) -> float | None:
         """TPOT of `k`'s decodes with `added` more and `stall_ms` more prefill
-        work, the worst of them; None when `k` has no decode to slow down."""
+        work, the worst of them; None when `k` has no decode to slow down.
+        `own_ms`: the added request's own TPOT, when more than a step."""
         load = self.loads[k]
         b = load.decodes
         if b + added == 0:
             return None
         step = self.m.step_ms(k, b + added)
-        if b == 0:
-            return step
-        ahead = self.work[k] + stall_ms
-        worst = 0.0 if len(load.running) == b else ahead / self.horizon  # unlisted ones
-        for d in load.running:
-            horizon = self.horizon
-            if d.output_tokens is not None:
-                horizon = max(d.output_tokens, self.min_horizon)
-            worst = max(worst, (d.stalled_ms + ahead) / horizon)
+        worst = max(own_ms - step, 0.0) if own_ms is not None and added else 0.0
+        for d in self.decodes(k):
+            if not self.doomed(k, d):
+                worst = max(
+                    worst, (d.stalled_ms + self.ahead(k, d) + stall_ms) / self.horizon_of(d)
+                )
         return step + worst
 
     def local(self, j: int) -> Option:
@@ -368,13 +446,20 @@ class _Predictor:
         ttft = self.queue[j] + pf + self.first_step(j)
         tpot = self.tpot(j, 1, pf)
         assert tpot is not None
-        return Option(Placement("local", j, j), ttft, tpot)
+        return Option(Placement("local", j, j), ttft, tpot, self.keeps_free(j))
 
     def pd(self, i: int, j: int) -> Option:
         pf = self.m.prefill_ms(i, self.tokens)
-        ready = self.queue[i] + pf + self.m.transfer_ms(i, j, self.tokens)
+        answered = self.queue[i] + pf
+        ready = answered + self.m.transfer_ms(i, j, self.tokens)
         ttft = max(ready, self.queue[j]) + self.first_step(j)
-        return Option(Placement("pd", i, j), ttft, self._worst(self.tpot(j, 1, 0.0), i, pf))
+        own = None
+        if self.stitch:  # the client's first token is P's; the wait for D's next is TPOT
+            first = answered + self.m.step_ms(i, self.loads[i].decodes + 1)  # as local's
+            own = self.first_step(j) + max(ttft - first, 0.0) / max(self.horizon - 1, 1)
+            ttft = first
+        tpot = self._worst(self.tpot(j, 1, 0.0, own), i, pf)
+        return Option(Placement("pd", i, j), ttft, tpot, self.keeps_free(j))
 
     def split(self, i: int, j: int, head: int) -> Option:
         pf_head = self.m.prefill_ms(i, head)
@@ -382,8 +467,9 @@ class _Predictor:
         tail_done = self.queue[j] + self.m.prefill_ms(j, self.tokens - head)
         end = max(head_ready, tail_done)
         ttft = end + self.first_step(j)
-        tpot = self._worst(self.tpot(j, 1, end - self.queue[j]), i, pf_head)
-        return Option(Placement("split", i, j, head), ttft, tpot)
+        stall = end - self.queue[j]
+        tpot = self._worst(self.tpot(j, 1, stall), i, pf_head)
+        return Option(Placement("split", i, j, head), ttft, tpot, self.keeps_free(j))
 
     def head(self, i: int, j: int) -> int:
         """The head `i` computes in a split with `j`: whole blocks of `i`, leaving

@@ -85,11 +85,17 @@ def beyond_slots(outstanding: int, max_num_seqs: int | None) -> int:
 class Decode(NamedTuple):
     """One request dispatched to decode on an instance: the prefill service
     time the instance spent since its first token (the stall it has suffered,
-    which its final TPOT carries; 0 before its first token) and the output
-    tokens it asked for (None: not known)."""
+    which its final TPOT carries; 0 before its first token), the output
+    tokens it asked for (None: not known), and, before its first token
+    (`started` False), the prefill work queued on the instance after it
+    (`behind_prefills` parts of `behind_tokens` tokens): the only queued work
+    that will stall it, the rest being done before its first token."""
 
     stalled_ms: float = 0.0
     output_tokens: int | None = None
+    started: bool = True
+    behind_prefills: int = 0
+    behind_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -282,17 +288,28 @@ class FleetState:
         """Every instance's `InstanceLoad`, by index."""
         splits = [0] * len(self._inst)
         running: list[list[Decode]] = [[] for _ in self._inst]
+        # prefill work queued on each instance after each request, in dispatch order
+        behind: dict[int, tuple[int, int]] = {}
+        queued = [[0, 0] for _ in self._inst]
+        for r in reversed(self._requests.values()):
+            behind[id(r)] = tuple(queued[r.decoder])  # type: ignore[assignment]
+            for i, tokens in r.pending.items():
+                queued[i][0] += 1
+                queued[i][1] += tokens
         for r in self._requests.values():
             p = r.placement
             tail_pending = r.first_token_s is None and not r.decode_over
             if p.kind == "split" and (not r.prefill_over or tail_pending):
                 splits[p.prefill] += 1
                 splits[r.decoder] += 1
-            if not r.decode_over:
-                suffered = 0.0
-                if r.first_token_s is not None:
-                    suffered = self._inst[r.decoder].prefill_busy_ms - r.busy_at_first
+            if r.decode_over:
+                continue
+            if r.first_token_s is not None:
+                suffered = self._inst[r.decoder].prefill_busy_ms - r.busy_at_first
                 running[r.decoder].append(Decode(suffered, r.output_tokens))
+            else:
+                count, tokens = behind[id(r)]
+                running[r.decoder].append(Decode(0.0, r.output_tokens, False, count, tokens))
         return tuple(
             InstanceLoad(
                 role=s.role,
