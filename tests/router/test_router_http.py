@@ -787,6 +787,37 @@ def test_adaptive_placement_asks_every_instance_its_block_size_and_max_num_seqs(
     assert resp.status_code == 200
 
 
+def test_an_adaptive_router_probes_an_instance_again_when_it_comes_back(
+    make_fake: MakeFake, make_router: MakeRouter, http: httpx.Client
+) -> None:
+    """An instance that went down and answers /health again may be a new
+    engine: the adaptive router asks it again for its max_num_seqs (and block
+    size) before placing anything on it, even with its control address given."""
+    a, b = make_fake("A", "decode"), make_fake("B", "decode")
+    for fake in (a, b):
+        fake.control = "127.0.0.1:7300"
+    listed = [Instance(fake.url, control=fake.control) for fake in (a, b)]
+    router = make_router(
+        [], [], instances=listed, placement="adaptive", discover=True, probe_interval_s=0.2
+    )
+    seqs = "rapidkv_router_instance_max_num_seqs"
+    wait_until(lambda: metric(router, seqs, instance=a.url) == 4, 10, what="A probed")
+    port = urlsplit(a.url).port
+    a.stop()
+
+    def a_down() -> bool:  # a request placed on A (the first of equals) finds it gone
+        http.post(f"{router.url}/v1/completions", json=COMPLETION)
+        return metric(router, "rapidkv_router_instance_up", role="both", instance=a.url) == 0
+
+    wait_until(a_down, 10, what="A marked down")
+    assert metric(router, "rapidkv_router_instance_up", role="both", instance=a.url) == 0
+    again = make_fake("A-again", "decode", port)
+    again.control = "127.0.0.1:7301"
+    again.max_num_seqs = 9
+    wait_until(lambda: metric(router, seqs, instance=a.url) == 9, 10, what="A probed again")
+    assert metric(router, "rapidkv_router_instance_up", role="both", instance=a.url) == 1
+
+
 def test_fixed_placement_names_the_instances_in_the_header(
     pd: tuple[FakeVLLM, FakeVLLM], make_router: MakeRouter, http: httpx.Client
 ) -> None:

@@ -345,6 +345,7 @@ class Router:
         learnt: asyncio.Future[Discovered] = asyncio.get_running_loop().create_future()
         learnt.set_result(found)
         self._discovery[inst.url] = (learnt, time.monotonic())
+        self._discovered(inst.url, learnt)  # its block size and max_num_seqs may differ too
 
     async def close(self) -> None:
         """Cancel background prefill requests, close the HTTP and RPC clients."""
@@ -983,16 +984,18 @@ class Router:
             except UPSTREAM_ERRORS:
                 continue
             if status == 200:
-                if "prefill" in member.roles and inst.control is None and self.config.discover:
-                    # a restarted instance may listen elsewhere: ask again before
-                    # dispatching to it
+                needs_control = "prefill" in member.roles and inst.control is None
+                if self.config.discover and (needs_control or self._placer is not None):
+                    # a restarted instance may listen elsewhere, and run another
+                    # block size or max_num_seqs: ask again before dispatching to it
                     self._discovery.pop(inst.url, None)
                     self._announced.discard(inst.url)
                     try:
                         await self._discovery_task(inst)
                     except DiscoveryError as e:
                         log.info("%s instance %s answers /health: %s", member.label, inst.url, e)
-                        continue
+                        if needs_control:
+                            continue
                 self._health.mark_up(index)
                 self.metrics.instance_up.labels(member.label, inst.url).set(1)
                 if self._placer is not None:

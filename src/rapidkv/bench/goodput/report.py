@@ -139,6 +139,7 @@ def single_c1_report(w: WorkloadRun) -> dict[str, Any] | None:
 def rate_report(run: Any, w: WorkloadRun) -> dict[str, Any]:
     """One configuration at one rate: attainment and what it was made of."""
     from rapidkv.bench.goodput.arrivals import offered_rate
+    from rapidkv.bench.goodput.by_placement import by_placement
     from rapidkv.bench.goodput.slo import Outcome, attainment
     from rapidkv.bench.serve.stats import classify, load_summary
 
@@ -173,6 +174,9 @@ def rate_report(run: Any, w: WorkloadRun) -> dict[str, Any]:
         near_tie_mismatches=s["near_tie_mismatches"],
         placements=run.placements,
         reasons=run.reasons,
+        by_placement=by_placement([r.placement for r in run.results], outcomes, w.slo)
+        if run.placements is not None
+        else None,
         learned=run.learned,
         server_cpu_s=run.server_cpu_s,
         client_cpu_s=run.client_cpu_s,

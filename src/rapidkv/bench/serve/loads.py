@@ -12,7 +12,8 @@ times given outright (`bench goodput`: its own seeded arrivals, the same
 pattern at every rate).
 
 Each request records when each token arrived (client side), the response's
-rapidkv `xfer_id` header when a rapidkv router served it, and any error
+rapidkv `xfer_id` header when a rapidkv router served it (and its
+`x-rapidkv-placement` header where it placed it), and any error
 (counted, never retried). A request that has no complete answer within
 `timeout_s` fails, and the requests of its load not yet sent are not sent (each
 recorded as an error): a wedged server costs one timeout, not one per prompt.
@@ -33,6 +34,7 @@ from typing import Any
 from rapidkv.bench.serve.stats import RequestResult
 
 XFER_HEADER = "x-rapidkv-xfer-id"
+PLACEMENT_HEADER = "x-rapidkv-placement"
 TIMEOUT = "timeout: no complete answer within the request timeout"
 SKIPPED = "not sent: this load stopped after a timeout of the request for prompt"
 
@@ -140,8 +142,16 @@ async def _run(
             finally:
                 on_done()
             e2e = (time.monotonic() - t0) * 1000
-            xfer = s.headers.get(XFER_HEADER)
-            return RequestResult(i, tuple(s.token_ids), s.token_ms, e2e, sent, xfer, sent_mono=t0)
+            return RequestResult(
+                i,
+                tuple(s.token_ids),
+                s.token_ms,
+                e2e,
+                sent,
+                s.headers.get(XFER_HEADER),
+                sent_mono=t0,
+                placement=s.headers.get(PLACEMENT_HEADER),
+            )
 
         t_start = time.monotonic()
         if load.concurrency is not None:

@@ -137,6 +137,7 @@ class RequestResult:
     xfer_id: str | None = None  # the rapidkv router's id for it, when routed by one
     error: str | None = None
     sent_mono: float = math.nan  # time.monotonic() it was sent (the connectors' clock)
+    placement: str | None = None  # a rapidkv router's x-rapidkv-placement header
 
     @property
     def ttft_ms(self) -> float:
