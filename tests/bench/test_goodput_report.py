@@ -41,7 +41,8 @@ def test_options_default_quick_and_given_rates() -> None:
     assert q.requests == 8 and q.warmup == 1 and q.rates == {"chat": (1.0, 4.0)}
     r = parse("--rates", "8,2,4.5", "--server-args", "--max-num-seqs 4")
     assert r.rates == {"prefill-heavy": (2.0, 4.5, 8.0), "chat": (2.0, 4.5, 8.0)}
-    assert r.server_args[-2:] == ("--max-num-seqs", "4")
+    assert r.server_args[-2:] == ("--max-num-seqs", "4") and o.router_args == ()
+    assert parse("--router-args", "--tpot-margin 1").router_args == ("--tpot-margin", "1")
     r = parse("--rates", "chat=1,0.5", "--rates", "3,6")  # a named list wins, in any order
     assert r.rates == {"prefill-heavy": (3.0, 6.0), "chat": (0.5, 1.0)}
     g = parse("--tpot-slo-ms", "12.5")

@@ -112,8 +112,31 @@ def test_a_decoder_whose_batch_would_break_tpot_is_not_chosen() -> None:
     d = decide([crowded, queued], models, request, slo)
     assert (d.kind, d.decode, d.reason) == ("local", 1, "tpot-slo")
     assert d.tpot_ms <= 20 < fastest.tpot_ms
-    # without the SLO binding, the crowded decoder's shorter TTFT wins
-    assert decide([crowded, queued], models, request).placement == Placement("local", 0, 0)
+    # without the SLO binding, and with no TTFT headroom, the crowded decoder's
+    # shorter TTFT wins (with the headroom, both TTFTs tie and the lower TPOT does)
+    fastest_wins = Policy(ttft_headroom=0)
+    d = decide([crowded, queued], models, request, policy=fastest_wins)
+    assert d.placement == Placement("local", 0, 0)
+    assert decide([crowded, queued], models, request).placement == Placement("local", 1, 1)
+
+
+def test_a_loose_tpot_slo_balances_and_a_tight_one_keeps_an_instance_free() -> None:
+    """Instance 1 decodes three 32-token answers, instance 0 nothing. Under a
+    loose TPOT SLO every option has margin: the prompt stays local, on the
+    instance whose decodes it slows least (0), as a balancer would; keeping 0
+    free of decodes would pile the fleet's work onto 1. Under a tighter one the
+    prompt would leave no margin beside 1's decodes: 0 is kept for prompts, and
+    the request is decoded on 1 (what a fixed P/D pair does)."""
+    fleet = [IDLE, InstanceLoad(decodes=3, running=(Decode(0.0, 32),) * 3)]
+    models, request = Models(2), Request(600, output_tokens=32)
+    loose = decide(fleet, models, request, SLO(1000, 100))
+    assert (loose.kind, loose.decode) == ("local", 0)
+    assert decide(fleet, models, request, SLO(1000, 100), Policy(balance=False)).decode == 1
+    slo = SLO(1000, 14)  # margin: 0.6 x 14 = 8.4 ms
+    local_1 = option_for(options(fleet, models, request, slo=slo), Placement("local", 1, 1))
+    assert local_1.tpot_ms > 8.4  # the prompt beside 1's decodes
+    tight = decide(fleet, models, request, slo)
+    assert tight.placement == Placement("pd", 0, 1) and tight.tpot_ms <= 8.4
 
 
 def test_prefill_on_a_busy_decoder_is_avoided_when_it_breaks_tpot() -> None:
@@ -248,7 +271,8 @@ def test_a_full_engine_is_waited_for_and_one_with_a_free_slot_preferred() -> Non
     a ninth waits for one of them to finish, about 1/9 of an output of 8-wide
     steps. Instance 1 has a prompt queued but a free slot: it wins, where an
     unknown capacity (or one slot fewer in use) would have chosen 0."""
-    models, request, no_cross = Models(2), Request(100), Policy(pd=False, split=False)
+    no_cross = Policy(pd=False, split=False, ttft_headroom=0)  # the lowest TTFT, local
+    models, request = Models(2), Request(100)
 
     def load(n: int, cap: int | None, queued: int = 0) -> InstanceLoad:
         return InstanceLoad(
@@ -308,13 +332,13 @@ def test_when_no_option_meets_tpot_the_least_violation_is_chosen() -> None:
 def test_a_decode_already_past_its_tpot_slo_does_not_veto_a_prefill() -> None:
     """A decode whose stall and queue already break the TPOT SLO misses it
     whatever this request does: it no longer keeps prompts off its instance.
-    The prompt is computed there and decoded beside the decode that can still
-    make it (no option would meet the SLO if the lost one counted)."""
+    The prompt is computed there (no option would meet the SLO if the lost one
+    counted)."""
     models, request, slo = Models(2), Request(900), SLO(tpot_ms=10)
     lost = InstanceLoad(decodes=1, running=(Decode(400.0, 16),))  # 25 ms of stall a token
     fresh = InstanceLoad(decodes=1, running=(Decode(0.0, 16),))
     d = decide([lost, fresh], models, request, slo)
-    assert d.meets_tpot and d.prefill == 0 and d.decode == 1
+    assert d.meets_tpot and d.prefill == 0
     assert d.reason != "no-option-meets-tpot"
     local = option_for(options([lost, fresh], models, request, slo=slo), Placement("local", 0, 0))
     assert local.tpot_ms == pytest.approx(models.step_ms(0, 2))  # its own steps only
@@ -703,6 +727,8 @@ policies = st.builds(
     tie_ms=st.sampled_from([0.0, 1.0, 5.0]),
     keep_free=st.booleans(),
     stitch=st.booleans(),
+    tpot_margin=st.sampled_from([0.0, 0.6, 1.0]),
+    balance=st.booleans(),
 )
 priors = st.builds(
     Priors,
@@ -790,11 +816,20 @@ def test_the_chosen_ttft_is_the_lowest_of_the_options_that_meet_tpot(case: tuple
         assert d.meets_tpot and d.ttft_ms <= tied
         ties = [o for o in meets if o.ttft_ms <= tied]
         chosen = next(o for o in ties if o.placement == d.placement)
-        if policy.keep_free and any(o.keeps_free for o in ties):
-            assert chosen.keeps_free  # ties go first to an instance left free of decodes
+        safe_ms = policy.tpot_margin * slo.tpot_ms
+        tight = any(o.beside_decodes and o.tpot_ms > safe_ms for o in opts)
+        if policy.balance and any(o.tpot_ms <= safe_ms for o in ties):
+            assert chosen.tpot_ms <= safe_ms  # ties go first to a TPOT with margin
+            ties = [o for o in ties if o.tpot_ms <= safe_ms]
+        keeping = policy.keep_free and (tight or not policy.balance)
+        if keeping and any(o.keeps_free for o in ties):
+            assert chosen.keeps_free  # then to an instance left free of decodes
             ties = [o for o in ties if o.keeps_free]
         if any(o.placement.kind == "local" for o in ties):
-            assert d.kind == "local"  # then to local
+            assert d.kind == "local"  # then to local (then pd, then split)
+        ties = [o for o in ties if o.placement.kind == d.kind]
+        if policy.balance:  # then, as balanced, the lowest TPOT
+            assert round(chosen.tpot_ms, 1) == min(round(o.tpot_ms, 1) for o in ties)
         if d.ttft_ms > best + policy.tie_ms:  # only for the headroom, and said so
             assert d.reason == "ttft-headroom" and d.ttft_ms <= policy.ttft_headroom * slo.ttft_ms
         if tied == best:

@@ -96,6 +96,15 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         "(0: always the lowest TTFT; default %(default)s)",
     )
     parser.add_argument(
+        "--tpot-margin",
+        type=float,
+        default=0.6,
+        metavar="FRACTION",
+        help="adaptive placement: among options equally fast, those whose predicted TPOT is "
+        "within this fraction of --tpot-slo-ms come first, then the fewest crossings, then the "
+        "lowest TPOT (1: every option within the SLO counts as safe; default %(default)s)",
+    )
+    parser.add_argument(
         "--secret-file",
         type=Path,
         default=None,
@@ -179,6 +188,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         ttft_slo_ms=args.ttft_slo_ms,
         tpot_slo_ms=args.tpot_slo_ms,
         ttft_headroom=args.ttft_headroom,
+        tpot_margin=args.tpot_margin,
         secret=read_secret(args.secret_file) if args.secret_file is not None else None,
         admin_token=(
             read_secret(args.admin_token_file).decode()

@@ -134,6 +134,7 @@ class RouterConfig:
     ttft_slo_ms: float = 1000.0
     tpot_slo_ms: float = 100.0
     ttft_headroom: float = 0.5  # adaptive: TTFTs below this fraction of the SLO tie
+    tpot_margin: float = 0.6  # adaptive: ties go first to TPOTs within this fraction of the SLO
     # ask prefill instances configured without a control address for it
     discover: bool = True
     # dual dispatch: P's first token opens the client's stream when it may (see `stitch`)
@@ -181,6 +182,8 @@ class RouterConfig:
             raise ValueError("adaptive placement needs dual dispatch")
         if not (self.ttft_slo_ms > 0 and self.tpot_slo_ms > 0):
             raise ValueError("the TTFT and TPOT SLOs must be > 0 ms")
+        if not 0 <= self.tpot_margin <= 1:
+            raise ValueError(f"tpot_margin must be in [0, 1], not {self.tpot_margin}")
         if not 0 <= self.ttft_headroom <= 1:
             raise ValueError(f"ttft_headroom must be in [0, 1], not {self.ttft_headroom}")
         decoders = self.pool("decode")  # `members` raises for conflicting control addresses

@@ -209,6 +209,7 @@ class Router:
                 Policy(
                     split=config.split_prefill,
                     ttft_headroom=config.ttft_headroom,
+                    tpot_margin=config.tpot_margin,
                     stitch=config.prefill_first_token and config.dispatch == "dual",
                 ),
             )

@@ -120,6 +120,11 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     add("--timeout", type=float, default=60.0, help="per request, seconds (%(default)s)")
     add("--dtype", choices=sorted(DTYPES), default="float32", help="model dtype (%(default)s)")
     add(
+        "--router-args",
+        default="",
+        help="extra arguments for the adaptive router, one string: --router-args='--flag value'",
+    )
+    add(
         "--server-args",
         default="",
         help="extra vLLM arguments for every server, one string: --server-args='--flag value'",

@@ -40,6 +40,7 @@ class Options:
     timeout: float
     dtype: str
     server_args: tuple[str, ...]  # --max-model-len first, then --server-args
+    router_args: tuple[str, ...] = ()  # the adaptive router's, after its SLOs
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Options:
@@ -91,6 +92,7 @@ class Options:
             timeout=args.timeout,
             dtype=DTYPES[args.dtype],
             server_args=("--max-model-len", str(MAX_MODEL_LEN), *shlex.split(args.server_args)),
+            router_args=tuple(shlex.split(args.router_args)),
         )
 
     def units(self) -> int:
@@ -351,7 +353,7 @@ class Sweep:
             for m in live:
                 if CONFIGS[m].front == ADAPTIVE_FRONT:
                     extra = ["--ttft-slo-ms", f"{w.slo.ttft_ms:.3f}"]
-                    extra += ["--tpot-slo-ms", f"{w.slo.tpot_ms:.3f}"]
+                    extra += ["--tpot-slo-ms", f"{w.slo.tpot_ms:.3f}", *self.opts.router_args]
                     self.progress.stage(f"{w.name}: starting {m}'s router ({' '.join(extra)})")
                     group.start_front(ADAPTIVE_FRONT, extra, label=f"{ADAPTIVE_FRONT}.{w.name}")
                     self.configs[m].router_args[w.name] = extra

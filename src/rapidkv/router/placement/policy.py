@@ -81,11 +81,16 @@ included): taking each running one halfway through its output, the first of
 Choice: among the options whose TPOT is within `SLO.tpot_ms`, the lowest TTFT;
 options within `Policy.tie_ms` of it are tied, and so is every option whose
 TTFT is within `Policy.ttft_headroom` of the TTFT SLO; ties go first to the
-options that leave some instance other than their decoder with no decode
-that can still meet the SLO (`Policy.keep_free`: a prompt computed there
-later stalls nobody), then to ``local``, then ``pd``, then ``split`` (the
-fewer crossings), then the lower TTFT, the fewer outstanding requests, the
-lower indices. `tie_ms` defaults to 5 ms,
+options whose TPOT is within `Policy.tpot_margin` of the TPOT SLO (safe);
+then, when the fleet is *tight* (some option computing prompt work beside a
+decode that can still meet the SLO is not safe), to the options that leave
+some instance other than their decoder with no such decode
+(`Policy.keep_free`: a prompt computed there later stalls nobody); then to
+``local``, then ``pd``, then ``split`` (the fewer crossings); then to the
+lower TPOT (to 0.1 ms: the instance the request slows least, which balances
+the fleet), the lower TTFT, the fewer outstanding requests, the lower
+indices. With `Policy.balance` off: `keep_free` always, then the kinds, then
+the lower TTFT (the order before the margin existed). `tie_ms` defaults to 5 ms,
 about one decode step: a crossing must save more than that to be taken, which
 keeps the predictions' noise and the costs no model sees (a text prompt's
 ``/tokenize`` before a split) from sending short prompts across (on an idle
@@ -103,8 +108,19 @@ under a TPOT SLO of 9 ms with 5.4 ms steps, a 900-token prompt takes ~90),
 while a fleet that keeps an instance free of decodes computes prompts there
 and decodes elsewhere, as a fixed P/D pair does. Simulated (`bench
 simulate`'s instance models, 2 instances, prefill-heavy, SLOs 250 / 9 ms):
-goodput 4 req/s without it, 8 with it (fixed P/D 10, least outstanding 5);
-no change at looser TPOT SLOs.
+goodput 4 req/s without it, 8 with it (fixed P/D 10, least outstanding 5).
+But taken always, `keep_free` unbalances a loose fleet: on two idle-ish
+instances, every local prompt went to the one already decoding, to keep the
+other free (`bench goodput`, 2026-12-04, SLOs 250 / 18 ms, prefill-heavy at 4
+req/s: one instance's engine used 7.7 CPU s, the other 15.0, TPOT p90 13.1
+ms against `dp2`'s 6.8). Predictions are right at the median (measured over
+predicted 0.9-1.1 per kind, `bench goodput`'s `by_placement`) but an option
+predicted just inside the SLO misses it in the tail, so `tpot_margin` (0.6)
+prefers options with room, and `keep_free` waits for a tight fleet. Measured
+in one run (2026-12-04 11:35, SLOs 250 / 18 ms): chat goodput 7 req/s against
+`dp2`'s 6 (5 against 7 before); prefill-heavy 8 against `dp2`'s 12
+(unchanged). Simulated: 8 / 4, 8 / 5, 12 / 6 req/s (prefill-heavy / chat) at
+TPOT SLOs of 9, 12 and 18 ms, against 8 / 3, 8 / 5, 12 / 6 before.
 If no option meets the TPOT SLO: the one with the lowest TPOT (the least
 violation), then the lowest TTFT.
 
@@ -178,8 +194,8 @@ class Request:
 class Policy:
     """How `decide` chooses. `split_fraction` None: the head balances the
     halves; `stitch`: a PD's first token is P's (the router's dual dispatch
-    with `prefill_first_token`); `keep_free`: ties go first to options that
-    keep an instance free of decodes (see the module docstring)."""
+    with `prefill_first_token`); `tpot_margin`, `keep_free`, `balance`: the
+    order among tied options (see the module docstring)."""
 
     pd: bool = True
     split: bool = True
@@ -188,11 +204,15 @@ class Policy:
     min_horizon_tokens: int = 16
     ttft_headroom: float = 0.5  # of the TTFT SLO: TTFTs below it are tied (0: none)
     keep_free: bool = True  # ties: first the options leaving an instance no decode to stall
+    tpot_margin: float = 0.6  # of the TPOT SLO: ties go first to options predicted within it
+    balance: bool = True  # ties: the lower predicted TPOT before keep_free
     stitch: bool = True  # a PD's first token is P's (the router's dual dispatch stitches it)
 
     def __post_init__(self) -> None:
         if self.split_fraction is not None and not 0 < self.split_fraction < 1:
             raise ValueError(f"split_fraction must be in (0, 1), not {self.split_fraction}")
+        if not 0 <= self.tpot_margin <= 1:
+            raise ValueError(f"tpot_margin must be in [0, 1], not {self.tpot_margin}")
         if not 0 <= self.ttft_headroom <= 1:
             raise ValueError(f"ttft_headroom must be in [0, 1], not {self.ttft_headroom}")
         if self.tie_ms < 0 or self.min_horizon_tokens < 1:
@@ -209,6 +229,7 @@ class Option:
     ttft_ms: float
     tpot_ms: float
     keeps_free: bool = False
+    beside_decodes: bool = False  # computes prompt work where a decode can still meet the SLO
 
 
 @dataclass(frozen=True)
@@ -297,11 +318,18 @@ def decide(
         )
         raise NoPlacement(f"no available instance can decode ({states})")
 
+    safe_ms = policy.tpot_margin * slo.tpot_ms
+    tight = any(o.beside_decodes and o.tpot_ms > safe_ms for o in opts)
+
     def rank(o: Option) -> tuple:
         pl = o.placement
         busy = sum(loads[k].outstanding for k in {pl.prefill, pl.decode})
         crowded = policy.keep_free and not o.keeps_free
-        return (crowded, KIND_RANK[pl.kind], o.ttft_ms, busy, pl.prefill, pl.decode, pl.head_tokens)
+        tail = (o.ttft_ms, busy, pl.prefill, pl.decode, pl.head_tokens)
+        if not policy.balance:
+            return (crowded, KIND_RANK[pl.kind], *tail)
+        unsafe = o.tpot_ms > safe_ms
+        return (unsafe, crowded and tight, KIND_RANK[pl.kind], round(o.tpot_ms, 1), *tail)
 
     meets = [o for o in opts if o.tpot_ms <= slo.tpot_ms]
     reason: Reason
@@ -446,7 +474,7 @@ class _Predictor:
         ttft = self.queue[j] + pf + self.first_step(j)
         tpot = self.tpot(j, 1, pf)
         assert tpot is not None
-        return Option(Placement("local", j, j), ttft, tpot, self.keeps_free(j))
+        return Option(Placement("local", j, j), ttft, tpot, self.keeps_free(j), not self.free[j])
 
     def pd(self, i: int, j: int) -> Option:
         pf = self.m.prefill_ms(i, self.tokens)
@@ -459,7 +487,7 @@ class _Predictor:
             own = self.first_step(j) + max(ttft - first, 0.0) / max(self.horizon - 1, 1)
             ttft = first
         tpot = self._worst(self.tpot(j, 1, 0.0, own), i, pf)
-        return Option(Placement("pd", i, j), ttft, tpot, self.keeps_free(j))
+        return Option(Placement("pd", i, j), ttft, tpot, self.keeps_free(j), not self.free[i])
 
     def split(self, i: int, j: int, head: int) -> Option:
         pf_head = self.m.prefill_ms(i, head)
@@ -469,7 +497,8 @@ class _Predictor:
         ttft = end + self.first_step(j)
         stall = end - self.queue[j]
         tpot = self._worst(self.tpot(j, 1, stall), i, pf_head)
-        return Option(Placement("split", i, j, head), ttft, tpot, self.keeps_free(j))
+        beside = not (self.free[i] and self.free[j])
+        return Option(Placement("split", i, j, head), ttft, tpot, self.keeps_free(j), beside)
 
     def head(self, i: int, j: int) -> int:
         """The head `i` computes in a split with `j`: whole blocks of `i`, leaving
