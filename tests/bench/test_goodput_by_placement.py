@@ -4,8 +4,9 @@ import math
 
 import pytest
 
-from rapidkv.bench.goodput.by_placement import by_placement, parse_header
+from rapidkv.bench.goodput.by_placement import by_placement
 from rapidkv.bench.goodput.slo import SLO, Outcome
+from rapidkv.router.placement.policy import parse_header
 
 LOCAL = "kind=local;prefill=0;decode=0;reason=lowest-ttft;ttft_ms=50.0;tpot_ms=5.0"
 PD = "kind=pd;prefill=0;decode=1;reason=tpot-slo;ttft_ms=100.0;tpot_ms=8.0"

@@ -19,16 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rapidkv.bench.goodput.slo import SLO, Outcome, attainment
-
-
-def parse_header(value: str) -> dict[str, str]:
-    """``kind=pd;prefill=1;...`` -> its fields (a malformed part is skipped)."""
-    fields = {}
-    for part in value.split(";"):
-        key, sep, v = part.partition("=")
-        if sep and key.strip():
-            fields[key.strip()] = v.strip()
-    return fields
+from rapidkv.router.placement.policy import parse_header
 
 
 def _number(fields: dict[str, str], key: str) -> float:

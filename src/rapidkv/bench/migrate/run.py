@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rapidkv.bench.serve.loads import PLACEMENT_HEADER, XFER_HEADER
+
 MODES = ("precopy", "stop-and-copy")
 MODE_KEYS = {"precopy": "precopy", "stop-and-copy": "stop_and_copy"}  # CLI -> JSON
 LABELS = ("A", "B")  # instance 0 on core 0, instance 1 on core 1
 BLOCK = 128  # --block-size of both instances (vLLM's CPU default, given explicitly)
-XFER_HEADER = "x-rapidkv-xfer-id"
-PLACEMENT_HEADER = "x-rapidkv-placement"
 EXTERNAL = "vllm:prompt_tokens_by_source_total"
 RESET_TIMEOUT_S = 10.0  # a prefix cache reset retried while the connector holds blocks
 LENGTH_SALT = 7907  # a length's prompts are drawn from seed + this x length
@@ -234,7 +234,9 @@ class Order:
 def _decode_index(placement: str | None) -> int | None:
     if not placement:
         return None
-    parts = dict(kv.split("=", 1) for kv in placement.split(";") if "=" in kv)
+    from rapidkv.router.placement.policy import parse_header
+
+    parts = parse_header(placement)
     return int(parts["decode"]) if "decode" in parts else None
 
 

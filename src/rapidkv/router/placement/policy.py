@@ -271,6 +271,17 @@ class Decision:
         )
 
 
+def parse_header(value: str) -> dict[str, str]:
+    """An ``x-rapidkv-placement`` value (`Decision.header_value`, or a fixed
+    router's ``kind=...;reason=fixed``) -> its fields; a malformed part is skipped."""
+    fields = {}
+    for part in value.split(";"):
+        key, sep, v = part.partition("=")
+        if sep and key.strip():
+            fields[key.strip()] = v.strip()
+    return fields
+
+
 def options(
     fleet: FleetState | Sequence[InstanceLoad],
     models: Models,
