@@ -332,6 +332,14 @@ def test_the_adaptive_router_gets_both_instances_and_the_slos_appended() -> None
     assert argv[argv.index("--placement") + 1] == "adaptive"
     assert argv[argv.index("--dispatch") + 1] == "dual"
     assert "--placement" not in fronts["router-dual"]  # today's router: fixed
+    local = fronts["router-local"]  # rapidkv-local: the same instances as two replicas
+    assert CONFIGS["rapidkv-local"].front == "router-local" and not CONFIGS["rapidkv-local"].default
+    assert local[local.index("--dispatch") + 1] == "local"
+    assert [local[i + 1] for i, a in enumerate(local) if a == "--decode"] == [
+        "http://p",
+        "http://d",
+    ]
+    assert "--prefill" not in local and "--instance" not in local
 
 
 def test_a_front_restarted_with_options_replaces_the_running_one(tmp_path: Path) -> None:

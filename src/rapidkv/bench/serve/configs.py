@@ -150,6 +150,15 @@ CONFIGS: dict[str, Config] = {
             "(P computes every prompt, every token from D)",
         ),
         Config(
+            "rapidkv-local",
+            "rapidkv",
+            "router-local",
+            "rapidkv's two instances (kv_both, connector loaded) behind the router's local "
+            "dispatch, as dp2: no request crosses, so against dp2 it measures what the "
+            "connector costs two plain replicas",
+            default=False,
+        ),
+        Config(
             "rapidkv-adaptive",
             "rapidkv",
             "router-adaptive",
@@ -409,8 +418,9 @@ def _group_plan(
         specs = [(s.role, s.replace(name=f"rapidkv-{s.name}")) for s in specs]
 
         def rapidkv_fronts(g: RunningGroup) -> list[tuple[str, list[str]]]:
-            p = [f"{g.servers['prefill'].base_url}={rapidkv_control(p_cfg)}"]
-            d = [f"{g.servers['decode'].base_url}={rapidkv_control(d_cfg)}"]
+            urls = [g.servers["prefill"].base_url, g.servers["decode"].base_url]
+            p = [f"{urls[0]}={rapidkv_control(p_cfg)}"]
+            d = [f"{urls[1]}={rapidkv_control(d_cfg)}"]
             adaptive = _router_argv("dual", [], [], instances=p + d)
             return [
                 ("router-dual", _router_argv("dual", p, d)),
@@ -421,6 +431,7 @@ def _group_plan(
                     [*_router_argv("dual", p, d), "--no-split-prefill", "--no-prefill-first-token"],
                 ),
                 ("router-adaptive", [*adaptive, "--placement", "adaptive"]),
+                ("router-local", _router_argv("local", [], urls)),
             ]
 
         return specs, rapidkv_fronts
