@@ -130,8 +130,22 @@ def test_spec_command_line_and_environment(tmp_path: Path, monkeypatch: pytest.M
     assert env["PYTHONPATH"].split(os.pathsep)[0] == str(SRC_DIR)
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert env["RAPIDKV_ROLE"] == "prefill" and env["EXTRA"] == "1"
+    assert env["PYTHONFAULTHANDLER"] == "1"
     unpinned = spec.replace(cpus=None, dtype="bfloat16").argv(1)
     assert "taskset" not in unpinned[0] and "--dtype bfloat16" in " ".join(unpinned)
+
+
+def test_a_server_process_killed_by_sigill_says_so_in_its_log(tmp_path: Path) -> None:
+    """Any process of a server (vLLM's workers too: they inherit the
+    environment) that dies of SIGILL leaves a line `died_of_sigill` knows,
+    whether or not vLLM's engine reaped it before logging its exit code."""
+    from rapidkv.harness.server import SIGILL_MARKS
+
+    env = ServerSpec(model=tmp_path, role="decode").environment()
+    kill = "import os, signal; os.kill(os.getpid(), signal.SIGILL)"
+    out = subprocess.run([sys.executable, "-c", kill], env=env, capture_output=True, text=True)
+    assert out.returncode == -signal.SIGILL
+    assert any(mark in out.stderr for mark in SIGILL_MARKS), out.stderr
 
 
 @pytest.mark.timeout(60)

@@ -62,6 +62,9 @@ DROPPED_ENV = ("VLLM_CPU_KVCACHE_SPACE",)
 
 _PORT_CLASH = ("address already in use", "errno 98")
 SIGILL_MARKS = ("died unexpectedly (exit code: -4)", "Fatal Python error: Illegal instruction")
+"""How a server's log says one of its processes died of SIGILL: the engine's
+line when it reaped the worker first, faulthandler's (on in every server:
+`ServerSpec.environment`) in any case."""
 PORT_ATTEMPTS = 3
 
 
@@ -159,6 +162,9 @@ class ServerSpec:
         env.setdefault("TRANSFORMERS_OFFLINE", "1")
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
         env.setdefault("DO_NOT_TRACK", "1")
+        # A worker killed by a signal names it in the log (SIGILL_MARKS): vLLM's
+        # engine logs its exit code only when it was reaped first ("None" else).
+        env.setdefault("PYTHONFAULTHANDLER", "1")
         env["RAPIDKV_ROLE"] = self.role
         if self.cpus is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = _cpu_list(self.cpus)
