@@ -21,7 +21,11 @@ started, per workload, with those SLOs as `--ttft-slo-ms`/`--tpot-slo-ms`
 same P/D pair, on core 0 with P and the client.
 
 A sweep: after `--warmup` unmeasured requests per configuration and workload,
-each rate (ascending; configurations of one group interleaved rate by rate)
+each rate (ascending) runs on every configuration in turn, their order
+reversed at every other rate: every group is started before the sweep and
+stopped after it, so that the machine's drift over the run falls on all
+configurations alike (`--one-group-at-a-time`: each group started, swept and
+stopped in turn, only its own configurations interleaved). A rate
 sends all `--requests` of the workload once, open loop, at Poisson arrival
 times (`arrivals`: the same seeded pattern at every rate and on every
 configuration, scaled by the rate), greedy with `ignore_eos` so each request
@@ -128,6 +132,12 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         "--server-args",
         default="",
         help="extra vLLM arguments for every server, one string: --server-args='--flag value'",
+    )
+    add(
+        "--one-group-at-a-time",
+        action="store_true",
+        help="start, sweep and stop each group in turn (default: every group up at once, each "
+        "rate run on every configuration in turn, so that the machine's drift falls on all)",
     )
     add("--json", default=None, metavar="PATH", help="write the JSON here (- = stdout)")
     add("--plot", type=Path, default=None, metavar="PATH", help="write a PNG here")

@@ -1,5 +1,7 @@
 """`rapidkv bench goodput`: the run: its options, `single` first (references,
-c1, the SLOs), then every other group, each workload swept rate by rate.
+c1, the SLOs), then every other group, each workload swept rate by rate (every
+group up at once, each rate on every configuration in turn, unless
+`--one-group-at-a-time`).
 
 The method and its outputs are in the package's docstring (`rapidkv.bench.goodput`).
 """
@@ -41,6 +43,7 @@ class Options:
     dtype: str
     server_args: tuple[str, ...]  # --max-model-len first, then --server-args
     router_args: tuple[str, ...] = ()  # the adaptive router's, after its SLOs
+    together: bool = True  # every group up at once, rates interleaved across them
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Options:
@@ -93,6 +96,7 @@ class Options:
             dtype=DTYPES[args.dtype],
             server_args=("--max-model-len", str(MAX_MODEL_LEN), *shlex.split(args.server_args)),
             router_args=tuple(shlex.split(args.router_args)),
+            together=not args.one_group_at_a_time,
         )
 
     def units(self) -> int:
@@ -202,8 +206,11 @@ class WorkloadRun:
 
 
 class Sweep:
-    """Every group once: `single` first, then the others (`serve.configs.GROUPS`
-    order), each started, swept on every workload and stopped."""
+    """`single` first (references, c1, SLOs), then the other groups: by default
+    all started together and swept rate by rate, each rate on every
+    configuration in turn (`run_groups_together`); with `together` off, each
+    group started, swept on every workload and stopped in turn
+    (`serve.configs.GROUPS` order)."""
 
     def __init__(self, opts: Options, log_dir: Path, progress: Any) -> None:
         from rapidkv.bench.goodput.workloads import WORKLOADS
@@ -228,14 +235,20 @@ class Sweep:
         from rapidkv.bench.serve.configs import CONFIGS, GROUPS
 
         wanted = {CONFIGS[c].group for c in self.opts.configs} | {"single"}
-        for group in [g for g in GROUPS if g in wanted]:
-            members = [c for c in self.opts.configs if CONFIGS[c].group == group]
-            if group == "single":
-                self.run_single(members)
-            elif not any(w.slo is not None for w in self.workloads.values()):
+        groups = {
+            g: [c for c in self.opts.configs if CONFIGS[c].group == g]
+            for g in GROUPS
+            if g in wanted
+        }
+        self.run_single(groups.pop("single"))
+        if not any(w.slo is not None for w in self.workloads.values()):
+            for members in groups.values():
                 self.fail(members, "not run: single gave no SLO (see its workloads' errors)")
                 self.progress.advance(sum(self.config_units(m) for m in members))
-            else:
+        elif self.opts.together:
+            self.run_groups_together(groups)
+        else:
+            for group, members in groups.items():
                 self.run_group(group, members)
         return self
 
@@ -304,7 +317,7 @@ class Sweep:
                         f"{w.name}: SLOs TTFT {w.slo.ttft_ms:.1f} ms, TPOT {w.slo.tpot_ms:.2f} ms"
                     )
             if "single" in members:
-                self.sweep(group, ["single"])
+                self.sweep({"single": group})
         except Exception as e:
             why = f"single failed: {type(e).__name__}: {e}"
             self.progress.say(why[:3000])
@@ -324,22 +337,52 @@ class Sweep:
             self.progress.advance(sum(self.config_units(m) for m in members))
             return
         try:
-            self.sweep(group, members)
-        except Exception as e:  # a server died, /metrics failed...: the next group still runs
-            why = f"{group_name} failed while measured: {type(e).__name__}: {e}"
-            self.progress.say(why[:3000])
-            self.fail(members, why)
+            self.sweep({m: group for m in members})
         finally:
             self.stop(group, members)
 
-    def sweep(self, group: Any, members: list[str]) -> None:
-        """Per workload: (re)start the adaptive router with its SLOs, warm every
-        member up, then each rate on each member in turn, rates ascending."""
+    def run_groups_together(self, groups: dict[str, list[str]]) -> None:
+        """Every group started first and kept up to the end, so that each rate
+        runs on every configuration in turn: the machine's drift over the run
+        (its speed moves by up to 1.8x within an hour here) then falls on all of
+        them alike instead of on whichever group ran last. The idle groups cost
+        the measured one their vLLM servers' idle polling (`other` CPU)."""
         from rapidkv.bench.serve.configs import CONFIGS
 
+        started: dict[str, Any] = {}
+        try:
+            for name, members in groups.items():
+                fixed = {CONFIGS[m].front for m in members} - {ADAPTIVE_FRONT}
+                group = self.start(name, members, fixed)
+                if isinstance(group, str):
+                    self.progress.advance(sum(self.config_units(m) for m in members))
+                else:
+                    started[name] = group
+            self.sweep({m: g for name, g in started.items() for m in groups[name]})
+        finally:
+            for name, group in started.items():
+                self.stop(group, groups[name])
+
+    def sweep(self, placed: dict[str, Any]) -> None:
+        """Per workload: (re)start the adaptive routers with its SLOs, warm every
+        configuration up, then each rate on each configuration in turn (`placed`:
+        configuration -> its running group), rates ascending, the configurations'
+        order reversed at every other rate. A group that fails (a server died,
+        /metrics failed...) fails its configurations; the others go on."""
+        from rapidkv.bench.serve.configs import CONFIGS
+
+        def guarded(m: str, action: Any, *args: Any) -> None:
+            try:
+                action(*args)
+            except Exception as e:
+                group = placed[m]
+                why = f"{group.name} failed while measured: {type(e).__name__}: {e}"
+                self.progress.say(why[:3000])
+                self.fail([c for c, g in placed.items() if g is group], why)
+
         for w in self.workloads.values():
-            live = [m for m in members if not self.configs[m].error]
-            skipped = [m for m in members if m not in live]
+            live = [m for m in placed if not self.configs[m].error]
+            skipped = [m for m in placed if m not in live]
             self.progress.advance(
                 sum(self.opts.requests * len(self.opts.rates[w.name]) for _ in skipped)
             )
@@ -352,20 +395,25 @@ class Sweep:
                 continue
             for m in live:
                 if CONFIGS[m].front == ADAPTIVE_FRONT:
-                    extra = ["--ttft-slo-ms", f"{w.slo.ttft_ms:.3f}"]
-                    extra += ["--tpot-slo-ms", f"{w.slo.tpot_ms:.3f}", *self.opts.router_args]
-                    self.progress.stage(f"{w.name}: starting {m}'s router ({' '.join(extra)})")
-                    group.start_front(ADAPTIVE_FRONT, extra, label=f"{ADAPTIVE_FRONT}.{w.name}")
-                    self.configs[m].router_args[w.name] = extra
-                    self.configs[m].affinity = group.affinity()  # its router's too
-                if m != "single":
-                    self.warm_up(m, w, group.url(CONFIGS[m]), CONFIGS[m])
-            for rate in self.opts.rates[w.name]:
-                for m in live:
-                    if self.configs[m].error:  # timed out at a lower rate: the rest is skipped
+                    guarded(m, self.start_adaptive, m, placed[m], w)
+                if m != "single" and not self.configs[m].error:
+                    url = placed[m].url(CONFIGS[m])
+                    guarded(m, self.warm_up, m, w, url, CONFIGS[m])
+            for i, rate in enumerate(self.opts.rates[w.name]):
+                for m in live if i % 2 == 0 else live[::-1]:
+                    if self.configs[m].error:  # failed, or timed out at a lower rate
                         self.progress.advance(self.opts.requests)
                         continue
-                    self.measure(m, group, w, rate)
+                    guarded(m, self.measure, m, placed[m], w, rate)
+
+    def start_adaptive(self, name: str, group: Any, w: WorkloadRun) -> None:
+        """(Re)start `name`'s adaptive router with workload `w`'s SLOs."""
+        extra = ["--ttft-slo-ms", f"{w.slo.ttft_ms:.3f}"]
+        extra += ["--tpot-slo-ms", f"{w.slo.tpot_ms:.3f}", *self.opts.router_args]
+        self.progress.stage(f"{w.name}: starting {name}'s router ({' '.join(extra)})")
+        group.start_front(ADAPTIVE_FRONT, extra, label=f"{ADAPTIVE_FRONT}.{w.name}")
+        self.configs[name].router_args[w.name] = extra
+        self.configs[name].affinity = group.affinity()  # its router's too
 
     # -------------------------------------------------------------- requests
 
