@@ -34,6 +34,7 @@ Which side calls what (docs/vllm-connector-contract.md has the details):
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -47,7 +48,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from rapidkv.connector.amx import request_tile_permission
 from rapidkv.connector.config import ConnectorConfig, kv_roles
 from rapidkv.connector.metadata import RankInfo, StepMeta
-from rapidkv.connector.metrics import RapidKVPromMetrics, RapidKVStats, StatsDelta
+from rapidkv.connector.metrics import (
+    GAUGE_INTERVAL_S,
+    GAUGES,
+    RapidKVPromMetrics,
+    RapidKVStats,
+    StatsDelta,
+    gauges_due,
+)
 from rapidkv.connector.scheduler_side import SchedulerSide, model_fingerprint
 from rapidkv.connector.worker_side import WorkerSide
 
@@ -90,6 +98,7 @@ class RapidKVConnector(KVConnectorBase_V1):
         self.sched: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         self._stats_delta = StatsDelta()
+        self._gauges_due_at = 0.0  # gauges ride the next payload from then on
         if role == KVConnectorRole.SCHEDULER:
             if ktc.is_kv_consumer and ktc.kv_load_failure_policy != "recompute":
                 log.warning(
@@ -210,14 +219,19 @@ class RapidKVConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> RapidKVStats | None:
         """Scheduler role, every step after `update_connector_output`: what
-        the counters grew and the gauges that changed since the previous call
-        (`metrics.py`; the workers' counters reach the scheduler side in their
-        metadata, so the worker role reports nothing here)."""
+        the counters grew since the previous call and, when `gauges_due` (at
+        most every `GAUGE_INTERVAL_S`, at once when no request holds a block),
+        the gauges that changed (`metrics.py`; the workers' counters reach the
+        scheduler side in their metadata, so the worker role reports nothing
+        here)."""
         if self.sched is None:
             return None
-        return RapidKVStats(
-            self._stats_delta.take(self.sched.counter_totals(), self.sched.gauges())
-        )
+        levels, now = self.sched.gauges(), time.monotonic()
+        due = gauges_due(levels, now, self._gauges_due_at)
+        payload = self._stats_delta.take(self.sched.counter_totals(), levels, gauges=due)
+        if payload[GAUGES]:
+            self._gauges_due_at = now + GAUGE_INTERVAL_S
+        return RapidKVStats(payload)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> RapidKVStats:
