@@ -18,11 +18,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogg
 from rapidkv.connector.config import ConnectorConfig
 from rapidkv.connector.connector import RapidKVConnector
 from rapidkv.connector.metrics import (
-    GAUGE_INTERVAL_S,
+    STATS_INTERVAL_S,
     RapidKVPromMetrics,
     StatsDelta,
-    gauges_due,
     series_name,
+    stats_due,
 )
 from rapidkv.connector.scheduler_side import SchedulerSide
 
@@ -65,56 +65,46 @@ def test_increments_cover_each_growth_once_and_gauges_go_when_they_change() -> N
     assert d.take({"a": 4.0, "b": 1.0}, {"g": 0.0})["counters"] == {"a": 3.0}
 
 
-def test_gauges_held_back_go_with_the_next_payload_that_carries_gauges() -> None:
-    d = StatsDelta()
-    d.take({"a": 1.0}, {"g": 1.0})
-    assert d.take({"a": 2.0}, {"g": 2.0}, gauges=False) == {"counters": {"a": 1.0}, "gauges": {}}
-    assert d.take({"a": 2.0}, {"g": 3.0}, gauges=False) == {"counters": {}, "gauges": {}}
-    assert d.take({"a": 2.0}, {"g": 3.0}) == {"counters": {}, "gauges": {"g": 3.0}}
-    assert d.take({"a": 2.0}, {"g": 3.0}) == {"counters": {}, "gauges": {}}
+def test_a_payload_is_due_at_its_time_or_at_once_when_no_request_holds_a_block() -> None:
+    assert not stats_due(now=5.0, due_at=5.0 + STATS_INTERVAL_S / 2, holds_blocks=True)
+    assert stats_due(now=5.0, due_at=5.0, holds_blocks=True)
+    assert stats_due(now=5.0, due_at=5.0 + STATS_INTERVAL_S, holds_blocks=False)  # going idle
 
 
-def test_gauges_are_due_at_their_time_or_at_once_when_no_request_holds_a_block() -> None:
-    busy = {"free_blocks": 10.0, "usable_blocks": 63.0, "transfers_live": 1.0}
-    idle = {"free_blocks": 63.0, "usable_blocks": 63.0, "transfers_live": 0.0}
-    assert not gauges_due(busy, now=5.0, due_at=5.0 + GAUGE_INTERVAL_S / 2)
-    assert gauges_due(busy, now=5.0, due_at=5.0)
-    assert gauges_due(idle, now=5.0, due_at=5.0 + GAUGE_INTERVAL_S)  # going idle: at once
-    assert gauges_due({"transfers_live": 1.0}, now=5.0, due_at=6.0)  # no block gauges: always
-
-
-def test_a_busy_connector_ships_gauges_once_an_interval_and_the_idle_levels_at_once(
+def test_a_busy_connector_ships_one_payload_an_interval_and_the_idle_one_at_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """`get_kv_connector_stats` over steps whose `free_blocks` moves every step:
-    gauges ride one payload per `GAUGE_INTERVAL_S`, counters every step they
-    grow, and the step that leaves no block held carries the idle levels."""
+    """`get_kv_connector_stats` over busy steps (a request holds blocks, the
+    levels move at each): one payload per `STATS_INTERVAL_S`, holding every
+    counter's growth since the previous one, and at once at the step that
+    leaves no block held."""
     import rapidkv.connector.connector as module
 
-    levels = {"free_blocks": 10.0, "usable_blocks": 63.0}
+    levels = {"free_blocks": 10.0}
     totals = {"transfers_ok": 0.0}
-    sched = SimpleNamespace(gauges=lambda: dict(levels), counter_totals=lambda: dict(totals))
+    sched = SimpleNamespace(
+        gauges=lambda: dict(levels),
+        counter_totals=lambda: dict(totals),
+        holds_blocks=lambda: levels["free_blocks"] < 63.0,
+    )
     c = object.__new__(RapidKVConnector)
-    c.sched, c._stats_delta, c._gauges_due_at = sched, StatsDelta(), 0.0
+    c.sched, c._stats_delta, c._stats_due_at = sched, StatsDelta(), 0.0
     clock = [100.0]
     monkeypatch.setattr(module.time, "monotonic", lambda: clock[0])
-    shipped = []
-    for step in range(40):  # 40 steps of 10 ms: free_blocks moves at each
+    shipped = {}
+    for step in range(150):  # 1.5 s of 10 ms steps
         clock[0] += 0.01
         levels["free_blocks"] = 10.0 + step % 7
-        totals["transfers_ok"] += 1 if step == 17 else 0
+        totals["transfers_ok"] += 1 if step in (17, 30) else 0
         stats = c.get_kv_connector_stats()
-        assert stats is not None
-        shipped.append(stats.data)
-    with_gauges = [i for i, p in enumerate(shipped) if p["gauges"]]
-    assert with_gauges == [0]  # 0.4 s: one interval has not passed again
-    assert [i for i, p in enumerate(shipped) if p["counters"].get("transfers_ok")] == [17]
-    clock[0] += GAUGE_INTERVAL_S
-    levels["free_blocks"] = 12.0
-    assert c.get_kv_connector_stats().data["gauges"] == {"free_blocks": 12.0}
+        if stats is not None:
+            shipped[step] = stats.data
+    assert list(shipped) == [0, 100]  # the first step, then one interval later
+    assert shipped[100]["counters"] == {"transfers_ok": 2.0}  # both, once
     clock[0] += 0.01
     levels["free_blocks"] = 63.0  # the last request let go of its blocks
-    assert c.get_kv_connector_stats().data["gauges"] == {"free_blocks": 63.0}
+    idle = c.get_kv_connector_stats()
+    assert idle is not None and idle.data["gauges"] == {"free_blocks": 63.0}
 
 
 totals_seq = st.lists(

@@ -49,12 +49,11 @@ from rapidkv.connector.amx import request_tile_permission
 from rapidkv.connector.config import ConnectorConfig, kv_roles
 from rapidkv.connector.metadata import RankInfo, StepMeta
 from rapidkv.connector.metrics import (
-    GAUGE_INTERVAL_S,
-    GAUGES,
+    STATS_INTERVAL_S,
     RapidKVPromMetrics,
     RapidKVStats,
     StatsDelta,
-    gauges_due,
+    stats_due,
 )
 from rapidkv.connector.scheduler_side import SchedulerSide, model_fingerprint
 from rapidkv.connector.worker_side import WorkerSide
@@ -98,7 +97,7 @@ class RapidKVConnector(KVConnectorBase_V1):
         self.sched: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         self._stats_delta = StatsDelta()
-        self._gauges_due_at = 0.0  # gauges ride the next payload from then on
+        self._stats_due_at = 0.0  # the next payload is taken from then on
         if role == KVConnectorRole.SCHEDULER:
             if ktc.is_kv_consumer and ktc.kv_load_failure_policy != "recompute":
                 log.warning(
@@ -218,20 +217,21 @@ class RapidKVConnector(KVConnectorBase_V1):
         return self.sched.request_finished(request, block_ids)
 
     def get_kv_connector_stats(self) -> RapidKVStats | None:
-        """Scheduler role, every step after `update_connector_output`: what
-        the counters grew since the previous call and, when `gauges_due` (at
-        most every `GAUGE_INTERVAL_S`, at once when no request holds a block),
-        the gauges that changed (`metrics.py`; the workers' counters reach the
-        scheduler side in their metadata, so the worker role reports nothing
-        here)."""
+        """Scheduler role, every step after `update_connector_output`, when
+        `stats_due` (at most every `STATS_INTERVAL_S` while a request holds
+        blocks, at once when none does): what the counters grew and the gauges
+        that changed since the previous payload (`metrics.py`; the workers'
+        counters reach the scheduler side in their metadata, so the worker role
+        reports nothing here)."""
         if self.sched is None:
             return None
-        levels, now = self.sched.gauges(), time.monotonic()
-        due = gauges_due(levels, now, self._gauges_due_at)
-        payload = self._stats_delta.take(self.sched.counter_totals(), levels, gauges=due)
-        if payload[GAUGES]:
-            self._gauges_due_at = now + GAUGE_INTERVAL_S
-        return RapidKVStats(payload)
+        now = time.monotonic()
+        if not stats_due(now, self._stats_due_at, self.sched.holds_blocks()):
+            return None
+        self._stats_due_at = now + STATS_INTERVAL_S
+        return RapidKVStats(
+            self._stats_delta.take(self.sched.counter_totals(), self.sched.gauges())
+        )
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> RapidKVStats:

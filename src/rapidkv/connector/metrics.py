@@ -5,8 +5,8 @@ them; docs/vllm-connector-contract.md §7):
 
 1. EngineCore, every `update_from_output`, after `update_connector_output`:
    the scheduler role's `get_kv_connector_stats()` returns a `RapidKVStats`
-   (`StatsDelta.take` over `SchedulerSide.counter_totals()` / `gauges()`, the
-   gauges only when `gauges_due`), or one that `is_empty()`, which vLLM drops.
+   (`StatsDelta.take` over `SchedulerSide.counter_totals()` / `gauges()`)
+   when `stats_due`, or None.
 2. `make_stats` ships `stats.to_dict()` (plain dicts of floats, serialized)
    to the API server in `SchedulerStats.kv_connector_stats`.
 3. The API server's `PrometheusStatLogger` passes each such payload once to
@@ -24,12 +24,13 @@ Invariants:
 - a counter seen for the first time is in the payload, at 0 if it is 0;
 - a gauge is in a payload when its level differs from the previous payload's;
   aggregating keeps the later level;
-- gauges travel at most every `GAUGE_INTERVAL_S`, or at once when no request
-  holds a block (the instance is going idle), so that an idle instance's
-  `/metrics` equals its `StatsRequest`: a payload at every step (`free_blocks`
-  moves as decodes grow) cost local decodes 12-30 % of their TPOT (vLLM
-  ships it to the API server and its loggers on the instance's core);
-  counters travel at the step they grew (they grow per event, not per step);
+- a payload is taken at most every `STATS_INTERVAL_S` while a request holds
+  blocks, and at once at a step that leaves none held (the instance is going
+  idle), so an idle instance's `/metrics` equals its `StatsRequest`: taking
+  and shipping one at every step (`free_blocks` moves as decodes grow) cost
+  local decodes 12-30 % of their TPOT (measured against plain vLLM replicas;
+  the engine core, vLLM's loggers and the API server share the instance's
+  core);
 - a payload with neither is empty.
 
 Series (every name `SchedulerSide.stats()` has, with no list kept here: a
@@ -60,7 +61,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 log = logging.getLogger(__name__)
 
 PREFIX = "rapidkv_"
-GAUGE_INTERVAL_S = 1.0  # gauges reach /metrics at most this often while busy
+STATS_INTERVAL_S = 1.0  # while busy, /metrics moves at most this often
 COUNTERS = "counters"
 GAUGES = "gauges"
 
@@ -82,15 +83,12 @@ class StatsDelta:
         self._sent: dict[str, float] = {}
         self._levels: dict[str, float] = {}
 
-    def take(
-        self, totals: Mapping[str, float], levels: Mapping[str, float], gauges: bool = True
-    ) -> Payload:
+    def take(self, totals: Mapping[str, float], levels: Mapping[str, float]) -> Payload:
         """What changed since the previous call: each counter's growth (a
         counter seen for the first time is in it even at 0, so that its series
         exists before its first increment; a total that went down, which a
-        counter never does, is resynced without an increment) and, unless
-        `gauges` is False, each gauge whose level changed since the last
-        payload that carried gauges (all of them the first time)."""
+        counter never does, is resynced without an increment) and each gauge
+        whose level changed (all of them the first time)."""
         out = empty_payload()
         for name, total in totals.items():
             sent = self._sent.get(name)
@@ -99,19 +97,18 @@ class StatsDelta:
                 out[COUNTERS][name] = grown
             if grown != 0 or sent is None:
                 self._sent[name] = total
-        for name, level in levels.items() if gauges else ():
+        for name, level in levels.items():
             if self._levels.get(name) != level:
                 out[GAUGES][name] = level
                 self._levels[name] = level
         return out
 
 
-def gauges_due(levels: Mapping[str, float], now: float, due_at: float) -> bool:
-    """Whether this step's payload carries gauges: at `due_at` or later (the
-    last gauge payload + `GAUGE_INTERVAL_S`), or whenever no request holds a
-    block (`free_blocks` == `usable_blocks`: idle, or about to be)."""
-    idle = "free_blocks" in levels and levels["free_blocks"] == levels.get("usable_blocks")
-    return now >= due_at or idle or "free_blocks" not in levels
+def stats_due(now: float, due_at: float, holds_blocks: bool) -> bool:
+    """Whether this step takes a payload: at `due_at` or later (the last one
+    + `STATS_INTERVAL_S`), or whenever no request holds a block (idle, or
+    about to be)."""
+    return now >= due_at or not holds_blocks
 
 
 @dataclass

@@ -305,6 +305,15 @@ class SchedulerSide:
             out["block_size"] = float(self.block_size)  # what a router sizes requests by
         return out
 
+    def holds_blocks(self) -> bool:
+        """Whether some request holds a block of vLLM's pool (True until the
+        pool is bound)."""
+        manager = self.shared.kv_cache_manager
+        if manager is None:
+            return True
+        pool = manager.block_pool
+        return pool.get_num_free_blocks() < pool.num_gpu_blocks - 1  # the null block aside
+
     def stats(self) -> dict[str, float]:
         """What `StatsRequest` answers: `counter_totals()` and `gauges()` (no
         name is in both)."""
