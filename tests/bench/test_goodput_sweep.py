@@ -38,7 +38,9 @@ class FakeGroup:
         self.log.append(("stop", self.name))
 
 
-def sweep_of(opts: Options, log: list[tuple[Any, ...]], failing: set[str] = frozenset()) -> Sweep:
+def sweep_of(
+    opts: Options, log: list[tuple[Any, ...]], failing: frozenset[str] = frozenset()
+) -> Sweep:
     """A Sweep with its I/O replaced: groups are FakeGroups, `measure` records
     (configuration, rate) and raises for the groups in `failing`."""
     sweep = object.__new__(Sweep)
@@ -89,7 +91,7 @@ def test_every_group_is_up_while_each_rate_runs_on_every_configuration_in_turn()
 def test_a_group_that_fails_fails_its_own_configurations_and_the_others_go_on() -> None:
     opts = options("--configs", "dp2,rapidkv,rapidkv-adaptive", "--rates", "chat=2,4")
     log: list[tuple[Any, ...]] = []
-    sweep = sweep_of(opts, log, failing={"rapidkv"})
+    sweep = sweep_of(opts, log, failing=frozenset({"rapidkv"}))
     sweep.run_groups_together({"dp2": ["dp2"], "rapidkv": ["rapidkv", "rapidkv-adaptive"]})
     measured = [(e[1], e[2]) for e in log if e[0] == "measure"]
     assert measured == [("dp2", 2.0), ("rapidkv", 2.0), ("dp2", 4.0)]

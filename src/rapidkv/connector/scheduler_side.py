@@ -298,21 +298,26 @@ class SchedulerSide:
                 **self.consumer.gauges(),
                 **self.sources.gauges(),
             }
-        if self.shared.kv_cache_manager is not None:
-            pool = self.shared.kv_cache_manager.block_pool
-            out["free_blocks"] = float(pool.get_num_free_blocks())
-            out["usable_blocks"] = float(pool.num_gpu_blocks - 1)  # less the null block
+        pool = self._pool_levels()
+        if pool is not None:
+            out["free_blocks"], out["usable_blocks"] = (float(n) for n in pool)
             out["block_size"] = float(self.block_size)  # what a router sizes requests by
         return out
 
     def holds_blocks(self) -> bool:
         """Whether some request holds a block of vLLM's pool (True until the
         pool is bound)."""
+        pool = self._pool_levels()
+        return pool is None or pool[0] < pool[1]
+
+    def _pool_levels(self) -> tuple[int, int] | None:
+        """vLLM's free blocks and the blocks it can hand out at all (its pool
+        less the null block); None until the pool is bound."""
         manager = self.shared.kv_cache_manager
         if manager is None:
-            return True
+            return None
         pool = manager.block_pool
-        return pool.get_num_free_blocks() < pool.num_gpu_blocks - 1  # the null block aside
+        return pool.get_num_free_blocks(), pool.num_gpu_blocks - 1
 
     def stats(self) -> dict[str, float]:
         """What `StatsRequest` answers: `counter_totals()` and `gauges()` (no
