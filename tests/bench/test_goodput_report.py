@@ -169,6 +169,11 @@ def test_the_json_has_the_documented_keys_and_goodputs() -> None:
     assert w["configs"]["rapidkv-adaptive"]["router_args"] == ["--tpot-slo-ms", "10.000"]
     a = w["acceptance"]
     assert a["best_baseline_goodput_req_s"] == 2.0 and a["ratio"] == 2.0 and a["met"] is True
+    # per request, in request order: what the acceptance's interval resamples
+    assert r2["attained"] == [True, True] and dp2["rates"]["4"]["attained"] == [True, False]
+    iv = a["interval"]  # 2 requests are one block: every resample is the run itself
+    assert (iv["ratio_low"], iv["ratio_high"], iv["p_met"]) == (2.0, 2.0, 1.0)
+    assert iv["goodput_interval"]["dp2"] == [2.0, 2.0]
     assert report["acceptance"]["met"] is True and report["ok"] is True
     assert report["acceptance"]["hard_mismatches_all_configs"] == 0
 

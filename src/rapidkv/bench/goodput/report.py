@@ -74,7 +74,7 @@ def build_report(
             },
             "single_c1": c1,
             "configs": configs,
-            "acceptance": acceptance(configs, BASELINES, ADAPTIVE),
+            "acceptance": acceptance(configs, BASELINES, ADAPTIVE, opts.rates[name]),
         }
     if hard:
         ok = False
@@ -140,7 +140,7 @@ def rate_report(run: Any, w: WorkloadRun) -> dict[str, Any]:
     """One configuration at one rate: attainment and what it was made of."""
     from rapidkv.bench.goodput.arrivals import offered_rate
     from rapidkv.bench.goodput.by_placement import by_placement
-    from rapidkv.bench.goodput.slo import Outcome, attainment
+    from rapidkv.bench.goodput.slo import Outcome, attainment, attains
     from rapidkv.bench.serve.stats import classify, load_summary
 
     refs = w.references
@@ -159,8 +159,12 @@ def rate_report(run: Any, w: WorkloadRun) -> dict[str, Any]:
     row: dict[str, Any] = {"rate_req_s": run.rate, "offered_req_s": offered_rate(run.arrivals)}
     if w.slo is not None:
         row.update(attainment(outcomes, w.slo))
+        # per request, in request order (paired across configurations: interval.py)
+        row["attained"] = [False] * len(w.prompts)
+        for r, o in zip(run.results, outcomes, strict=True):
+            row["attained"][r.prompt_index] = attains(o, w.slo)
     else:  # no SLO: nothing to judge
-        row.update(attainment=None, ttft_attainment=None, tpot_attainment=None)
+        row.update(attainment=None, ttft_attainment=None, tpot_attainment=None, attained=None)
         row["requests"] = s["requests"]
     row.update(
         errors=s["errors"],
@@ -219,12 +223,17 @@ def config_report(c: ConfigRun, w: WorkloadRun, opts: Options) -> dict[str, Any]
 
 
 def acceptance(
-    configs: dict[str, Any], baselines: tuple[str, ...], adaptive: str
+    configs: dict[str, Any],
+    baselines: tuple[str, ...],
+    adaptive: str,
+    rates: tuple[float, ...] | list[float] = (),
 ) -> dict[str, Any]:
     """`adaptive`'s goodput over the best of `baselines` on one workload. Met
     only with every baseline and `adaptive` measured, none of the baselines
     above the sweep (its goodput would be a lower bound: the ratio an upper
-    one), and a positive goodput for `adaptive`."""
+    one), and a positive goodput for `adaptive`. `interval`: the ratio's
+    paired block bootstrap over the swept `rates` (interval.py), None
+    without per-request attainment."""
     got = {b: configs[b]["goodput_req_s"] for b in baselines if b in configs}
     known = {b: g for b, g in got.items() if g is not None}
     best = max(known, key=lambda b: known[b], default=None)
@@ -236,6 +245,7 @@ def acceptance(
         "best_baseline": best,
         "best_baseline_goodput_req_s": known.get(best) if best else None,
         "ratio": None,
+        "interval": _interval(configs, baselines, adaptive, rates),
         "met": False,
         "why_not": None,
     }
@@ -255,6 +265,23 @@ def acceptance(
     else:
         out["met"] = True
     return out
+
+
+def _interval(
+    configs: dict[str, Any],
+    baselines: tuple[str, ...],
+    adaptive: str,
+    rates: tuple[float, ...] | list[float],
+) -> dict[str, Any] | None:
+    from rapidkv.bench.goodput.interval import ratio_interval
+    from rapidkv.bench.goodput.slo import rate_key
+
+    attained = {
+        c: {r: (configs[c]["rates"].get(rate_key(r)) or {}).get("attained") for r in rates}
+        for c in (adaptive, *baselines)
+        if c in configs
+    }
+    return ratio_interval(attained, adaptive, baselines, ACCEPTANCE_RATIO)
 
 
 def meta(opts: Options, log_dir: Path, wall_s: float, command: str | None) -> dict[str, Any]:
@@ -351,10 +378,17 @@ def print_report(report: dict[str, Any], out: IO[str]) -> None:
             print(f"  {key:<18}{_fmt(c['goodput_req_s']):>7}{extra}", file=out)
         a = w["acceptance"]
         why = f" ({a['why_not']})" if a["why_not"] else ""
+        iv = a.get("interval")
+        ci = (
+            f" [{_fmt(iv['ratio_low'], 2)}, {_fmt(iv['ratio_high'], 2)}], "
+            f">= {ACCEPTANCE_RATIO:g} in {_pct(iv['p_met'])} of resamples"
+            if iv and iv["ratio_low"] is not None
+            else ""
+        )
         print(
             f"acceptance: {a['adaptive']} {_fmt(a['adaptive_goodput_req_s'])} vs best baseline "
             f"{a['best_baseline']} {_fmt(a['best_baseline_goodput_req_s'])}: ratio "
-            f"{_fmt(a['ratio'], 2)}, met {a['met']}{why}",
+            f"{_fmt(a['ratio'], 2)}{ci}, met {a['met']}{why}",
             file=out,
         )
     if report["noisy"]:
