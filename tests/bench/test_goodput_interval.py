@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rapidkv.bench.goodput.interval import ratio_interval
+from rapidkv.bench.goodput.interval import goodput_interval, ratio_interval
 
 pytestmark = pytest.mark.unit
 
@@ -98,3 +98,18 @@ def test_a_zero_baseline_counts_as_an_infinite_ratio_or_is_left_out() -> None:
     iv = ratio_interval(lose, "rapidkv-adaptive", BASE, 1.1)
     assert iv is not None and iv["resamples_used"] == 0 and iv["ratio_low"] is None
     assert iv["p_met"] is None
+
+
+def test_one_configurations_interval_uses_the_same_draws_as_the_ratio() -> None:
+    configs = {
+        "rapidkv-adaptive": sweep(set(), set(range(0, 60, 12)), set(range(60))),
+        "dp2": sweep(set(), set(range(3, 60, 10)), set(range(60))),
+        "rapidkv": sweep(set(range(60))),
+    }
+    iv = ratio_interval(configs, "rapidkv-adaptive", BASE, 1.1)
+    assert iv is not None
+    for c, expected in iv["goodput_interval"].items():
+        assert goodput_interval(configs[c]) == expected
+    assert goodput_interval(configs["dp2"]) == [2.0, 4.0]
+    assert goodput_interval(sweep(set(), set())) == [4.0, 4.0]  # 6 not run: a miss
+    assert goodput_interval({2.0: None}) is None

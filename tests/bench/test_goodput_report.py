@@ -173,7 +173,7 @@ def test_the_json_has_the_documented_keys_and_goodputs() -> None:
     assert r2["attained"] == [True, True] and dp2["rates"]["4"]["attained"] == [True, False]
     iv = a["interval"]  # 2 requests are one block: every resample is the run itself
     assert (iv["ratio_low"], iv["ratio_high"], iv["p_met"]) == (2.0, 2.0, 1.0)
-    assert iv["goodput_interval"]["dp2"] == [2.0, 2.0]
+    assert iv["goodput_interval"]["dp2"] == [2.0, 2.0] == dp2["goodput_interval_req_s"]
     assert report["acceptance"]["met"] is True and report["ok"] is True
     assert report["acceptance"]["hard_mismatches_all_configs"] == 0
 

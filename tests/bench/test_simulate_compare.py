@@ -42,6 +42,7 @@ def test_configurations_map_to_policies() -> None:
     assert policy_for("single") == "dp"
     assert target_for("single") == Target("dp", 1, routed=False, shared_core=False)
     assert target_for("dp2") == Target("dp", 2)
+    assert target_for("rapidkv-local") == Target("dp", 2)  # two replicas, connector unused
     assert target_for("baseline") is None
 
 
@@ -149,3 +150,19 @@ def test_requests_per_rate_come_from_the_real_run_meta() -> None:
     }
     c = compare(real, DEFAULT_FIT)["workloads"]["chat"]["configs"]["dp2"]
     assert c["requests"] == 30  # per rate, not the configuration's total over its rates
+
+
+def test_the_measured_interval_says_whether_the_simulation_lies_in_it() -> None:
+    run = real_run()
+    configs = run["workloads"]["prefill-heavy"]["configs"]
+    configs["dp2"]["goodput_interval_req_s"] = [0, 1000]  # any simulated goodput is in it
+    configs["rapidkv"]["goodput_interval_req_s"] = [999, 1000]  # none is
+    configs["single"]["goodput_interval_req_s"] = "bad"
+    result = compare(run, DEFAULT_FIT, seed=3)
+    out = result["workloads"]["prefill-heavy"]["configs"]
+    assert out["dp2"]["measured"]["goodput_interval_req_s"] == (0.0, 1000.0)
+    assert out["dp2"]["inside_interval"] is True and out["rapidkv"]["inside_interval"] is False
+    assert out["single"]["inside_interval"] is None  # no usable interval: not judged
+    assert out["rapidkv-step"]["measured"]["goodput_interval_req_s"] is None
+    text = table(result)
+    assert "[0, 1000] in" in text and "[999, 1000] out" in text

@@ -55,25 +55,18 @@ def ratio_interval(
 
     None when a configuration is missing or no rate lists its requests. A
     resample whose best baseline has goodput 0 gives ratio inf if adaptive's
-    is positive, else it is left out (nan): `resamples_used` says how many
-    counted. Also each configuration's goodput interval, `goodput_interval`."""
+    is positive, else it is left out: `resamples_used` says how many counted.
+    Also each configuration's goodput interval over the same resamples,
+    `goodput_interval`."""
     names = [adaptive, *baselines]
     if any(n not in attained for n in names):
         return None
-    lengths = {len(v) for n in names for v in attained[n].values() if v is not None}
-    if not lengths or lengths == {0}:
+    draws = _draws([attained[n] for n in names], block, resamples, seed)
+    if draws is None:
         return None
-    if len(lengths) != 1:
-        raise ValueError(f"requests per rate differ between rates or configurations: {lengths}")
-    n = lengths.pop()
-    block = max(1, block)
-    starts = list(range(0, n, block))
-    rng = random.Random(seed)
     ratios: list[float] = []
     goodputs: dict[str, list[float]] = {c: [] for c in names}
-    for _ in range(resamples):
-        picks = [starts[rng.randrange(len(starts))] for _ in starts]
-        drawn = [i for s in picks for i in range(s, min(s + block, n))]
+    for drawn in draws:
         got = {c: _goodput(attained[c], drawn) for c in names}
         for c, g in got.items():
             goodputs[c].append(g)
@@ -86,7 +79,7 @@ def ratio_interval(
     tail = (1 - level) / 2
     return {
         "level": level,
-        "block": block,
+        "block": max(1, block),
         "resamples": resamples,
         "resamples_used": len(ratios),
         "ratio_low": _quantile(ratios, tail),
@@ -96,6 +89,47 @@ def ratio_interval(
             c: [_quantile(g, tail), _quantile(g, 1 - tail)] for c, g in goodputs.items()
         },
     }
+
+
+def goodput_interval(
+    attained: Attained,
+    *,
+    block: int = BLOCK,
+    level: float = 0.95,
+    resamples: int = RESAMPLES,
+    seed: int = 0,
+) -> list[float | None] | None:
+    """One configuration's goodput, `[low, high]` of the central `level` over
+    the same resamples as `ratio_interval` (same seed: the same draws); None
+    when no rate lists its requests."""
+    draws = _draws([attained], block, resamples, seed)
+    if draws is None:
+        return None
+    got = [_goodput(attained, drawn) for drawn in draws]
+    tail = (1 - level) / 2
+    return [_quantile(got, tail), _quantile(got, 1 - tail)]
+
+
+def _draws(
+    configs: Sequence[Attained], block: int, resamples: int, seed: int
+) -> list[list[int]] | None:
+    """`resamples` lists of request indices, each drawn as whole blocks with
+    replacement (seeded); None with no requests listed; ValueError when the
+    configurations' rates list different numbers of requests."""
+    lengths = {len(v) for c in configs for v in c.values() if v is not None}
+    if not lengths or lengths == {0}:
+        return None
+    if len(lengths) != 1:
+        raise ValueError(f"requests per rate differ between rates or configurations: {lengths}")
+    n = lengths.pop()
+    block = max(1, block)
+    starts = list(range(0, n, block))
+    rng = random.Random(seed)
+    out = []
+    for _ in range(resamples):
+        picks = [starts[rng.randrange(len(starts))] for _ in starts]
+        out.append([i for s in picks for i in range(s, min(s + block, n))])
+    return out
 
 
 def _quantile(values: Sequence[float], q: float) -> float | None:

@@ -190,6 +190,7 @@ def rate_report(run: Any, w: WorkloadRun) -> dict[str, Any]:
 
 
 def config_report(c: ConfigRun, w: WorkloadRun, opts: Options) -> dict[str, Any]:
+    from rapidkv.bench.goodput.interval import goodput_interval
     from rapidkv.bench.goodput.slo import goodput, rate_key
     from rapidkv.bench.serve.configs import CONFIGS
 
@@ -203,6 +204,9 @@ def config_report(c: ConfigRun, w: WorkloadRun, opts: Options) -> dict[str, Any]
         for rate in opts.rates[w.name]
     }
     gp = goodput(by_rate) if w.slo is not None else goodput({})
+    interval = goodput_interval(
+        {rate: (rates.get(rate_key(rate)) or {}).get("attained") for rate in opts.rates[w.name]}
+    )
     counted = list(rates.values())
     return {
         "description": CONFIGS[c.name].description,
@@ -213,6 +217,8 @@ def config_report(c: ConfigRun, w: WorkloadRun, opts: Options) -> dict[str, Any]
         "router_args": c.router_args.get(w.name),
         "warmup_errors": c.warmup_errors,
         **gp.as_dict(),
+        # 95 %, paired block bootstrap over the requests (interval.py)
+        "goodput_interval_req_s": interval,
         "attainment": {rate_key(r): a for r, a in by_rate.items()},
         "requests": sum(v["requests"] for v in counted),
         "errors": sum(v["errors"] for v in counted),
@@ -375,6 +381,9 @@ def print_report(report: dict[str, Any], out: IO[str]) -> None:
             interp = c["goodput_interpolated_req_s"]
             if interp is not None:
                 extra += f", crossing ~{_fmt(interp)}"
+            iv = c.get("goodput_interval_req_s")
+            if iv:
+                extra += f", 95 % [{_fmt(iv[0])}, {_fmt(iv[1])}]"
             print(f"  {key:<18}{_fmt(c['goodput_req_s']):>7}{extra}", file=out)
         a = w["acceptance"]
         why = f" ({a['why_not']})" if a["why_not"] else ""

@@ -13,9 +13,10 @@
 
 and, for every workload the simulator knows (`workload.WORKLOADS`) and every
 configuration it can map to a policy (`policy_for`: ``dp2`` -> ``dp``,
-``vllm-nixl*`` -> ``nixl``, ``*adaptive*`` -> ``adaptive``, any other
-``rapidkv*`` -> ``fixed-pd``, ``single`` -> ``dp`` on one instance, sent
-directly: `target_for`), simulates the same rates with the same SLOs
+``vllm-nixl*`` -> ``nixl``, ``*adaptive*`` -> ``adaptive``, ``*-local``
+(two replicas behind the router) -> ``dp``, any other ``rapidkv*`` ->
+``fixed-pd``, ``single`` -> ``dp`` on one instance, sent directly:
+`target_for`), simulates the same rates with the same SLOs
 (the real run's when it gives them, else the fit's) on the testbed as it is
 (`engine`'s ``shared_core`` for a routed pair: the router and the client on
 instance 0's core), takes the goodput of both by `bench goodput`'s own rule
@@ -24,7 +25,12 @@ miss, so a simulated pass above a simulated miss counts no more than a real
 one does), and reports both with the relative error ``(simulated - measured) / measured``
 (`relative_error`). Anything it cannot use is listed in ``skipped`` with
 the reason, never fatal. A comparison is `within` tolerance (`TOLERANCE`,
-15 %) when every error is defined and at most that in size.
+15 %) when every error is defined and at most that in size. Where the real
+run gives its goodput's bootstrap interval (`goodput_interval_req_s`, from
+`bench goodput` since 2026-12-04), each configuration also says whether the
+simulated goodput lies inside it (`inside_interval`): the sampling noise of
+the real run alone, against which a 15 % error of one sweep step can be told
+from a wrong model.
 """
 
 from __future__ import annotations
@@ -62,7 +68,7 @@ def target_for(config: str) -> Target | None:
         return Target("adaptive")
     if "nixl" in c:
         return Target("nixl")
-    if c.startswith("dp"):
+    if c.startswith("dp") or c.endswith("-local"):  # rapidkv-local: two replicas
         return Target("dp")
     if c.startswith("rapidkv"):
         return Target("fixed-pd")
@@ -155,6 +161,7 @@ def compare(
             measured = _float(cdata.get("goodput_req_s"))
             if measured is None:
                 measured = goodput_rule(measured_att)
+            interval = _interval(cdata.get("goodput_interval_req_s"))
             specs = requests(workload, count or max(min_requests, requests_per_instance * n), seed)
             points = {}
             for rate in sorted(measured_att):
@@ -180,6 +187,7 @@ def compare(
                 "requests": len(specs),
                 "measured": {
                     "goodput_req_s": measured,
+                    "goodput_interval_req_s": interval,
                     "attainment": {f"{r:g}": a for r, a in sorted(measured_att.items())},
                 },
                 "simulated": {
@@ -189,6 +197,9 @@ def compare(
                 },
                 "relative_error": err,
                 "within": err is not None and abs(err) <= TOLERANCE,
+                "inside_interval": None
+                if interval is None
+                else interval[0] <= simulated <= interval[1],
             }
         out["workloads"][wname] = wout
     defined = [abs(e) for e in errors if e is not None]
@@ -200,16 +211,20 @@ def compare(
 def table(result: dict[str, Any]) -> str:
     """The comparison as a text table."""
     lines = [
-        "workload       config              policy    n  measured  simulated   error",
+        "workload       config              policy    n  measured  simulated   error"
+        "  measured 95 %",
     ]
     for wname, w in result.get("workloads", {}).items():
         for cname, c in w["configs"].items():
             err = c["relative_error"]
             e = "undefined" if err is None else f"{100 * err:+.1f} %"
+            iv = c["measured"].get("goodput_interval_req_s")
+            inside = c.get("inside_interval")
+            where = "" if iv is None else f"  [{iv[0]:g}, {iv[1]:g}] {'in' if inside else 'out'}"
             lines.append(
                 f"{wname:14s} {cname:19s} {c['policy']:9s} {c['instances']:2d} "
                 f"{c['measured']['goodput_req_s']:8.2f}  {c['simulated']['goodput_req_s']:9.2f}"
-                f"  {e:>9s}"
+                f"  {e:>9s}{where}"
             )
     for s in result.get("skipped", []):
         lines.append(f"skipped: {s}")
@@ -229,6 +244,14 @@ def _slo(given: Any, override: tuple[float | None, float | None]) -> tuple[SLO |
     if override[0] or override[1]:
         return SLO(ttft, tpot), "the real run's, and the options where given"
     return SLO(ttft, tpot), "the real run's"
+
+
+def _interval(v: Any) -> tuple[float, float] | None:
+    """A JSON `[low, high]` of goodputs, or None."""
+    if not isinstance(v, list) or len(v) != 2:
+        return None
+    low, high = _float(v[0]), _float(v[1])
+    return None if low is None or high is None or low > high else (low, high)
 
 
 def _requests_per_rate(real: dict[str, Any], wdata: dict[str, Any]) -> int | None:
