@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rapidkv.bench.chaos.workload import Abort, Plan, Timing, abort_point
+from rapidkv.bench.serve.loads import XFER_HEADER
 
-XFER_HEADER = "x-rapidkv-xfer-id"
 KINDS = ("completed", "mismatch", "aborted", "failed_clear", "failed_unclear", "hung")
 
 
