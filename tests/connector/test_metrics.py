@@ -20,6 +20,7 @@ from rapidkv.connector.connector import RapidKVConnector
 from rapidkv.connector.metrics import (
     STATS_INTERVAL_S,
     RapidKVPromMetrics,
+    StatsCadence,
     StatsDelta,
     series_name,
     stats_due,
@@ -71,15 +72,11 @@ def test_a_payload_is_due_at_its_time_or_at_once_when_no_request_holds_a_block()
     assert stats_due(now=5.0, due_at=5.0 + STATS_INTERVAL_S, holds_blocks=False)  # going idle
 
 
-def test_a_busy_connector_ships_one_payload_an_interval_and_the_idle_one_at_once(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_busy_connector_ships_one_payload_an_interval_and_the_idle_one_at_once() -> None:
     """`get_kv_connector_stats` over busy steps (a request holds blocks, the
     levels move at each): one payload per `STATS_INTERVAL_S`, holding every
     counter's growth since the previous one, and at once at the step that
     leaves no block held."""
-    import rapidkv.connector.connector as module
-
     levels = {"free_blocks": 10.0}
     totals = {"transfers_ok": 0.0}
     sched = SimpleNamespace(
@@ -87,10 +84,10 @@ def test_a_busy_connector_ships_one_payload_an_interval_and_the_idle_one_at_once
         counter_totals=lambda: dict(totals),
         holds_blocks=lambda: levels["free_blocks"] < 63.0,
     )
-    c = object.__new__(RapidKVConnector)
-    c.sched, c._stats_delta, c._stats_due_at = sched, StatsDelta(), 0.0
     clock = [100.0]
-    monkeypatch.setattr(module.time, "monotonic", lambda: clock[0])
+    c = object.__new__(RapidKVConnector)
+    c.sched, c._stats_delta = sched, StatsDelta()
+    c._stats_cadence = StatsCadence(clock=lambda: clock[0])
     shipped = {}
     for step in range(150):  # 1.5 s of 10 ms steps
         clock[0] += 0.01

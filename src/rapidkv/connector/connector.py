@@ -34,7 +34,6 @@ Which side calls what (docs/vllm-connector-contract.md has the details):
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -49,11 +48,10 @@ from rapidkv.connector.amx import request_tile_permission
 from rapidkv.connector.config import ConnectorConfig, kv_roles
 from rapidkv.connector.metadata import RankInfo, StepMeta
 from rapidkv.connector.metrics import (
-    STATS_INTERVAL_S,
     RapidKVPromMetrics,
     RapidKVStats,
+    StatsCadence,
     StatsDelta,
-    stats_due,
 )
 from rapidkv.connector.scheduler_side import SchedulerSide, model_fingerprint
 from rapidkv.connector.worker_side import WorkerSide
@@ -97,7 +95,7 @@ class RapidKVConnector(KVConnectorBase_V1):
         self.sched: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         self._stats_delta = StatsDelta()
-        self._stats_due_at = 0.0  # the next payload is taken from then on
+        self._stats_cadence = StatsCadence()
         if role == KVConnectorRole.SCHEDULER:
             if ktc.is_kv_consumer and ktc.kv_load_failure_policy != "recompute":
                 log.warning(
@@ -225,10 +223,8 @@ class RapidKVConnector(KVConnectorBase_V1):
         reports nothing here)."""
         if self.sched is None:
             return None
-        now = time.monotonic()
-        if not stats_due(now, self._stats_due_at, self.sched.holds_blocks()):
+        if not self._stats_cadence.take(self.sched.holds_blocks()):
             return None
-        self._stats_due_at = now + STATS_INTERVAL_S
         return RapidKVStats(
             self._stats_delta.take(self.sched.counter_totals(), self.sched.gauges())
         )

@@ -48,7 +48,8 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,6 +110,26 @@ def stats_due(now: float, due_at: float, holds_blocks: bool) -> bool:
     + `STATS_INTERVAL_S`), or whenever no request holds a block (idle, or
     about to be)."""
     return now >= due_at or not holds_blocks
+
+
+class StatsCadence:
+    """`stats_due` over a clock (injected: monotonic seconds): `take` says
+    whether this step ships a payload and, when it does, sets the next due
+    time `interval_s` later. The first step is always due."""
+
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, interval_s: float = STATS_INTERVAL_S
+    ) -> None:
+        self._clock = clock
+        self._interval_s = interval_s
+        self._due_at = -float("inf")
+
+    def take(self, holds_blocks: bool) -> bool:
+        now = self._clock()
+        if not stats_due(now, self._due_at, holds_blocks):
+            return False
+        self._due_at = now + self._interval_s
+        return True
 
 
 @dataclass
