@@ -7,6 +7,7 @@ import pytest
 from rapidkv.bench.simulate.compare import (
     Target,
     compare,
+    crossing,
     goodput_rule,
     policy_for,
     rates_of,
@@ -31,6 +32,17 @@ def test_goodput_is_bench_goodputs_rule_the_last_rate_before_the_first_miss() ->
     assert goodput_rule({4.0: 0.5, 6.0: 0.95}) == 0.0
     assert goodput_rule({4.0: 0.9, 6.0: 0.91}) == 6.0
     assert goodput_rule({}) == 0.0
+
+
+def test_the_crossing_resolves_what_a_sweep_step_cannot() -> None:
+    # 10 req/s at 87 % or at 91 %: the step rule says 8 or 10 (25 % apart),
+    # the crossing 9.5 or 10.1 (6 % apart)
+    assert goodput_rule({8.0: 0.98, 10.0: 0.87, 12.0: 0.7}) == 8.0
+    assert goodput_rule({8.0: 0.98, 10.0: 0.91, 12.0: 0.7}) == 10.0
+    assert crossing({8.0: 0.98, 10.0: 0.87, 12.0: 0.7}) == pytest.approx(8 + 2 * 0.08 / 0.11)
+    assert crossing({8.0: 0.98, 10.0: 0.91, 12.0: 0.7}) == pytest.approx(10 + 2 * 0.01 / 0.21)
+    assert crossing({4.0: 1.0, 6.0: 0.95}) == 6.0  # above the sweep: the highest rate
+    assert crossing({4.0: 0.5}) == 0.0 == crossing({})
 
 
 def test_configurations_map_to_policies() -> None:
@@ -96,6 +108,11 @@ def test_compare_simulates_the_real_rates_and_reports_the_errors() -> None:
         err = (sim["goodput_req_s"] - measured) / measured
         assert c["relative_error"] == pytest.approx(err)
         assert c["within"] == (abs(err) <= 0.15)
+        cm, cs = c["measured"]["crossing_req_s"], sim["crossing_req_s"]
+        assert cm == pytest.approx(
+            crossing({float(r): a for r, a in c["measured"]["attainment"].items()})
+        )
+        assert c["crossing_relative_error"] == pytest.approx((cs - cm) / cm)
     errors = [abs(c["relative_error"]) for c in w["configs"].values()]
     assert out["max_abs_error"] == pytest.approx(max(errors))
     assert out["within"] == all(e <= 0.15 for e in errors)
@@ -121,7 +138,7 @@ def test_a_run_the_simulator_made_itself_compares_at_zero_error() -> None:
             "attainment": c["simulated"]["attainment"]
         }
     again = compare(echo, DEFAULT_FIT, seed=3)
-    assert again["within"] and again["max_abs_error"] == 0.0
+    assert again["within"] and again["max_abs_error"] == 0.0 and again["crossing_within"]
 
 
 def test_nothing_to_compare_is_said_not_raised() -> None:
