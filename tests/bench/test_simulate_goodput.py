@@ -18,7 +18,7 @@ from rapidkv.bench.simulate.goodput import (
     run_point,
     sweep,
 )
-from rapidkv.bench.simulate.routers import AdaptiveRouter, make_router
+from rapidkv.bench.simulate.routers import AdaptiveRouter, fit_priors, make_router
 from rapidkv.bench.simulate.workload import WORKLOADS, poisson_arrivals, requests, spread
 from rapidkv.router.placement import SLO
 
@@ -146,6 +146,22 @@ def test_fixed_pd_beats_dp_at_two_instances_on_prefill_heavy() -> None:
     assert _goodput_at_two("fixed-pd") > 1.5 * _goodput_at_two("dp")
 
 
+def test_under_a_tight_tpot_the_fleet_specialises_and_serves_more() -> None:
+    """`placement.shape`: on prefill-heavy with a TPOT SLO of 9 ms, placing one
+    request at a time keeps every instance computing prompts beside decodes
+    (two replicas' goodput); the `Specializer` pins one to prefill and one to
+    decode while the load calls for it. On chat (long outputs) it stays out."""
+
+    def at_two(policy: str, workload, tpot: float) -> float:
+        specs = requests(workload, 400, 0)
+        slo = SLO(250.0, tpot)
+        return sweep(lambda r: run_point(FIT, 2, policy, specs, r, 0, slo), 2, 3).goodput
+
+    shaped, unshaped = at_two("adaptive", HEAVY, 9.0), at_two("adaptive-unshaped", HEAVY, 9.0)
+    assert shaped >= 1.5 * unshaped
+    assert at_two("adaptive", CHAT, 12.0) == at_two("adaptive-unshaped", CHAT, 12.0)
+
+
 def test_every_policy_is_known() -> None:
     with pytest.raises(ValueError):
         make_router("round-robin", 2, FIT, SLO())
@@ -172,10 +188,11 @@ def test_adaptive_concentrates_on_the_instances_it_has_learned() -> None:
     n, slo = 16, SLO(220.0, 8.1)
     specs = requests(HEAVY, 250, 0)
     spread_of = {}
-    for policy in ("adaptive", "adaptive-fit-priors"):
-        out = run_router(make_router(policy, n, FIT, slo), n, specs, 16.0)
-        used = sorted(sum(o.decode == i for o in out) for i in range(n))
-        spread_of[policy] = used
+    # unshaped: a specialised fleet decodes on half its instances by design
+    for name, priors in (("adaptive", None), ("adaptive-fit-priors", fit_priors(FIT))):
+        router = AdaptiveRouter(n, FIT, slo, priors=priors, shaping=None)
+        out = run_router(router, n, specs, 16.0)
+        spread_of[name] = sorted(sum(o.decode == i for o in out) for i in range(n))
     lazy = spread_of["adaptive"]
     assert sum(lazy[: n // 2]) < 0.15 * len(specs)  # half the fleet decodes under 15 %
     assert sum(spread_of["adaptive-fit-priors"][: n // 2]) > 0.3 * len(specs)

@@ -92,7 +92,8 @@ def test_compare_reads_a_goodput_json(tmp_path: Path, capsys: pytest.CaptureFixt
     src.write_text(json.dumps(real))
     assert run_cli(["--requests", "20", "--compare", str(src), "--json", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "every error within 15 %" in printed
+    assert "every goodput's error within 15 %" in printed
+    assert "every crossing's error within 15 %" in printed
     report = json.loads(out.read_text())
     assert report["workloads"] == {}  # --compare runs no sweep
     c = report["compare"]["workloads"]["prefill-heavy"]["configs"]["dp2"]

@@ -177,6 +177,9 @@ def test_adaptive_placement_needs_dual_dispatch_and_positive_slos() -> None:
     args = parse(["--instance", "http://a:1", "--placement", "adaptive", "--tpot-slo-ms", "20"])
     config = config_from_args(args)
     assert (config.placement, config.tpot_slo_ms, config.ttft_slo_ms) == ("adaptive", 20, 1000)
+    assert config.specialize is True
+    argv = ["--instance", "http://a:1", "--placement", "adaptive", "--no-specialize"]
+    assert config_from_args(parse(argv)).specialize is False
 
 
 def test_an_admin_token_is_long_and_printable_and_read_from_a_file(tmp_path: Path) -> None:

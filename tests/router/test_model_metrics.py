@@ -74,3 +74,36 @@ def test_the_capacity_the_router_learned_is_exported_per_instance() -> None:
     seqs = "rapidkv_router_instance_max_num_seqs"
     assert registry.get_sample_value(seqs, {"instance": URLS[1]}) == 8.0
     assert registry.get_sample_value(seqs, {"instance": URLS[0]}) is None  # not known
+
+
+def test_the_roles_and_the_fleets_shape_are_exported() -> None:
+    from rapidkv.router.placement import Specializer
+
+    models, fleet, shape = Models(2), FleetState(2), Specializer()
+    registry = CollectorRegistry()
+    registry.register(ModelsCollector(models, lambda: URLS, fleet, shape))
+
+    def got() -> dict:
+        text = generate_latest(registry).decode()
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+    before = got()
+    assert before[("rapidkv_router_fleet_specialized", ())] == 0
+    assert before[("rapidkv_router_fleet_shape_switches_total", ())] == 0
+    assert before[("rapidkv_router_instance_role", (("instance", URLS[1]), ("role", "any")))] == 1
+    for k in range(160):  # 8 req/s of 500-token prompts, 16-token answers
+        shape.arrived(k / 8, 500, 16)
+    assert shape.apply(fleet, ["any", "any"], models, 9.0)
+    after = got()
+    assert after[("rapidkv_router_fleet_specialized", ())] == 1
+    assert after[("rapidkv_router_fleet_pressure", ())] == shape.last_pressure >= 1.0
+    assert after[("rapidkv_router_fleet_shape_switches_total", ())] == 1
+    roles = {k[1]: v for k, v in after.items() if k[0] == "rapidkv_router_instance_role"}
+    assert roles == {
+        (("instance", URLS[0]), ("role", "prefill")): 1,
+        (("instance", URLS[1]), ("role", "decode")): 1,
+    }

@@ -87,6 +87,14 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         "(default %(default)s)",
     )
     parser.add_argument(
+        "--no-specialize",
+        dest="specialize",
+        action="store_false",
+        help="adaptive placement: never pin instances that may do anything to prefill or to "
+        "decode (by default half of them prefill and half decode while the prompts landing "
+        "beside decodes would, at the tail, push them past --tpot-slo-ms)",
+    )
+    parser.add_argument(
         "--ttft-headroom",
         type=float,
         default=0.5,
@@ -189,6 +197,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         tpot_slo_ms=args.tpot_slo_ms,
         ttft_headroom=args.ttft_headroom,
         tpot_margin=args.tpot_margin,
+        specialize=args.specialize,
         secret=read_secret(args.secret_file) if args.secret_file is not None else None,
         admin_token=(
             read_secret(args.admin_token_file).decode()

@@ -135,6 +135,10 @@ class RouterConfig:
     tpot_slo_ms: float = 100.0
     ttft_headroom: float = 0.5  # adaptive: TTFTs below this fraction of the SLO tie
     tpot_margin: float = 0.6  # adaptive: ties go first to TPOTs within this fraction of the SLO
+    # adaptive: instances that may do anything specialise (half prefill, half
+    # decode) while prompts landing beside decodes would break the TPOT SLO
+    # (`placement.shape`)
+    specialize: bool = True
     # ask prefill instances configured without a control address for it
     discover: bool = True
     # dual dispatch: P's first token opens the client's stream when it may (see `stitch`)

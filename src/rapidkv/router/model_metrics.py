@@ -12,7 +12,13 @@ is exported as two samples, ``term="intercept"`` (ms) and ``term="slope"``
 
 and, from the fleet's state, ``rapidkv_router_instance_max_num_seqs{instance}``
 for each instance whose engine's ``max_num_seqs`` the router has learned
-(discovery or etcd): the capacity the policy waits beyond.
+(discovery or etcd): the capacity the policy waits beyond, and
+``rapidkv_router_instance_role{instance, role}`` (1 for the role each
+instance plays now: ``any``, ``prefill`` or ``decode``). With a
+`placement.Specializer`: ``rapidkv_router_fleet_specialized`` (1 while the
+instances configured ``both`` are pinned half to prefill, half to decode),
+``rapidkv_router_fleet_pressure`` (the pressure that decided it, at the last
+request) and ``rapidkv_router_fleet_shape_switches_total``.
 
 ``instance``, ``prefill`` and ``decode`` are instance URLs. The collector holds
 no state of its own: a scrape reads the models as they are at that moment
@@ -24,10 +30,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from rapidkv.router.placement import FleetState, Models
+from rapidkv.router.placement import FleetState, Models, Specializer
 from rapidkv.router.placement.model import LinearCost
 
 
@@ -36,13 +42,18 @@ class ModelsCollector(Collector):
     each instance index."""
 
     def __init__(
-        self, models: Models, urls: Callable[[], Sequence[str]], fleet: FleetState | None = None
+        self,
+        models: Models,
+        urls: Callable[[], Sequence[str]],
+        fleet: FleetState | None = None,
+        shape: Specializer | None = None,
     ) -> None:
         self.models = models
         self.urls = urls
         self.fleet = fleet
+        self.shape = shape
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         urls = list(self.urls())
         n = min(len(urls), self.models.n)
         prefill = GaugeMetricFamily(
@@ -74,10 +85,33 @@ class ModelsCollector(Collector):
                 "The instance engine's max_num_seqs, as the router learned it",
                 labels=["instance"],
             )
+            roles = GaugeMetricFamily(
+                "rapidkv_router_instance_role",
+                "1 for the role the instance plays now (any, prefill, decode)",
+                labels=["instance", "role"],
+            )
             for i, load in enumerate(self.fleet.view()[:n]):
                 if load.max_num_seqs is not None:
                     seqs.add_metric([urls[i]], load.max_num_seqs)
+                roles.add_metric([urls[i], load.role], 1)
             yield seqs
+            yield roles
+        if self.shape is not None:
+            yield GaugeMetricFamily(
+                "rapidkv_router_fleet_specialized",
+                "1 while the instances configured both are pinned, half to prefill, half to decode",
+                value=int(self.shape.specialized),
+            )
+            yield GaugeMetricFamily(
+                "rapidkv_router_fleet_pressure",
+                "Prompts landing beside a decode at the tail, in TPOT slack (>= 1: specialise)",
+                value=self.shape.last_pressure,
+            )
+            yield CounterMetricFamily(
+                "rapidkv_router_fleet_shape_switches",
+                "Times the fleet specialised or went back",
+                value=self.shape.switches,
+            )
 
     def describe(self) -> list[GaugeMetricFamily]:
         return []  # unchecked: the series depend on the fleet

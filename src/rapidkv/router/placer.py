@@ -5,7 +5,10 @@ router sees, one instance index per `RouterConfig.members` entry.
 one event loop (no locks):
 
 - `decide` for each request (``--placement adaptive``), then `dispatched`
-  with the placement it really used;
+  with the placement it really used; before deciding, its `Specializer` (if
+  any) hears of the request and sets the fleet's roles for the load seen
+  (`placement.shape`: instances configured ``both`` may be pinned to prefill
+  or to decode);
 - `prefill_done` when P's part is over, `first_token` when D's own first
   output event is relayed (streamed answers: a non-streamed one has no first
   token the router can see, and teaches the models nothing), `finished` when
@@ -36,6 +39,7 @@ from rapidkv.router.placement import (
     Placement,
     Policy,
     Request,
+    Specializer,
     decide,
 )
 from rapidkv.router.placement.state import Role
@@ -84,11 +88,19 @@ def _role(member: Member) -> Role:
 class Placer:
     """Adaptive placement over the router's members."""
 
-    def __init__(self, members: tuple[Member, ...], slo: SLO, policy: Policy) -> None:
+    def __init__(
+        self,
+        members: tuple[Member, ...],
+        slo: SLO,
+        policy: Policy,
+        shape: Specializer | None = None,
+    ) -> None:
         self.slo = slo
         self.policy = policy
-        self.fleet = FleetState(len(members), tuple(_role(m) for m in members))
+        self.roles: list[Role] = [_role(m) for m in members]  # as configured
+        self.fleet = FleetState(len(members), tuple(self.roles))
         self.models = Models(len(members))
+        self.shape = shape
 
     def decide(self, body: Body, endpoint: Endpoint, splittable: bool) -> tuple[Decision, Request]:
         """The decision for this request and the request as placement saw it
@@ -96,6 +108,9 @@ class Placer:
         `placement.NoPlacement` if no available instance can decode it."""
         tokens = estimate_prompt_tokens(body, endpoint)
         request = Request(tokens, requested_output_tokens(body), splittable)
+        if self.shape is not None:
+            self.shape.arrived(time.monotonic(), tokens, request.output_tokens)
+            self.shape.apply(self.fleet, self.roles, self.models, self.slo.tpot_ms)
         return decide(self.fleet, self.models, request, self.slo, self.policy), request
 
     def dispatched(
@@ -125,6 +140,8 @@ class Placer:
         if index == len(self.fleet):
             self.models.add()
             self.fleet.add(_role(member))
+            self.roles.append(_role(member))
+        self.roles[index] = _role(member)
         self.fleet.set_role(index, _role(member))
         self.fleet.set_healthy(index, True)
         self.fleet.set_block_size(index, member.instance.block_size)

@@ -85,7 +85,14 @@ from rapidkv.router.migration.bodies import local_body, migratable, streamed
 from rapidkv.router.migration.relay import MigratingRelay, MigrationError
 from rapidkv.router.migration.room import RoomCheck
 from rapidkv.router.model_metrics import ModelsCollector
-from rapidkv.router.placement import SLO, Decision, NoPlacement, Placement, Policy
+from rapidkv.router.placement import (
+    SLO,
+    Decision,
+    NoPlacement,
+    Placement,
+    Policy,
+    Specializer,
+)
 from rapidkv.router.placer import Placer
 from rapidkv.router.rewrite import (
     BadRequest,
@@ -212,6 +219,7 @@ class Router:
                     tpot_margin=config.tpot_margin,
                     stitch=config.prefill_first_token and config.dispatch == "dual",
                 ),
+                Specializer() if config.specialize else None,
             )
             if config.placement == "adaptive"
             else None
@@ -222,6 +230,7 @@ class Router:
                     self._placer.models,
                     lambda: [m.instance.url for m in self._members],
                     self._placer.fleet,
+                    self._placer.shape,
                 )
             )
         self._aborter = ControlAborter(config.secret, config.abort_timeout_s, self.metrics)

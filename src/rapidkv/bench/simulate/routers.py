@@ -19,7 +19,10 @@ token), `finished` (D's answer over). Policies (`POLICIES`):
   fed by the same events at the same points as the router's `placer.Placer`
   feeds it, and `Models` learning from what those events return; every
   instance may prefill and decode, block sizes known, requests splittable
-  (`bench goodput` sends token-id completions), the run's SLOs;
+  (`bench goodput` sends token-id completions), the run's SLOs, and the
+  router's `Specializer` choosing the fleet's shape before each decision;
+- ``adaptive-unshaped``: the same without the `Specializer` (every instance
+  free to do anything at every decision, as before 2026-12-04);
 - ``adaptive-fit-priors``: the same, its `Models` starting from priors that
   are the simulation's own prefill and step costs (`Fit`) instead of the
   placement's (`Priors()`; the transfer prior unchanged): a what-if, for a
@@ -45,12 +48,24 @@ from rapidkv.router.placement import (
     Policy,
     Priors,
     Request,
+    Shaping,
+    Specializer,
     decide,
 )
+from rapidkv.router.placement.shape import DEFAULT_SHAPING
 from rapidkv.router.split import split_point
 
-PolicyName = Literal["dp", "fixed-pd", "nixl", "adaptive", "adaptive-fit-priors"]
-POLICIES: tuple[str, ...] = ("dp", "fixed-pd", "nixl", "adaptive", "adaptive-fit-priors")
+PolicyName = Literal[
+    "dp", "fixed-pd", "nixl", "adaptive", "adaptive-fit-priors", "adaptive-unshaped"
+]
+POLICIES: tuple[str, ...] = (
+    "dp",
+    "fixed-pd",
+    "nixl",
+    "adaptive",
+    "adaptive-fit-priors",
+    "adaptive-unshaped",
+)
 Connector = Literal["rapidkv", "nixl"]
 
 
@@ -152,11 +167,13 @@ class AdaptiveRouter(Router):
         slo: SLO,
         policy: Policy | None = None,
         priors: Priors | None = None,
+        shaping: Shaping | None = DEFAULT_SHAPING,
     ) -> None:
         super().__init__(n)
         self.slo = slo
         self.policy = Policy() if policy is None else policy
         self.fleet = FleetState(n)
+        self.shape = None if shaping is None else Specializer(shaping)
         for i in range(n):
             self.fleet.set_block_size(i, fit.block_size)
             self.fleet.set_max_num_seqs(i, fit.max_num_seqs)
@@ -167,6 +184,9 @@ class AdaptiveRouter(Router):
 
     def place(self, rid: str, prompt: int, output: int, now_ms: float) -> Placement:
         t = time.perf_counter()
+        if self.shape is not None:
+            self.shape.arrived(now_ms / 1000, prompt, output)
+            self.shape.apply(self.fleet, ("any",) * self.n, self.models, self.slo.tpot_ms)
         d = decide(self.fleet, self.models, Request(prompt, output, True), self.slo, self.policy)
         self.decide_s += time.perf_counter() - t
         self.kinds[d.kind] += 1
@@ -221,6 +241,10 @@ def make_router(policy: str, n: int, fit: Fit, slo: SLO) -> Router:
         return FixedPdRouter(n, fit, nixl=True)
     if policy == "adaptive":
         return AdaptiveRouter(n, fit, slo)
+    if policy == "adaptive-unshaped":
+        router = AdaptiveRouter(n, fit, slo, shaping=None)
+        router.name = policy
+        return router
     if policy == "adaptive-fit-priors":
         router = AdaptiveRouter(n, fit, slo, priors=fit_priors(fit))
         router.name = policy

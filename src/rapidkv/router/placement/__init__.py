@@ -42,6 +42,7 @@ from rapidkv.router.placement.policy import (
     decide,
     options,
 )
+from rapidkv.router.placement.shape import Shaping, Specializer
 from rapidkv.router.placement.state import (
     Decode,
     FleetState,
@@ -71,6 +72,8 @@ __all__ = [
     "Reason",
     "Request",
     "Role",
+    "Shaping",
+    "Specializer",
     "TransferObservation",
     "decide",
     "options",

@@ -1,0 +1,157 @@
+"""The fleet's shape: when instances that may do anything should specialise.
+
+`decide` places one request at a time, and under a tight TPOT SLO that is not
+enough: every prompt computed beside a decode stalls it, and no single
+decision commits an instance to decoding only, which is what a fixed P/D
+pair does and why it wins there. `Specializer` chooses the shape instead, from
+the load the router sees and the costs the `Models` learned:
+
+    pressure = N_q * pf(P) / ((SLO_tpot - step(2)) * L)
+
+the tail number of prompts that will land on a new decode's instance while it
+decodes, times the stall of one prompt spread over the decode, over the slack
+the TPOT SLO leaves beside a step of two decodes. ``N_q`` is the
+`Shaping.quantile` of a Poisson count of mean ``lambda / n * L * step(2) /
+1000`` (``lambda`` the recent arrival rate, req/s, decayed over
+`Shaping.tau_s`; ``n`` the available instances; ``L`` and ``P`` the recent
+mean output and prompt tokens; ``pf`` and ``step`` the mean learned costs
+over those instances). Pressure 1 says: at the tail, the prompts landing
+beside a decode take it past the SLO. The fleet specialises when pressure
+reaches `Shaping.on`, unless its decoders alone could not hold today's
+decodes within the SLO (a step of all of them, shared among the decoders,
+reaches it: long outputs need every instance decoding), and goes back when
+pressure falls below `Shaping.off` (hysteresis: a load near the threshold
+does not flap).
+
+Specialised, among the available instances configured ``any``, the first half
+by index (at least one) only prefill and the rest only decode (the roles
+`decide` reads: PD and split from the first to the second, no local); an
+instance with a configured role keeps it, one not available keeps ``any``.
+Fewer than two available ``any`` instances never specialise.
+
+Simulated (`bench simulate`'s instance models, default fit, 2 instances, TTFT
+SLO 250 ms, 400 requests a rate, seeds 0 / 1 / 2), goodput in req/s of
+`decide` with a `Specializer` against `decide` alone: prefill-heavy at a TPOT
+SLO of 9 ms 11 / 9 / 8 against 5.5 / 5.5 / 5.5 (a fixed P/D pair 13 / 11 /
+9), at 12 ms 12 / 8 / 8 against 11 / 9 / 8, at 18 and 25 ms the same; chat
+the same at every SLO and seed (docs/benchmarks.md).
+
+Pure: every call takes its time (monotonic seconds) as an argument.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from statistics import NormalDist
+
+from rapidkv.router.placement.model import Models
+from rapidkv.router.placement.state import FleetState, Role
+
+MEAN_WEIGHT = 0.05
+"""The weight of each new request in the recent mean prompt and output tokens."""
+
+
+@dataclass(frozen=True)
+class Shaping:
+    """`Specializer`'s parameters (module docstring)."""
+
+    tau_s: float = 2.0
+    quantile: float = 0.95
+    on: float = 1.0
+    off: float = 0.7
+
+    def __post_init__(self) -> None:
+        if not (self.tau_s > 0 and 0 < self.quantile < 1 and 0 < self.off <= self.on):
+            raise ValueError(f"need tau_s > 0, 0 < quantile < 1, 0 < off <= on: {self}")
+
+
+DEFAULT_SHAPING = Shaping()
+
+
+def poisson_quantile(mean: float, q: float) -> int:
+    """The smallest n with P(N <= n) >= q for N ~ Poisson(mean)."""
+    if mean <= 0:
+        return 0
+    if mean > 500:  # the normal approximation; exp(-mean) underflows
+        return math.ceil(mean + NormalDist().inv_cdf(q) * math.sqrt(mean))
+    term = cdf = math.exp(-mean)
+    n = 0
+    while cdf < q:
+        n += 1
+        term *= mean / n
+        cdf += term
+    return n
+
+
+class Specializer:
+    """The recent load and the shape it calls for (module docstring)."""
+
+    def __init__(self, shaping: Shaping = DEFAULT_SHAPING) -> None:
+        self.shaping = shaping
+        self.rate_per_s = 0.0  # recent arrivals, decayed
+        self.prompt_tokens = 0.0  # recent mean
+        self.output_tokens = 0.0  # recent mean
+        self.specialized = False
+        self.switches = 0
+        self.last_pressure = 0.0  # at the last `apply`
+        self._last_s: float | None = None
+
+    def arrived(self, now_s: float, prompt_tokens: int, output_tokens: int) -> None:
+        """One request arrived at `now_s` (an earlier time counts as `now_s`
+        of the last one)."""
+        tau = self.shaping.tau_s
+        if self._last_s is None:
+            self.prompt_tokens, self.output_tokens = float(prompt_tokens), float(output_tokens)
+        else:
+            if now_s > self._last_s:
+                self.rate_per_s *= math.exp(-(now_s - self._last_s) / tau)
+            self.prompt_tokens += MEAN_WEIGHT * (prompt_tokens - self.prompt_tokens)
+            self.output_tokens += MEAN_WEIGHT * (output_tokens - self.output_tokens)
+        self._last_s = now_s if self._last_s is None else max(now_s, self._last_s)
+        self.rate_per_s += 1 / tau
+
+    def pressure(self, models: Models, available: Sequence[int], tpot_ms: float) -> float:
+        """The module docstring's pressure over the `available` instances (inf
+        when a step alone breaks the SLO, 0 with no instance or no load)."""
+        if not available or self.rate_per_s <= 0 or self.output_tokens <= 0:
+            return 0.0
+        n = len(available)
+        step = sum(models.step_ms(k, 2) for k in available) / n
+        slack = tpot_ms - step
+        if slack <= 0:
+            return math.inf
+        pf = sum(models.prefill_ms(k, self.prompt_tokens) for k in available) / n
+        lifetime_ms = self.output_tokens * step
+        landings = poisson_quantile(self.rate_per_s / n * lifetime_ms / 1000, self.shaping.quantile)
+        return landings * pf / (slack * self.output_tokens)
+
+    def apply(
+        self, fleet: FleetState, configured: Sequence[Role], models: Models, tpot_ms: float
+    ) -> bool:
+        """Decide the shape for the load seen so far and set `fleet`'s roles
+        to it (`configured`: each instance's role as configured); whether
+        the fleet is specialised now."""
+        loads = fleet.view()
+        free = [k for k, load in enumerate(loads) if load.available and configured[k] == "any"]
+        if len(free) < 2:
+            want = False
+            self.last_pressure = 0.0
+        else:
+            p = self.last_pressure = self.pressure(models, free, tpot_ms)
+            want = p >= (self.shaping.off if self.specialized else self.shaping.on)
+            decoders = free[max(1, len(free) // 2) :]
+            crowded = sum(loads[k].decodes for k in free) / len(decoders) + 1
+            if want and any(models.step_ms(k, crowded) >= tpot_ms for k in decoders):
+                want = False  # the decoders alone could not hold the decodes within the SLO
+        if want != self.specialized:
+            self.specialized = want
+            self.switches += 1
+        prefill = set(free[: max(1, len(free) // 2)]) if want else set()
+        for k, role in enumerate(configured):
+            if role == "any" and k in free and want:
+                fleet.set_role(k, "prefill" if k in prefill else "decode")
+            else:
+                fleet.set_role(k, role)
+        return want

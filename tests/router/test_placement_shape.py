@@ -1,0 +1,118 @@
+"""The fleet's shape (`placement.shape`): when instances that may do anything
+specialise, and what roles they take."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from rapidkv.router.placement import SLO, FleetState, Models, Placement, Request, decide
+from rapidkv.router.placement.shape import Shaping, Specializer, poisson_quantile
+from rapidkv.router.placement.state import Role
+
+pytestmark = pytest.mark.unit
+
+
+def test_the_poisson_quantile() -> None:
+    assert poisson_quantile(0.0, 0.95) == 0
+    assert poisson_quantile(1.0, 0.5) == 1  # P(0) = 0.37, P(<= 1) = 0.74
+    assert poisson_quantile(1.0, 0.95) == 3  # P(<= 2) = 0.92, P(<= 3) = 0.98
+    assert poisson_quantile(0.05, 0.95) == 0  # P(0) = 0.951
+    big = poisson_quantile(1000.0, 0.95)  # the normal approximation
+    assert 1045 <= big <= 1056
+
+
+def test_the_recent_rate_and_means_follow_the_arrivals() -> None:
+    s = Specializer(Shaping(tau_s=2.0))
+    for k in range(200):  # 10 req/s for 20 s
+        s.arrived(k / 10, 400 if k % 2 else 600, 16)
+    assert s.rate_per_s == pytest.approx(10.0, rel=0.05)
+    assert s.prompt_tokens == pytest.approx(500, abs=10) and s.output_tokens == 16
+    s.arrived(40.0, 500, 16)  # 20 s of silence: the rate has decayed away
+    assert s.rate_per_s < 0.6
+    s.arrived(39.0, 500, 16)  # out of order: taken as the latest time, no decay
+    assert s.rate_per_s < 1.2
+
+
+def loaded(rate: float, prompt: int, output: int) -> Specializer:
+    s = Specializer()
+    for k in range(int(rate * 20)):
+        s.arrived(k / rate, prompt, output)
+    return s
+
+
+def test_pressure_is_the_tail_of_prompts_landing_beside_a_decode_over_its_slack() -> None:
+    models = Models(2)
+    s = loaded(8.0, 500, 16)
+    step, pf = models.step_ms(0, 2), models.prefill_ms(0, s.prompt_tokens)
+    landings = poisson_quantile(s.rate_per_s / 2 * 16 * step / 1000, 0.95)
+    for tpot in (9.0, 12.0, 18.0):
+        want = landings * pf / ((tpot - step) * 16)
+        assert s.pressure(models, [0, 1], tpot) == pytest.approx(want)
+    assert s.pressure(models, [0, 1], 9.0) > s.pressure(models, [0, 1], 18.0)
+    assert s.pressure(models, [0, 1], step) == math.inf  # a step alone breaks the SLO
+    assert s.pressure(models, [], 9.0) == 0.0
+    assert Specializer().pressure(models, [0, 1], 9.0) == 0.0  # no load seen
+    # long outputs spread a prompt's stall over more tokens
+    assert loaded(8.0, 500, 144).pressure(models, [0, 1], 12.0) < s.pressure(models, [0, 1], 12.0)
+
+
+def roles(fleet: FleetState) -> list[Role]:
+    return [load.role for load in fleet.view()]
+
+
+def test_a_tight_slo_pins_half_to_prefill_half_to_decode_and_a_loose_one_lets_go() -> None:
+    models, fleet, anyway = Models(2), FleetState(2), ["any", "any"]
+    s = loaded(8.0, 500, 16)
+    assert s.apply(fleet, anyway, models, 9.0) and roles(fleet) == ["prefill", "decode"]
+    assert s.switches == 1 and s.last_pressure >= 1.0
+    # specialised, no local option is left, and the prompt goes to instance 0
+    d = decide(fleet, models, Request(500, 16, True), SLO(250.0, 9.0))
+    assert d.placement.kind in ("pd", "split") and (d.prefill, d.decode) == (0, 1)
+    assert not s.apply(fleet, anyway, models, 40.0) and roles(fleet) == ["any", "any"]
+    assert s.switches == 2
+
+
+def test_between_off_and_on_the_shape_holds() -> None:
+    models, fleet, anyway = Models(2), FleetState(2), ["any", "any"]
+    s = loaded(8.0, 500, 16)
+    p9 = s.pressure(models, [0, 1], 9.0)
+    # an SLO whose pressure lies between off (0.7) and on (1.0) of the shaping
+    tpot = next(t / 10 for t in range(90, 400) if 0.75 <= s.pressure(models, [0, 1], t / 10) < 0.95)
+    assert p9 >= 1.0
+    assert not s.apply(fleet, anyway, models, tpot)  # not on yet: stays replicas
+    assert s.apply(fleet, anyway, models, 9.0)
+    assert s.apply(fleet, anyway, models, tpot)  # not below off: stays specialised
+    assert s.switches == 1
+
+
+def test_configured_roles_are_kept_and_two_free_instances_are_needed() -> None:
+    models = Models(3)
+    s = loaded(8.0, 500, 16)
+    fleet = FleetState(3, ("prefill", "any", "any"))
+    assert s.apply(fleet, ["prefill", "any", "any"], models, 9.0)
+    assert roles(fleet) == ["prefill", "prefill", "decode"]  # the free ones split in half
+    one_free = FleetState(2, ("prefill", "any"))
+    assert not Specializer().apply(one_free, ["prefill", "any"], models, 9.0)
+    assert not loaded(8.0, 500, 16).apply(one_free, ["prefill", "any"], models, 9.0)
+    assert roles(one_free) == ["prefill", "any"]
+    # an instance that goes down leaves one free instance: back to as configured
+    fleet.set_healthy(2, False)
+    assert not s.apply(fleet, ["prefill", "any", "any"], models, 9.0)
+    assert roles(fleet) == ["prefill", "any", "any"]
+
+
+def test_no_specialising_when_the_decoders_alone_could_not_hold_the_decodes() -> None:
+    models, fleet, anyway = Models(2), FleetState(2), ["any", "any"]
+    s = loaded(8.0, 500, 16)
+    for k in range(12):  # 12 decodes: one instance alone would step past 9 ms
+        fleet.on_dispatch(f"r{k}", Placement("local", k % 2, k % 2), 100, 0.0, 16)
+    assert models.step_ms(1, 13) >= 9.0
+    assert not s.apply(fleet, anyway, models, 9.0) and roles(fleet) == ["any", "any"]
+
+
+def test_shaping_is_validated() -> None:
+    for bad in ({"tau_s": 0}, {"quantile": 1.0}, {"off": 1.2, "on": 1.0}, {"off": 0}):
+        with pytest.raises(ValueError):
+            Shaping(**bad)
