@@ -22,7 +22,8 @@ DEFAULT_CONFIGS = ("single", "dp2", "vllm-nixl", "rapidkv", "rapidkv-adaptive")
 BASELINES = ("dp2", "vllm-nixl", "rapidkv")
 """What `rapidkv-adaptive`'s goodput is compared with (the issue's acceptance)."""
 ADAPTIVE = "rapidkv-adaptive"
-ADAPTIVE_FRONT = "router-adaptive"
+ADAPTIVE_FRONTS = frozenset({"router-adaptive", "router-adaptive-unshaped"})
+"""Fronts started again for each workload, with its SLOs."""
 ARRIVAL_SALT = 7919  # a workload's arrivals are drawn from its seed + this
 DTYPES = {"float32": "float32", "bf16": "bfloat16"}
 
@@ -331,7 +332,7 @@ class Sweep:
     def run_group(self, group_name: str, members: list[str]) -> None:
         from rapidkv.bench.serve.configs import CONFIGS
 
-        fixed = {CONFIGS[m].front for m in members} - {ADAPTIVE_FRONT}
+        fixed = {CONFIGS[m].front for m in members} - ADAPTIVE_FRONTS
         group = self.start(group_name, members, fixed)
         if isinstance(group, str):
             self.progress.advance(sum(self.config_units(m) for m in members))
@@ -352,7 +353,7 @@ class Sweep:
         started: dict[str, Any] = {}
         try:
             for name, members in groups.items():
-                fixed = {CONFIGS[m].front for m in members} - {ADAPTIVE_FRONT}
+                fixed = {CONFIGS[m].front for m in members} - ADAPTIVE_FRONTS
                 group = self.start(name, members, fixed)
                 if isinstance(group, str):
                     self.progress.advance(sum(self.config_units(m) for m in members))
@@ -394,7 +395,7 @@ class Sweep:
                 )
                 continue
             for m in live:
-                if CONFIGS[m].front == ADAPTIVE_FRONT:
+                if CONFIGS[m].front in ADAPTIVE_FRONTS:
                     guarded(m, self.start_adaptive, m, placed[m], w)
                 if m != "single" and not self.configs[m].error:
                     url = placed[m].url(CONFIGS[m])
@@ -408,10 +409,13 @@ class Sweep:
 
     def start_adaptive(self, name: str, group: Any, w: WorkloadRun) -> None:
         """(Re)start `name`'s adaptive router with workload `w`'s SLOs."""
+        from rapidkv.bench.serve.configs import CONFIGS
+
         extra = ["--ttft-slo-ms", f"{w.slo.ttft_ms:.3f}"]
         extra += ["--tpot-slo-ms", f"{w.slo.tpot_ms:.3f}", *self.opts.router_args]
         self.progress.stage(f"{w.name}: starting {name}'s router ({' '.join(extra)})")
-        group.start_front(ADAPTIVE_FRONT, extra, label=f"{ADAPTIVE_FRONT}.{w.name}")
+        front = CONFIGS[name].front
+        group.start_front(front, extra, label=f"{front}.{w.name}")
         self.configs[name].router_args[w.name] = extra
         self.configs[name].affinity = group.affinity()  # its router's too
 

@@ -167,6 +167,15 @@ CONFIGS: dict[str, Config] = {
             "default SLOs unless the benchmark sets them, as `bench goodput` does)",
             default=False,
         ),
+        Config(
+            "rapidkv-adaptive-unshaped",
+            "rapidkv",
+            "router-adaptive-unshaped",
+            "rapidkv-adaptive with --no-specialize: each request placed on its own, the "
+            "instances never pinned to prefill or to decode (against rapidkv-adaptive it "
+            "measures what the fleet's shape does)",
+            default=False,
+        ),
     )
 }
 
@@ -431,6 +440,10 @@ def _group_plan(
                     [*_router_argv("dual", p, d), "--no-split-prefill", "--no-prefill-first-token"],
                 ),
                 ("router-adaptive", [*adaptive, "--placement", "adaptive"]),
+                (
+                    "router-adaptive-unshaped",
+                    [*adaptive, "--placement", "adaptive", "--no-specialize"],
+                ),
                 ("router-local", _router_argv("local", [], urls)),
             ]
 
