@@ -124,6 +124,11 @@ TPOT SLOs of 9, 12 and 18 ms, against 8 / 3, 8 / 5, 12 / 6 before.
 If no option meets the TPOT SLO: the one with the lowest TPOT (the least
 violation), then the lowest TTFT.
 
+`keep_free` only orders ties, one request at a time; committing instances to
+prefill or to decode under a tight TPOT SLO is the fleet's shape
+(`shape.Specializer`), which sets the instances' roles before `decide` reads
+them.
+
 Reasons: ``only-option`` (one option, and it meets TPOT), ``lowest-ttft``
 (the best TTFT of all, within `tie_ms`), ``tpot-slo`` (a lower TTFT was passed
 over for TPOT), ``ttft-headroom`` (a lower TTFT, by more than `tie_ms`, was
