@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rapidkv.router.placement import SLO, FleetState, Models, Placement, Request, decide
 from rapidkv.router.placement.shape import Shaping, Specializer, poisson_quantile
@@ -116,3 +118,44 @@ def test_shaping_is_validated() -> None:
     for bad in ({"tau_s": 0}, {"quantile": 1.0}, {"off": 1.2, "on": 1.0}, {"off": 0}):
         with pytest.raises(ValueError):
             Shaping(**bad)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.sampled_from(["any", "any", "prefill", "decode"]), min_size=1, max_size=6),
+    st.lists(
+        st.tuples(
+            st.floats(0.0, 0.5),  # gap before the request, s
+            st.integers(1, 2000),  # prompt tokens
+            st.integers(1, 300),  # output tokens
+            st.floats(5.0, 60.0),  # TPOT SLO, ms
+            st.integers(0, 5),  # an instance whose health flips
+        ),
+        max_size=40,
+    ),
+)
+def test_the_roles_always_follow_the_shape_and_the_configuration(
+    configured: list[Role], events: list[tuple[float, int, int, float, int]]
+) -> None:
+    n = len(configured)
+    models, fleet, s = Models(n), FleetState(n, tuple(configured)), Specializer()
+    now, flips, was = 0.0, 0, False
+    for gap, prompt, output, tpot, flip in events:
+        now += gap
+        if flip < n:
+            up = fleet.view()[flip].healthy
+            fleet.set_healthy(flip, not up)
+        s.arrived(now, prompt, output)
+        on = s.apply(fleet, configured, models, tpot)
+        flips += on != was
+        was = on
+        loads = fleet.view()
+        free = [k for k, load in enumerate(loads) if load.available and configured[k] == "any"]
+        half = set(free[: max(1, len(free) // 2)])
+        for k, load in enumerate(loads):
+            if on and k in free:
+                assert load.role == ("prefill" if k in half else "decode")
+            else:
+                assert load.role == configured[k]  # pinned by configuration, or not shaped
+        assert not on or len(free) >= 2
+        assert on == s.specialized and s.switches == flips
