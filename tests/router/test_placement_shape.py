@@ -153,6 +153,7 @@ def test_the_roles_always_follow_the_shape_and_the_configuration(
         free = [k for k, load in enumerate(loads) if load.available and configured[k] == "any"]
         half = set(free[: max(1, len(free) // 2)])
         for k, load in enumerate(loads):
+            assert (fleet.available(k), fleet.decodes(k)) == (load.available, load.decodes)
             if on and k in free:
                 assert load.role == ("prefill" if k in half else "decode")
             else:

@@ -133,8 +133,7 @@ class Specializer:
         """Decide the shape for the load seen so far and set `fleet`'s roles
         to it (`configured`: each instance's role as configured); whether
         the fleet is specialised now."""
-        loads = fleet.view()
-        free = [k for k, load in enumerate(loads) if load.available and configured[k] == "any"]
+        free = [k for k, role in enumerate(configured) if role == "any" and fleet.available(k)]
         if len(free) < 2:
             want = False
             self.last_pressure = 0.0
@@ -142,7 +141,7 @@ class Specializer:
             p = self.last_pressure = self.pressure(models, free, tpot_ms)
             want = p >= (self.shaping.off if self.specialized else self.shaping.on)
             decoders = free[max(1, len(free) // 2) :]
-            crowded = sum(loads[k].decodes for k in free) / len(decoders) + 1
+            crowded = sum(fleet.decodes(k) for k in free) / len(decoders) + 1
             if want and any(models.step_ms(k, crowded) >= tpot_ms for k in decoders):
                 want = False  # the decoders alone could not hold the decodes within the SLO
         if want != self.specialized:

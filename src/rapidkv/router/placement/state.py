@@ -327,6 +327,16 @@ class FleetState:
             for i, s in enumerate(self._inst)
         )
 
+    def available(self, i: int) -> bool:
+        """Instance `i` is healthy and not draining (as `InstanceLoad.available`,
+        without building the whole `view`)."""
+        s = self._at(i)
+        return s.healthy and not s.draining
+
+    def decodes(self, i: int) -> int:
+        """Requests dispatched to decode on `i` and not finished (`InstanceLoad.decodes`)."""
+        return self._at(i).decodes
+
     # instance flags
 
     def set_healthy(self, i: int, healthy: bool) -> None:
