@@ -204,9 +204,7 @@ def config_report(c: ConfigRun, w: WorkloadRun, opts: Options) -> dict[str, Any]
         for rate in opts.rates[w.name]
     }
     gp = goodput(by_rate) if w.slo is not None else goodput({})
-    interval = goodput_interval(
-        {rate: (rates.get(rate_key(rate)) or {}).get("attained") for rate in opts.rates[w.name]}
-    )
+    interval = goodput_interval(_attained(rates, opts.rates[w.name]))
     counted = list(rates.values())
     return {
         "description": CONFIGS[c.name].description,
@@ -280,14 +278,22 @@ def _interval(
     rates: tuple[float, ...] | list[float],
 ) -> dict[str, Any] | None:
     from rapidkv.bench.goodput.interval import ratio_interval
-    from rapidkv.bench.goodput.slo import rate_key
 
     attained = {
-        c: {r: (configs[c]["rates"].get(rate_key(r)) or {}).get("attained") for r in rates}
+        c: _attained(configs[c].get("rates", {}), rates)
         for c in (adaptive, *baselines)
         if c in configs
     }
     return ratio_interval(attained, adaptive, baselines, ACCEPTANCE_RATIO)
+
+
+def _attained(
+    rates: dict[str, Any], swept: tuple[float, ...] | list[float]
+) -> dict[float, list[bool] | None]:
+    """One configuration's per-request attainment at each swept rate (None: not run)."""
+    from rapidkv.bench.goodput.slo import rate_key
+
+    return {r: (rates.get(rate_key(r)) or {}).get("attained") for r in swept}
 
 
 def meta(opts: Options, log_dir: Path, wall_s: float, command: str | None) -> dict[str, Any]:
