@@ -105,13 +105,35 @@ def test_configured_roles_are_kept_and_two_free_instances_are_needed() -> None:
     assert roles(fleet) == ["prefill", "any", "any"]
 
 
+def test_the_decodes_in_flight_are_the_tail_of_littles_law() -> None:
+    models = Models(2)
+    s = loaded(20.0, 500, 64)
+    step = models.step_ms(0, 2)
+    want = poisson_quantile(s.rate_per_s * 64 * step / 1000, 0.95)
+    assert s.decodes(models, [0, 1]) == want > 20 * 64 * step / 1000  # a tail, above the mean
+    assert s.decodes(models, []) == 0 and Specializer().decodes(models, [0, 1]) == 0
+    assert loaded(20.0, 500, 16).decodes(models, [0, 1]) < want  # shorter outputs, fewer
+
+
 def test_no_specialising_when_the_decoders_alone_could_not_hold_the_decodes() -> None:
     models, fleet, anyway = Models(2), FleetState(2), ["any", "any"]
-    s = loaded(8.0, 500, 16)
-    for k in range(12):  # 12 decodes: one instance alone would step past 9 ms
-        fleet.on_dispatch(f"r{k}", Placement("local", k % 2, k % 2), 100, 0.0, 16)
-    assert models.step_ms(1, 13) >= 9.0
+    s = loaded(20.0, 500, 64)  # ~7 decodes in flight, 12 at the tail: one instance steps past 9 ms
+    assert s.pressure(models, [0, 1], 9.0) >= 1.0  # prompts beside decodes would break the SLO
+    assert models.step_ms(1, s.decodes(models, [0, 1]) + 1) >= 9.0
     assert not s.apply(fleet, anyway, models, 9.0) and roles(fleet) == ["any", "any"]
+    short = loaded(20.0, 500, 16)  # the same rate of 16-token answers: one decoder holds them
+    assert short.apply(fleet, anyway, models, 9.0) and roles(fleet) == ["prefill", "decode"]
+
+
+def test_decodes_waiting_behind_a_busy_prefill_instance_do_not_unpin_the_fleet() -> None:
+    models, fleet, anyway = Models(2), FleetState(2), ["any", "any"]
+    s = loaded(8.0, 500, 16)
+    assert s.apply(fleet, anyway, models, 9.0)
+    for k in range(20):  # a burst: 20 PDs queued on the prefill instance, all bound for 1
+        fleet.on_dispatch(f"r{k}", Placement("pd", 0, 1), 500, 0.0, 16)
+        s.arrived(20.0, 500, 16)
+    assert fleet.decodes(1) == 20 and models.step_ms(1, 21) >= 9.0
+    assert s.apply(fleet, anyway, models, 9.0) and roles(fleet) == ["prefill", "decode"]
 
 
 def test_shaping_is_validated() -> None:

@@ -17,11 +17,19 @@ the TPOT SLO leaves beside a step of two decodes. ``N_q`` is the
 mean output and prompt tokens; ``pf`` and ``step`` the mean learned costs
 over those instances). Pressure 1 says: at the tail, the prompts landing
 beside a decode take it past the SLO. The fleet specialises when pressure
-reaches `Shaping.on`, unless its decoders alone could not hold today's
-decodes within the SLO (a step of all of them, shared among the decoders,
-reaches it: long outputs need every instance decoding), and goes back when
-pressure falls below `Shaping.off` (hysteresis: a load near the threshold
-does not flap).
+reaches `Shaping.on`, unless its decoders alone could not hold the decodes
+within the SLO, and goes back when pressure falls below `Shaping.off`
+(hysteresis: a load near the threshold does not flap). The decodes are those
+the recent load keeps in flight, by Little's law: the `Shaping.quantile` of a
+Poisson count of mean ``lambda * L * step(2) / 1000``, shared among the
+decoders, plus the new one; they could not be held when a step of that many
+reaches the SLO (long outputs need every instance decoding). Not the decodes
+the fleet holds this instant: while the prefill instances queue, the
+requests waiting there for their KV already count as decodes of the
+decoders, and a veto from them unpinned the fleet exactly when it was
+busiest (simulated, default SLOs, prefill-heavy, 32 instances: attainment
+1.0 at 224 req/s, then 0.60 at 240 as the fleet flapped between shapes;
+counted by Little's law, goodput 240, a fixed P/D split 256).
 
 Specialised, among the available instances configured ``any``, the first half
 by index (at least one) only prefill and the rest only decode (the roles
@@ -32,9 +40,12 @@ Fewer than two available ``any`` instances never specialise.
 Simulated (`bench simulate`'s instance models, default fit, 2 instances, TTFT
 SLO 250 ms, 400 requests a rate, seeds 0 / 1 / 2), goodput in req/s of
 `decide` with a `Specializer` against `decide` alone: prefill-heavy at a TPOT
-SLO of 9 ms 11 / 9 / 8 against 5.5 / 5.5 / 5.5 (a fixed P/D pair 13 / 11 /
-9), at 12 ms 12 / 8 / 8 against 11 / 9 / 8, at 18 and 25 ms the same; chat
-the same at every SLO and seed (docs/benchmarks.md).
+SLO of 9 ms 12 / 9 / 9 against 5.5 / 5.5 / 5.5 (a fixed P/D pair 13 / 11 /
+9), at 12 ms 13 / 9 / 8 against 11 / 9 / 8, at 18 ms 13 / 12 (seeds 0 / 1)
+against the same; chat the same at every SLO and seed. At the default SLOs
+(TTFT 4x, TPOT 1.5x a single instance's), prefill-heavy on 2 / 4 / 8 / 32
+instances: 10 / 26 / 60 / 240 req/s (fixed P/D 11 / 28 / 64 / 256, replicas
+5 / 16 / 40 / 192); chat as replicas (docs/benchmarks.md).
 
 Pure: every call takes its time (monotonic seconds) as an argument.
 """
@@ -127,6 +138,15 @@ class Specializer:
         landings = poisson_quantile(self.rate_per_s / n * lifetime_ms / 1000, self.shaping.quantile)
         return landings * pf / (slack * self.output_tokens)
 
+    def decodes(self, models: Models, available: Sequence[int]) -> int:
+        """The decodes the recent load keeps in flight over the `available`
+        instances, at the tail (module docstring; 0 with no load seen)."""
+        if not available or self.rate_per_s <= 0 or self.output_tokens <= 0:
+            return 0
+        step = sum(models.step_ms(k, 2) for k in available) / len(available)
+        mean = self.rate_per_s * self.output_tokens * step / 1000
+        return poisson_quantile(mean, self.shaping.quantile)
+
     def apply(
         self, fleet: FleetState, configured: Sequence[Role], models: Models, tpot_ms: float
     ) -> bool:
@@ -141,7 +161,7 @@ class Specializer:
             p = self.last_pressure = self.pressure(models, free, tpot_ms)
             want = p >= (self.shaping.off if self.specialized else self.shaping.on)
             decoders = free[max(1, len(free) // 2) :]
-            crowded = sum(fleet.decodes(k) for k in free) / len(decoders) + 1
+            crowded = self.decodes(models, free) / len(decoders) + 1
             if want and any(models.step_ms(k, crowded) >= tpot_ms for k in decoders):
                 want = False  # the decoders alone could not hold the decodes within the SLO
         if want != self.specialized:
