@@ -52,6 +52,7 @@ def test_configurations_map_to_policies() -> None:
     assert policy_for("rapidkv-fixed") == "fixed-pd"
     assert policy_for("rapidkv-adaptive") == "adaptive"
     assert policy_for("rapidkv-adaptive-unshaped") == "adaptive-unshaped"
+    assert policy_for("rapidkv-adaptive-busy-crossings") == "adaptive-busy-crossings"
     assert policy_for("single") == "dp"
     assert target_for("single") == Target("dp", 1, routed=False, shared_core=False)
     assert target_for("dp2") == Target("dp", 2)

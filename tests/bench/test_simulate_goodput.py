@@ -20,7 +20,7 @@ from rapidkv.bench.simulate.goodput import (
 )
 from rapidkv.bench.simulate.routers import AdaptiveRouter, fit_priors, make_router
 from rapidkv.bench.simulate.workload import WORKLOADS, poisson_arrivals, requests, spread
-from rapidkv.router.placement import SLO
+from rapidkv.router.placement import SLO, Policy
 
 pytestmark = pytest.mark.unit
 
@@ -110,15 +110,20 @@ def test_queueing_grows_ttft_with_the_load() -> None:
     assert high.attainment < low.attainment
 
 
-def test_the_adaptive_router_keeps_its_fleet_state_consistent() -> None:
+@pytest.mark.parametrize(
+    ("idle_crossings", "kinds"), [(True, {"local", "pd"}), (False, {"local", "split"})]
+)
+def test_the_adaptive_router_keeps_its_fleet_state_consistent(
+    idle_crossings: bool, kinds: set[str]
+) -> None:
     slo = SLO(220.0, 8.1)
-    router = AdaptiveRouter(3, FIT, slo)
+    router = AdaptiveRouter(3, FIT, slo, policy=Policy(idle_crossings=idle_crossings))
     router.check = True  # FleetState.check() after every event
     specs = requests(CHAT, 150, 1)
     out = simulate(FIT, 3, router, specs, arrivals=poisson_arrivals(150, 6.0, 1))
     assert all(o.e2e_ms is not None for o in out)  # no deadlock: every request ended
     assert router.fleet.in_flight == 0
-    assert {"local", "split"} <= set(router.kinds)  # it used what the policy offers
+    assert kinds <= set(router.kinds)  # it used what the policy offers
     learned = router.diagnostics()["learned"]
     assert learned["prefill_ms_per_token"] == pytest.approx(FIT.prefill_ms_per_token, rel=0.15)
 

@@ -180,6 +180,9 @@ def test_adaptive_placement_needs_dual_dispatch_and_positive_slos() -> None:
     assert config.specialize is True
     argv = ["--instance", "http://a:1", "--placement", "adaptive", "--no-specialize"]
     assert config_from_args(parse(argv)).specialize is False
+    assert config.idle_crossings is True
+    argv = ["--instance", "http://a:1", "--placement", "adaptive", "--busy-crossings"]
+    assert config_from_args(parse(argv)).idle_crossings is False
 
 
 def test_an_admin_token_is_long_and_printable_and_read_from_a_file(tmp_path: Path) -> None:

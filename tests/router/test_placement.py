@@ -393,15 +393,38 @@ def test_ties_go_to_local_and_then_to_the_less_loaded_instance() -> None:
     fleet = [InstanceLoad(outstanding=3, block_size=16), InstanceLoad(outstanding=1, block_size=16)]
     # within tie_ms (5 ms) of the split's TTFT, local is taken
     request = Request(150, splittable=True)
-    opts = options(fleet, Models(2), request)
+    fastest = Policy(ttft_headroom=0.0, idle_crossings=False)  # crossings to busy ones too
+    opts = options(fleet, Models(2), request, fastest)
     best = min(opts, key=lambda o: o.ttft_ms)
     assert best.placement.kind == "split"
-    d = decide(fleet, Models(2), request, policy=FASTEST)
+    d = decide(fleet, Models(2), request, policy=fastest)
     assert (d.kind, d.decode) == ("local", 1)
     assert d.ttft_ms <= best.ttft_ms + 5
-    assert decide(fleet, Models(2), request, policy=Policy(tie_ms=0, ttft_headroom=0)).kind == (
-        "split"
-    )
+    eager = Policy(tie_ms=0, ttft_headroom=0, idle_crossings=False)
+    assert decide(fleet, Models(2), request, policy=eager).kind == "split"
+
+
+def test_a_crossing_borrows_only_an_idle_instance_unless_it_is_there_to_prefill() -> None:
+    request = Request(900, splittable=True)
+    busy = InstanceLoad(outstanding=1, decodes=1, block_size=16)
+    idle = InstanceLoad(block_size=16)
+    kinds = {
+        (o.placement.kind, o.placement.prefill) for o in options([busy, idle], Models(2), request)
+    }
+    # from the idle instance 1 to the busy 0: PD and split; from the busy one, nothing
+    assert kinds == {("local", 0), ("local", 1), ("pd", 1), ("split", 1)}
+    everything = options([busy, idle], Models(2), request, Policy(idle_crossings=False))
+    assert {(o.placement.kind, o.placement.prefill) for o in everything} == kinds | {
+        ("pd", 0),
+        ("split", 0),
+    }
+    # both busy: only local, whatever a crossing would save
+    both = options([busy, busy], Models(2), request, FASTEST)
+    assert {o.placement.kind for o in both} == {"local"}
+    # an instance pinned to prefill crosses however busy it is
+    pinned = InstanceLoad(role="prefill", outstanding=5, waiting_prefills=5, block_size=16)
+    crossing = {o.placement.kind for o in options([pinned, idle], Models(2), request)}
+    assert crossing == {"local", "pd", "split"}
 
 
 def test_a_ttft_within_the_slos_headroom_is_not_worth_a_crossing() -> None:
@@ -729,6 +752,7 @@ policies = st.builds(
     stitch=st.booleans(),
     tpot_margin=st.sampled_from([0.0, 0.6, 1.0]),
     balance=st.booleans(),
+    idle_crossings=st.booleans(),
 )
 priors = st.builds(
     Priors,
@@ -792,6 +816,8 @@ def test_the_decision_is_an_available_option_that_respects_roles(case: tuple) ->
         assert fleet[p.decode].role == "any"
     else:
         assert fleet[p.prefill].role != "decode" and fleet[p.decode].role != "prefill"
+        i = fleet[p.prefill]
+        assert not policy.idle_crossings or i.role == "prefill" or i.outstanding == 0
         assert p.kind != "split" or (
             request.splittable and p.head_tokens % fleet[p.prefill].block_size == 0
         )
@@ -832,7 +858,7 @@ def test_the_chosen_ttft_is_the_lowest_of_the_options_that_meet_tpot(case: tuple
             assert round(chosen.tpot_ms, 1) == min(round(o.tpot_ms, 1) for o in ties)
         if d.ttft_ms > best + policy.tie_ms:  # only for the headroom, and said so
             # said so, unless a decode-only instance's local is all there was
-            fallback = fleet[d.placement.decode].role == "decode"
+            fallback = d.kind == "local" and fleet[d.placement.decode].role == "decode"
             assert d.reason == ("role-fallback" if fallback else "ttft-headroom")
             assert d.ttft_ms <= policy.ttft_headroom * slo.ttft_ms
         if tied == best:

@@ -95,6 +95,14 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         "beside decodes would, at the tail, push them past --tpot-slo-ms)",
     )
     parser.add_argument(
+        "--busy-crossings",
+        dest="idle_crossings",
+        action="store_false",
+        help="adaptive placement: let PD and split compute a prompt on an instance that may do "
+        "anything while it holds requests (by default a crossing borrows an idle one only; "
+        "an instance pinned to prefill always may)",
+    )
+    parser.add_argument(
         "--ttft-headroom",
         type=float,
         default=0.5,
@@ -198,6 +206,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         ttft_headroom=args.ttft_headroom,
         tpot_margin=args.tpot_margin,
         specialize=args.specialize,
+        idle_crossings=args.idle_crossings,
         secret=read_secret(args.secret_file) if args.secret_file is not None else None,
         admin_token=(
             read_secret(args.admin_token_file).decode()

@@ -139,6 +139,9 @@ class RouterConfig:
     # decode) while prompts landing beside decodes would break the TPOT SLO
     # (`placement.shape`)
     specialize: bool = True
+    # adaptive: PD and split compute a prompt on an instance of role any only
+    # while it holds no request (`Policy.idle_crossings`)
+    idle_crossings: bool = True
     # ask prefill instances configured without a control address for it
     discover: bool = True
     # dual dispatch: P's first token opens the client's stream when it may (see `stitch`)

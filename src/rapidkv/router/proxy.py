@@ -217,6 +217,7 @@ class Router:
                     split=config.split_prefill,
                     ttft_headroom=config.ttft_headroom,
                     tpot_margin=config.tpot_margin,
+                    idle_crossings=config.idle_crossings,
                     stitch=config.prefill_first_token and config.dispatch == "dual",
                 ),
                 Specializer() if config.specialize else None,

@@ -22,7 +22,9 @@ DEFAULT_CONFIGS = ("single", "dp2", "vllm-nixl", "rapidkv", "rapidkv-adaptive")
 BASELINES = ("dp2", "vllm-nixl", "rapidkv")
 """What `rapidkv-adaptive`'s goodput is compared with (the issue's acceptance)."""
 ADAPTIVE = "rapidkv-adaptive"
-ADAPTIVE_FRONTS = frozenset({"router-adaptive", "router-adaptive-unshaped"})
+ADAPTIVE_FRONTS = frozenset(
+    {"router-adaptive", "router-adaptive-unshaped", "router-adaptive-busy-crossings"}
+)
 """Fronts started again for each workload, with its SLOs."""
 ARRIVAL_SALT = 7919  # a workload's arrivals are drawn from its seed + this
 DTYPES = {"float32": "float32", "bf16": "bfloat16"}

@@ -176,6 +176,15 @@ CONFIGS: dict[str, Config] = {
             "measures what the fleet's shape does)",
             default=False,
         ),
+        Config(
+            "rapidkv-adaptive-busy-crossings",
+            "rapidkv",
+            "router-adaptive-busy-crossings",
+            "rapidkv-adaptive with --busy-crossings: PD and split may compute a prompt on an "
+            "instance that holds requests (against rapidkv-adaptive it measures what "
+            "borrowing only idle instances does)",
+            default=False,
+        ),
     )
 }
 
@@ -443,6 +452,10 @@ def _group_plan(
                 (
                     "router-adaptive-unshaped",
                     [*adaptive, "--placement", "adaptive", "--no-specialize"],
+                ),
+                (
+                    "router-adaptive-busy-crossings",
+                    [*adaptive, "--placement", "adaptive", "--busy-crossings"],
                 ),
                 ("router-local", _router_argv("local", [], urls)),
             ]

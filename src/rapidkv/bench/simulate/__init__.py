@@ -34,9 +34,8 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     add(
         "--policies",
         default=None,
-        help="dp, fixed-pd, nixl, adaptive, adaptive-fit-priors, adaptive-unshaped; "
-        "comma-separated "
-        "(dp,fixed-pd,adaptive)",
+        help="dp, fixed-pd, nixl, adaptive, adaptive-fit-priors, adaptive-unshaped, "
+        "adaptive-busy-crossings; comma-separated (dp,fixed-pd,adaptive)",
     )
     add("--workloads", default=None, help="prefill-heavy, chat; comma-separated (both)")
     add(

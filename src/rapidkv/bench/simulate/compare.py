@@ -14,7 +14,7 @@
 and, for every workload the simulator knows (`workload.WORKLOADS`) and every
 configuration it can map to a policy (`policy_for`: ``dp2`` -> ``dp``,
 ``vllm-nixl*`` -> ``nixl``, ``*adaptive*`` -> ``adaptive`` (``*-unshaped``:
-``adaptive-unshaped``), ``*-local``
+``adaptive-unshaped``, ``*-busy-crossings``: ``adaptive-busy-crossings``), ``*-local``
 (two replicas behind the router) -> ``dp``, any other ``rapidkv*`` ->
 ``fixed-pd``, ``single`` -> ``dp`` on one instance, sent directly:
 `target_for`), simulates the same rates with the same SLOs
@@ -74,7 +74,10 @@ def target_for(config: str) -> Target | None:
     if c == "single":
         return Target("dp", 1, routed=False, shared_core=False)
     if "adaptive" in c:
-        return Target("adaptive-unshaped" if c.endswith("-unshaped") else "adaptive")
+        for variant in ("unshaped", "busy-crossings"):
+            if c.endswith(f"-{variant}"):
+                return Target(f"adaptive-{variant}")
+        return Target("adaptive")
     if "nixl" in c:
         return Target("nixl")
     if c.startswith("dp") or c.endswith("-local"):  # rapidkv-local: two replicas

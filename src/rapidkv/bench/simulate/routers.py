@@ -23,6 +23,9 @@ token), `finished` (D's answer over). Policies (`POLICIES`):
   router's `Specializer` choosing the fleet's shape before each decision;
 - ``adaptive-unshaped``: the same without the `Specializer` (every instance
   free to do anything at every decision, as before 2026-12-04);
+- ``adaptive-busy-crossings``: the same with the router's `--busy-crossings`
+  (`Policy.idle_crossings` off: PD and split from instances that hold
+  requests too, as before 2026-12-04);
 - ``adaptive-fit-priors``: the same, its `Models` starting from priors that
   are the simulation's own prefill and step costs (`Fit`) instead of the
   placement's (`Priors()`; the transfer prior unchanged): a what-if, for a
@@ -36,7 +39,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Literal
+from typing import Literal, get_args
 
 from rapidkv.bench.simulate.fit import Fit
 from rapidkv.router.balance import LeastOutstanding
@@ -56,16 +59,15 @@ from rapidkv.router.placement.shape import DEFAULT_SHAPING
 from rapidkv.router.split import split_point
 
 PolicyName = Literal[
-    "dp", "fixed-pd", "nixl", "adaptive", "adaptive-fit-priors", "adaptive-unshaped"
-]
-POLICIES: tuple[str, ...] = (
     "dp",
     "fixed-pd",
     "nixl",
     "adaptive",
     "adaptive-fit-priors",
     "adaptive-unshaped",
-)
+    "adaptive-busy-crossings",
+]
+POLICIES: tuple[str, ...] = get_args(PolicyName)
 Connector = Literal["rapidkv", "nixl"]
 
 
@@ -243,6 +245,10 @@ def make_router(policy: str, n: int, fit: Fit, slo: SLO) -> Router:
         return AdaptiveRouter(n, fit, slo)
     if policy == "adaptive-unshaped":
         router = AdaptiveRouter(n, fit, slo, shaping=None)
+        router.name = policy
+        return router
+    if policy == "adaptive-busy-crossings":
+        router = AdaptiveRouter(n, fit, slo, policy=Policy(idle_crossings=False))
         router.name = policy
         return router
     if policy == "adaptive-fit-priors":

@@ -21,6 +21,20 @@ that are healthy and not draining:
   opposite directions would each wait for a head the other engine cannot
   compute.
 
+A crossing (PD or split) borrows its prefill instance ``i`` only while ``i``
+holds no request (`InstanceLoad.outstanding` 0) when ``i``'s role is ``any``
+(`Policy.idle_crossings`; an instance pinned to ``prefill``, by configuration
+or by the fleet's shape, is there to prefill and always qualifies). On a
+busy ``i`` the prompt's forward stalls ``i``'s own decodes and queues behind
+its prompts, costs the predictions see only at the mean, while ``i``'s
+requests could have been served there anyway: replicas balanced by least
+outstanding beat a policy that crossed to busy instances whenever it
+predicted a gain. Simulated (`bench simulate`, default fit, TTFT SLO 250 ms,
+TPOT SLO 18 ms, prefill-heavy, seeds 0 / 1 / 2): on 2 instances 16 / 15 / 12
+req/s against 13 / 12 / 10 when crossing to busy instances too (replicas
+15 / 14 / 11, a fixed P/D pair 13 / 11 / 9); on 4 instances, seed 0, 40
+against 36 (replicas 36); chat and the tighter SLOs the same or better.
+
 If no instance qualifies by role, a ``local`` on an available ``decode``
 instance is the only option (as today's router sends a request to D alone when
 no P is up); its reason is ``role-fallback``. With no available instance that
@@ -199,7 +213,8 @@ class Request:
 class Policy:
     """How `decide` chooses. `split_fraction` None: the head balances the
     halves; `stitch`: a PD's first token is P's (the router's dual dispatch
-    with `prefill_first_token`); `tpot_margin`, `keep_free`, `balance`: the
+    with `prefill_first_token`); `idle_crossings`: PD and split only from an
+    idle instance of role ``any``; `tpot_margin`, `keep_free`, `balance`: the
     order among tied options (see the module docstring)."""
 
     pd: bool = True
@@ -212,6 +227,7 @@ class Policy:
     tpot_margin: float = 0.6  # of the TPOT SLO: ties go first to options predicted within it
     balance: bool = True  # ties: the lower predicted TPOT before keep_free
     stitch: bool = True  # a PD's first token is P's (the router's dual dispatch stitches it)
+    idle_crossings: bool = True  # PD / split only from an idle prefill instance of role any
 
     def __post_init__(self) -> None:
         if self.split_fraction is not None and not 0 < self.split_fraction < 1:
@@ -302,6 +318,8 @@ def options(
     p = _Predictor(loads, models, request, policy, slo)
     out = [p.local(j) for j in up if loads[j].role == "any"]
     for i in prefillers:
+        if policy.idle_crossings and loads[i].role == "any" and loads[i].outstanding:
+            continue  # a crossing borrows an idle instance only
         for j in decoders:
             if i == j:
                 continue
