@@ -33,7 +33,11 @@ predicted a gain. Simulated (`bench simulate`, default fit, TTFT SLO 250 ms,
 TPOT SLO 18 ms, prefill-heavy, seeds 0 / 1 / 2): on 2 instances 16 / 15 / 12
 req/s against 13 / 12 / 10 when crossing to busy instances too (replicas
 15 / 14 / 11, a fixed P/D pair 13 / 11 / 9); on 4 instances, seed 0, 40
-against 36 (replicas 36); chat and the tighter SLOs the same or better.
+against 36 (replicas 36); at 9 and 12 ms and on chat the same, but for
+one point a sweep step under (chat, 12 ms, seed 2: 4.5 against 5). One real
+run (`bench goodput`, 2026-12-04 21:33, SLOs 250 / 18 ms) did not tell the
+two apart: 12 against 14 req/s on prefill-heavy, 7 and 7 on chat, inside
+each other's intervals (docs/benchmarks.md).
 
 If no instance qualifies by role, a ``local`` on an available ``decode``
 instance is the only option (as today's router sends a request to D alone when
