@@ -43,9 +43,11 @@ SLO 250 ms, 400 requests a rate, seeds 0 / 1 / 2), goodput in req/s of
 SLO of 9 ms 12 / 9 / 9 against 5.5 / 5.5 / 5.5 (a fixed P/D pair 13 / 11 /
 9), at 12 ms 13 / 9 / 8 against 11 / 9 / 8, at 18 ms 13 / 12 (seeds 0 / 1)
 against the same; chat the same at every SLO and seed. At the default SLOs
-(TTFT 4x, TPOT 1.5x a single instance's), prefill-heavy on 2 / 4 / 8 / 32
-instances: 10 / 26 / 60 / 240 req/s (fixed P/D 11 / 28 / 64 / 256, replicas
-5 / 16 / 40 / 192); chat as replicas (docs/benchmarks.md).
+(TTFT 4x, TPOT 1.5x a single instance's), prefill-heavy on 2 / 4 / 8 / 16 /
+32 / 64 instances, with `Policy.idle_crossings`: 10 / 26 / 64 / 112 / 240 /
+512 req/s (fixed P/D 11 / 28 / 64 / 120 / 256 / 576, replicas 5 / 16 / 40 /
+88 / 192 / 448); chat level with replicas from 4 instances on
+(docs/benchmarks.md, the default simulated run).
 
 Pure: every call takes its time (monotonic seconds) as an argument.
 """
