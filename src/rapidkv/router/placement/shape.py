@@ -41,8 +41,10 @@ Simulated (`bench simulate`'s instance models, default fit, 2 instances, TTFT
 SLO 250 ms, 400 requests a rate, seeds 0 / 1 / 2), goodput in req/s of
 `decide` with a `Specializer` against `decide` alone: prefill-heavy at a TPOT
 SLO of 9 ms 12 / 9 / 9 against 5.5 / 5.5 / 5.5 (a fixed P/D pair 13 / 11 /
-9), at 12 ms 13 / 9 / 8 against 11 / 9 / 8, at 18 ms 13 / 12 (seeds 0 / 1)
-against the same; chat the same at every SLO and seed. At the default SLOs
+9), at 12 ms 13 / 9 / 8 against 11 / 9 / 8, at 18 ms 16 / 15 / 12 against
+the same; chat the same at every SLO and seed. Lower thresholds (on 0.7 /
+off 0.5, or 0.5 / 0.35) gain a step at 9 and 12 ms and lose one to four at
+18 ms; a quantile of 0.8 loses at 9 and 12 ms. At the default SLOs
 (TTFT 4x, TPOT 1.5x a single instance's), prefill-heavy on 2 / 4 / 8 / 16 /
 32 / 64 instances, with `Policy.idle_crossings`: 10 / 26 / 64 / 112 / 240 /
 512 req/s (fixed P/D 11 / 28 / 64 / 120 / 256 / 576, replicas 5 / 16 / 40 /
