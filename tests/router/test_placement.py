@@ -30,6 +30,7 @@ from rapidkv.router.placement import (
     decide,
     options,
 )
+from rapidkv.router.placement.policy import is_free_split
 from rapidkv.router.placement.state import ROLES, beyond_slots
 from rapidkv.router.split import split_point
 
@@ -85,6 +86,23 @@ def test_a_long_prompt_behind_a_queue_goes_to_an_idle_prefill_instance() -> None
     d = decide([queued, spare], models, Request(1500, splittable=True))
     assert d.kind in ("pd", "split") and d.prefill == 1
     assert d.ttft_ms == min(o.ttft_ms for o in opts)
+
+
+def test_a_pinned_prefill_instance_splits_with_an_idle_decoder_while_both_are_idle() -> None:
+    """As a fixed pair splits while idle: the decoder's idle core computes
+    the tail, the prefill instance is free again sooner, nobody is stalled."""
+    p, d = InstanceLoad(role="prefill", block_size=16), InstanceLoad(role="decode", block_size=16)
+    request, slo = Request(600, splittable=True), SLO(250.0, 18.0)
+    pd = option_for(options([p, d], Models(2), request), Placement("pd", 0, 1))
+    assert pd.ttft_ms < 0.5 * slo.ttft_ms  # PD is within the headroom: it would tie
+    chosen = decide([p, d], Models(2), request, slo)
+    assert chosen.kind == "split" and is_free_split(chosen.placement, [p, d])
+    assert decide([p, d], Models(2), request, slo, Policy(free_split=False)).kind == "pd"
+    busy = InstanceLoad(role="decode", block_size=16, decodes=1, outstanding=1)
+    assert not is_free_split(Placement("split", 0, 1, 256), [p, busy])
+    assert decide([p, busy], Models(2), request, slo).kind == "pd"  # fewer crossings
+    either = InstanceLoad(block_size=16)  # not pinned: local, and no free split
+    assert not is_free_split(Placement("split", 0, 1, 256), [either, d])
 
 
 def test_a_fixed_split_fraction_is_used_when_set() -> None:
@@ -316,14 +334,16 @@ def test_when_no_option_meets_tpot_the_least_violation_is_chosen() -> None:
     not stalled yet, 1's by 30 ms. A 900-token prompt (~110 ms) breaks
     whichever instance computes it. The least violation: computed beside the
     less stalled decode (0's) and decoded on 1, which adds a step to 1's
-    batch but no stall."""
+    batch but no stall (crossings from busy instances allowed: by default a
+    crossing borrows only an idle one)."""
     models, request, slo = Models(2), Request(900), SLO(tpot_ms=10)
+    busy_crossings = Policy(idle_crossings=False)
     fleet = [
         InstanceLoad(decodes=1, running=(Decode(0.0, 16),)),
         InstanceLoad(decodes=1, running=(Decode(30.0, 16),)),
     ]
-    d = decide(fleet, models, request, slo)
-    opts = options(fleet, models, request, slo=slo)
+    d = decide(fleet, models, request, slo, busy_crossings)
+    opts = options(fleet, models, request, busy_crossings, slo)
     assert d.reason == "no-option-meets-tpot" and not d.meets_tpot
     assert d.tpot_ms == min(o.tpot_ms for o in opts)
     assert d.prefill == 0 and d.decode == 1  # PD from the less stalled, onto the other
@@ -749,6 +769,7 @@ policies = st.builds(
     split_fraction=st.none() | st.floats(0.05, 0.95),
     tie_ms=st.sampled_from([0.0, 1.0, 5.0]),
     keep_free=st.booleans(),
+    free_split=st.booleans(),
     stitch=st.booleans(),
     tpot_margin=st.sampled_from([0.0, 0.6, 1.0]),
     balance=st.booleans(),
@@ -817,7 +838,7 @@ def test_the_decision_is_an_available_option_that_respects_roles(case: tuple) ->
     else:
         assert fleet[p.prefill].role != "decode" and fleet[p.decode].role != "prefill"
         i = fleet[p.prefill]
-        assert not policy.idle_crossings or i.role == "prefill" or i.outstanding == 0
+        assert not policy.idle_crossings or i.role == "prefill" or i.idle
         assert p.kind != "split" or (
             request.splittable and p.head_tokens % fleet[p.prefill].block_size == 0
         )
@@ -847,6 +868,11 @@ def test_the_chosen_ttft_is_the_lowest_of_the_options_that_meet_tpot(case: tuple
         if policy.balance and any(o.tpot_ms <= safe_ms for o in ties):
             assert chosen.tpot_ms <= safe_ms  # ties go first to a TPOT with margin
             ties = [o for o in ties if o.tpot_ms <= safe_ms]
+        if policy.balance and policy.free_split:
+            free = [o for o in ties if is_free_split(o.placement, fleet)]
+            if free:  # then to a split from an idle pinned P to an idle decoder
+                assert is_free_split(d.placement, fleet)
+                ties = free
         keeping = policy.keep_free and (tight or not policy.balance)
         if keeping and any(o.keeps_free for o in ties):
             assert chosen.keeps_free  # then to an instance left free of decodes

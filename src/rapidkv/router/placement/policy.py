@@ -22,7 +22,7 @@ that are healthy and not draining:
   compute.
 
 A crossing (PD or split) borrows its prefill instance ``i`` only while ``i``
-holds no request (`InstanceLoad.outstanding` 0) when ``i``'s role is ``any``
+holds no request (`InstanceLoad.idle`) when ``i``'s role is ``any``
 (`Policy.idle_crossings`; an instance pinned to ``prefill``, by configuration
 or by the fleet's shape, is there to prefill and always qualifies). On a
 busy ``i`` the prompt's forward stalls ``i``'s own decodes and queues behind
@@ -100,7 +100,16 @@ Choice: among the options whose TPOT is within `SLO.tpot_ms`, the lowest TTFT;
 options within `Policy.tie_ms` of it are tied, and so is every option whose
 TTFT is within `Policy.ttft_headroom` of the TTFT SLO; ties go first to the
 options whose TPOT is within `Policy.tpot_margin` of the TPOT SLO (safe);
-then, when the fleet is *tight* (some option computing prompt work beside a
+then to a *free split*: from an instance pinned to ``prefill`` to a decoder,
+both holding no request (`Policy.free_split`; a fixed P/D pair's split while
+idle: the idle decoder computes the tail, so the prefill instance is free
+again sooner, and nobody's decode is stalled. Simulated, TTFT SLO 250 ms,
+seeds 0 / 1 / 2, prefill-heavy: on 2 instances at TPOT 9 ms 13 / 10 / 9 req/s
+against 12 / 9 / 9 without (a fixed pair 13 / 11 / 9), at 12 ms 13 / 11 / 8
+against 13 / 9 / 8; on 4 instances 4 of 12 points up a step, none down; on
+8, at the default SLOs, seed 0, 60 against 64, the same elsewhere; chat the
+same everywhere); then, when the fleet is
+*tight* (some option computing prompt work beside a
 decode that can still meet the SLO is not safe), to the options that leave
 some instance other than their decoder with no such decode
 (`Policy.keep_free`: a prompt computed there later stalls nobody); then to
@@ -218,8 +227,8 @@ class Policy:
     """How `decide` chooses. `split_fraction` None: the head balances the
     halves; `stitch`: a PD's first token is P's (the router's dual dispatch
     with `prefill_first_token`); `idle_crossings`: PD and split only from an
-    idle instance of role ``any``; `tpot_margin`, `keep_free`, `balance`: the
-    order among tied options (see the module docstring)."""
+    idle instance of role ``any``; `tpot_margin`, `free_split`, `keep_free`,
+    `balance`: the order among tied options (see the module docstring)."""
 
     pd: bool = True
     split: bool = True
@@ -232,6 +241,7 @@ class Policy:
     balance: bool = True  # ties: the lower predicted TPOT before keep_free
     stitch: bool = True  # a PD's first token is P's (the router's dual dispatch stitches it)
     idle_crossings: bool = True  # PD / split only from an idle prefill instance of role any
+    free_split: bool = True  # ties: first a split from an idle pinned P to an idle decoder
 
     def __post_init__(self) -> None:
         if self.split_fraction is not None and not 0 < self.split_fraction < 1:
@@ -322,7 +332,7 @@ def options(
     p = _Predictor(loads, models, request, policy, slo)
     out = [p.local(j) for j in up if loads[j].role == "any"]
     for i in prefillers:
-        if policy.idle_crossings and loads[i].role == "any" and loads[i].outstanding:
+        if policy.idle_crossings and loads[i].role == "any" and not loads[i].idle:
             continue  # a crossing borrows an idle instance only
         for j in decoders:
             if i == j:
@@ -367,7 +377,8 @@ def decide(
         if not policy.balance:
             return (crowded, KIND_RANK[pl.kind], *tail)
         unsafe = o.tpot_ms > safe_ms
-        return (unsafe, crowded and tight, KIND_RANK[pl.kind], round(o.tpot_ms, 1), *tail)
+        kept = (crowded and tight, KIND_RANK[pl.kind], round(o.tpot_ms, 1), *tail)
+        return (unsafe, not (policy.free_split and is_free_split(pl, loads)), *kept)
 
     meets = [o for o in opts if o.tpot_ms <= slo.tpot_ms]
     reason: Reason
@@ -397,6 +408,13 @@ def decide(
         meets_ttft=chosen.ttft_ms <= slo.ttft_ms,
         meets_tpot=chosen.tpot_ms <= slo.tpot_ms,
     )
+
+
+def is_free_split(placement: Placement, loads: Sequence[InstanceLoad]) -> bool:
+    """A split from an instance pinned to ``prefill`` to a decoder, both
+    holding no request (`Policy.free_split`)."""
+    i, j = loads[placement.prefill], loads[placement.decode]
+    return placement.kind == "split" and i.role == "prefill" and i.idle and j.idle
 
 
 def _loads(fleet: FleetState | Sequence[InstanceLoad], models: Models) -> tuple[InstanceLoad, ...]:

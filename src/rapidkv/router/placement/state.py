@@ -158,6 +158,12 @@ class InstanceLoad:
         """Healthy and not draining: new requests may be placed here."""
         return self.healthy and not self.draining
 
+    @property
+    def idle(self) -> bool:
+        """Nothing here: no request outstanding, decoding or waiting to prefill
+        (a hand-made load may give any of the three without the others)."""
+        return not (self.outstanding or self.decodes or self.waiting_prefills)
+
 
 @dataclass(frozen=True)
 class Placement:
