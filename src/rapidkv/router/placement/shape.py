@@ -46,9 +46,9 @@ the same; chat the same at every SLO and seed. Lower thresholds (on 0.7 /
 off 0.5, or 0.5 / 0.35) gain a step at 9 and 12 ms and lose one to four at
 18 ms; a quantile of 0.8 loses at 9 and 12 ms. At the default SLOs
 (TTFT 4x, TPOT 1.5x a single instance's), prefill-heavy on 2 / 4 / 8 / 16 /
-32 / 64 instances, with `Policy.idle_crossings`: 10 / 26 / 64 / 112 / 240 /
-512 req/s (fixed P/D 11 / 28 / 64 / 120 / 256 / 576, replicas 5 / 16 / 40 /
-88 / 192 / 448); chat level with replicas from 4 instances on
+32 / 64 instances, with `Policy.idle_crossings` and `Policy.free_split`: 11 /
+26 / 60 / 112 / 240 / 512 req/s (fixed P/D 11 / 28 / 64 / 120 / 256 / 576,
+replicas 5 / 16 / 40 / 88 / 192 / 448); chat level with replicas from 4 instances on
 (docs/benchmarks.md, the default simulated run).
 
 Pure: every call takes its time (monotonic seconds) as an argument.
