@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from rapidkv.bench.goodput.run import ConfigRun, Options, Sweep, WorkloadRun
+from rapidkv.bench.goodput.run import ConfigRun, Options, Sweep, WorkloadRun, fixed_fronts
+from rapidkv.bench.serve.configs import CONFIGS
 
 pytestmark = pytest.mark.unit
 
@@ -120,3 +121,10 @@ def test_one_group_at_a_time_starts_sweeps_and_stops_each_in_turn() -> None:
         ("measure", "rapidkv", 4.0),
         ("stop", "rapidkv"),
     ]
+
+
+def test_every_adaptive_router_front_waits_for_the_workloads_slos() -> None:
+    adaptive = [c for c in CONFIGS if c.startswith("rapidkv-adaptive")]
+    assert len(adaptive) >= 3  # the plain one and its variants
+    assert fixed_fronts(["rapidkv", *adaptive]) == {CONFIGS["rapidkv"].front}
+    assert fixed_fronts(adaptive) == set()

@@ -22,10 +22,9 @@ DEFAULT_CONFIGS = ("single", "dp2", "vllm-nixl", "rapidkv", "rapidkv-adaptive")
 BASELINES = ("dp2", "vllm-nixl", "rapidkv")
 """What `rapidkv-adaptive`'s goodput is compared with (the issue's acceptance)."""
 ADAPTIVE = "rapidkv-adaptive"
-ADAPTIVE_FRONTS = frozenset(
-    {"router-adaptive", "router-adaptive-unshaped", "router-adaptive-busy-crossings"}
-)
-"""Fronts started again for each workload, with its SLOs."""
+ADAPTIVE_FRONT = "router-adaptive"
+"""The prefix of the adaptive router's fronts (`serve.configs`): started again
+for each workload, with its SLOs."""
 ARRIVAL_SALT = 7919  # a workload's arrivals are drawn from its seed + this
 DTYPES = {"float32": "float32", "bf16": "bfloat16"}
 
@@ -111,6 +110,15 @@ class Options:
             for w in self.workloads:
                 total += (0 if c == "single" else self.warmup) + self.requests * len(self.rates[w])
         return total
+
+
+def fixed_fronts(members: list[str]) -> set[str]:
+    """The fronts of `members` started with their group (the adaptive router's
+    wait for a workload's SLOs)."""
+    from rapidkv.bench.serve.configs import CONFIGS
+
+    fronts = {CONFIGS[m].front for m in members}
+    return {f for f in fronts if not f.startswith(ADAPTIVE_FRONT)}
 
 
 def parse_rates(text: str) -> tuple[str | None, tuple[float, ...]]:
@@ -332,9 +340,7 @@ class Sweep:
             self.stop(group, members)
 
     def run_group(self, group_name: str, members: list[str]) -> None:
-        from rapidkv.bench.serve.configs import CONFIGS
-
-        fixed = {CONFIGS[m].front for m in members} - ADAPTIVE_FRONTS
+        fixed = fixed_fronts(members)
         group = self.start(group_name, members, fixed)
         if isinstance(group, str):
             self.progress.advance(sum(self.config_units(m) for m in members))
@@ -350,12 +356,11 @@ class Sweep:
         (its speed moves by up to 1.8x within an hour here) then falls on all of
         them alike instead of on whichever group ran last. The idle groups cost
         the measured one their vLLM servers' idle polling (`other` CPU)."""
-        from rapidkv.bench.serve.configs import CONFIGS
 
         started: dict[str, Any] = {}
         try:
             for name, members in groups.items():
-                fixed = {CONFIGS[m].front for m in members} - ADAPTIVE_FRONTS
+                fixed = fixed_fronts(members)
                 group = self.start(name, members, fixed)
                 if isinstance(group, str):
                     self.progress.advance(sum(self.config_units(m) for m in members))
@@ -397,7 +402,7 @@ class Sweep:
                 )
                 continue
             for m in live:
-                if CONFIGS[m].front in ADAPTIVE_FRONTS:
+                if CONFIGS[m].front.startswith(ADAPTIVE_FRONT):
                     guarded(m, self.start_adaptive, m, placed[m], w)
                 if m != "single" and not self.configs[m].error:
                     url = placed[m].url(CONFIGS[m])
