@@ -132,7 +132,7 @@ def test_decodes_waiting_behind_a_busy_prefill_instance_do_not_unpin_the_fleet()
     for k in range(20):  # a burst: 20 PDs queued on the prefill instance, all bound for 1
         fleet.on_dispatch(f"r{k}", Placement("pd", 0, 1), 500, 0.0, 16)
         s.arrived(20.0, 500, 16)
-    assert fleet.decodes(1) == 20 and models.step_ms(1, 21) >= 9.0
+    assert fleet.view()[1].decodes == 20 and models.step_ms(1, 21) >= 9.0
     assert s.apply(fleet, anyway, models, 9.0) and roles(fleet) == ["prefill", "decode"]
 
 
@@ -175,7 +175,7 @@ def test_the_roles_always_follow_the_shape_and_the_configuration(
         free = [k for k, load in enumerate(loads) if load.available and configured[k] == "any"]
         half = set(free[: max(1, len(free) // 2)])
         for k, load in enumerate(loads):
-            assert (fleet.available(k), fleet.decodes(k)) == (load.available, load.decodes)
+            assert fleet.available(k) == load.available
             if on and k in free:
                 assert load.role == ("prefill" if k in half else "decode")
             else:

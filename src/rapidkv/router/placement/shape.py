@@ -133,7 +133,7 @@ class Specializer:
         if not available or self.rate_per_s <= 0 or self.output_tokens <= 0:
             return 0.0
         n = len(available)
-        step = sum(models.step_ms(k, 2) for k in available) / n
+        step = _mean_step(models, available)
         slack = tpot_ms - step
         if slack <= 0:
             return math.inf
@@ -147,8 +147,7 @@ class Specializer:
         instances, at the tail (module docstring; 0 with no load seen)."""
         if not available or self.rate_per_s <= 0 or self.output_tokens <= 0:
             return 0
-        step = sum(models.step_ms(k, 2) for k in available) / len(available)
-        mean = self.rate_per_s * self.output_tokens * step / 1000
+        mean = self.rate_per_s * self.output_tokens * _mean_step(models, available) / 1000
         return poisson_quantile(mean, self.shaping.quantile)
 
     def apply(
@@ -158,23 +157,27 @@ class Specializer:
         to it (`configured`: each instance's role as configured); whether
         the fleet is specialised now."""
         free = [k for k, role in enumerate(configured) if role == "any" and fleet.available(k)]
-        if len(free) < 2:
-            want = False
-            self.last_pressure = 0.0
-        else:
+        half = max(1, len(free) // 2)  # free[:half] prefill, free[half:] decode
+        want = False
+        self.last_pressure = 0.0
+        if len(free) >= 2:
             p = self.last_pressure = self.pressure(models, free, tpot_ms)
             want = p >= (self.shaping.off if self.specialized else self.shaping.on)
-            decoders = free[max(1, len(free) // 2) :]
-            crowded = self.decodes(models, free) / len(decoders) + 1
-            if want and any(models.step_ms(k, crowded) >= tpot_ms for k in decoders):
-                want = False  # the decoders alone could not hold the decodes within the SLO
+        if want:  # unless the decoders alone could not hold the decodes within the SLO
+            crowded = self.decodes(models, free) / (len(free) - half) + 1
+            want = all(models.step_ms(k, crowded) < tpot_ms for k in free[half:])
         if want != self.specialized:
             self.specialized = want
             self.switches += 1
-        prefill = set(free[: max(1, len(free) // 2)]) if want else set()
+        prefill = set(free[:half]) if want else set()
         for k, role in enumerate(configured):
             if role == "any" and k in free and want:
                 fleet.set_role(k, "prefill" if k in prefill else "decode")
             else:
                 fleet.set_role(k, role)
         return want
+
+
+def _mean_step(models: Models, instances: Sequence[int]) -> float:
+    """The mean learned step of two decodes over `instances` (not empty)."""
+    return sum(models.step_ms(k, 2) for k in instances) / len(instances)

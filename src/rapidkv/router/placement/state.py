@@ -339,10 +339,6 @@ class FleetState:
         s = self._at(i)
         return s.healthy and not s.draining
 
-    def decodes(self, i: int) -> int:
-        """Requests dispatched to decode on `i` and not finished (`InstanceLoad.decodes`)."""
-        return self._at(i).decodes
-
     # instance flags
 
     def set_healthy(self, i: int, healthy: bool) -> None:
