@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import signal
 import subprocess
 import sys
@@ -183,6 +184,21 @@ def test_adaptive_placement_needs_dual_dispatch_and_positive_slos() -> None:
     assert config.idle_crossings is True
     argv = ["--instance", "http://a:1", "--placement", "adaptive", "--busy-crossings"]
     assert config_from_args(parse(argv)).idle_crossings is False
+
+
+def test_the_adaptive_options_reach_the_routers_placement_policy() -> None:
+    from rapidkv.router.proxy import Router
+
+    argv = ["--instance", "http://a:1", "--instance", "http://b:1", "--placement", "adaptive"]
+    extra = ["--busy-crossings", "--ttft-headroom", "0.2", "--tpot-margin", "0.8"]
+    for args, want in ((argv, (True, 0.5, 0.6)), (argv + extra, (False, 0.2, 0.8))):
+        router = Router(config_from_args(parse(args)))
+        try:
+            assert router._placer is not None
+            policy = router._placer.policy
+            assert (policy.idle_crossings, policy.ttft_headroom, policy.tpot_margin) == want
+        finally:
+            asyncio.run(router.close())
 
 
 def test_an_admin_token_is_long_and_printable_and_read_from_a_file(tmp_path: Path) -> None:

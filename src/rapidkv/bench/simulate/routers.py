@@ -25,7 +25,7 @@ token), `finished` (D's answer over). Policies (`POLICIES`):
   free to do anything at every decision, as before 2026-12-04);
 - ``adaptive-busy-crossings``: the same with the router's `--busy-crossings`
   (`Policy.idle_crossings` off: PD and split from instances that hold
-  requests too, as before 2026-12-04);
+  requests too);
 - ``adaptive-fit-priors``: the same, its `Models` starting from priors that
   are the simulation's own prefill and step costs (`Fit`) instead of the
   placement's (`Priors()`; the transfer prior unchanged): a what-if, for a
