@@ -127,4 +127,5 @@ def test_every_adaptive_router_front_waits_for_the_workloads_slos() -> None:
     adaptive = [c for c in CONFIGS if c.startswith("rapidkv-adaptive")]
     assert len(adaptive) >= 3  # the plain one and its variants
     assert fixed_fronts(["rapidkv", *adaptive]) == {CONFIGS["rapidkv"].front}
+    assert fixed_fronts(["single"]) == {CONFIGS["single"].front}  # no front: served directly
     assert fixed_fronts(adaptive) == set()

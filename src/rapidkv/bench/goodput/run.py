@@ -117,8 +117,12 @@ def fixed_fronts(members: list[str]) -> set[str]:
     wait for a workload's SLOs)."""
     from rapidkv.bench.serve.configs import CONFIGS
 
-    fronts = {CONFIGS[m].front for m in members}
-    return {f for f in fronts if not f.startswith(ADAPTIVE_FRONT)}
+    return {CONFIGS[m].front for m in members if not is_adaptive(CONFIGS[m].front)}
+
+
+def is_adaptive(front: str | None) -> bool:
+    """Whether `front` is one of the adaptive router's (None: no front, served directly)."""
+    return front is not None and front.startswith(ADAPTIVE_FRONT)
 
 
 def parse_rates(text: str) -> tuple[str | None, tuple[float, ...]]:
@@ -402,7 +406,7 @@ class Sweep:
                 )
                 continue
             for m in live:
-                if CONFIGS[m].front.startswith(ADAPTIVE_FRONT):
+                if is_adaptive(CONFIGS[m].front):
                     guarded(m, self.start_adaptive, m, placed[m], w)
                 if m != "single" and not self.configs[m].error:
                     url = placed[m].url(CONFIGS[m])
