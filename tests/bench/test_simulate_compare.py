@@ -9,6 +9,7 @@ from rapidkv.bench.simulate.compare import (
     compare,
     crossing,
     goodput_rule,
+    max_num_seqs_of,
     policy_for,
     rates_of,
     relative_error,
@@ -185,3 +186,15 @@ def test_the_measured_interval_says_whether_the_simulation_lies_in_it() -> None:
     assert out["rapidkv-step"]["measured"]["goodput_interval_req_s"] is None
     text = table(result)
     assert "[0, 1000] in" in text and "[999, 1000] out" in text
+
+
+def test_the_real_runs_slots_are_the_last_max_num_seqs_of_its_server_args() -> None:
+    def of(args: object) -> int | None:
+        return max_num_seqs_of({"meta": {"server_args": args}})
+
+    assert of(["--max-model-len", "1280", "--max-num-seqs", "16"]) == 16
+    assert of(["--max-num-seqs", "16", "--max-num-seqs=4"]) == 4  # vLLM takes the last
+    assert of(["--max-num-seqs=4", "--max-num-seqs", "x"]) is None
+    assert of(["--max-num-seqs"]) is None and of(["--max-num-seqs", "0"]) is None
+    assert of("--max-num-seqs 16") is None and of(None) is None
+    assert max_num_seqs_of({}) is None and max_num_seqs_of({"meta": []}) is None

@@ -101,6 +101,32 @@ def test_compare_reads_a_goodput_json(tmp_path: Path, capsys: pytest.CaptureFixt
     assert c["requests"] == 400
 
 
+def test_compare_runs_the_engines_with_the_real_runs_slots(tmp_path: Path) -> None:
+    """A run whose servers had ``--max-num-seqs 16`` is simulated with 16
+    sequence slots an engine (8, the harness's, would queue what the real
+    engines ran), unless --max-num-seqs says otherwise."""
+    real = {
+        "meta": {"server_args": ["--max-model-len", "1280", "--max-num-seqs", "16"]},
+        "workloads": {
+            "chat": {
+                "slo": {"ttft_ms": 250.0, "tpot_ms": 18.0},
+                "configs": {"dp2": {"attainment": {"2": 1.0}}},
+            }
+        },
+    }
+    src = tmp_path / "goodput.json"
+    src.write_text(json.dumps(real))
+    for extra, slots in (([], 16), (["--max-num-seqs", "4"], 4)):
+        out = tmp_path / "cmp.json"
+        args = ["--requests", "20", "--compare", str(src), *extra, "--json", str(out)]
+        assert run_cli(args) == 0
+        assert json.loads(out.read_text())["fit"]["max_num_seqs"] == slots
+    del real["meta"]
+    src.write_text(json.dumps(real))
+    assert run_cli(["--requests", "20", "--compare", str(src), "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["fit"]["max_num_seqs"] == 8
+
+
 def test_a_fit_that_cannot_be_read_warns_and_runs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -114,7 +140,13 @@ def test_a_fit_that_cannot_be_read_warns_and_runs(
 
 
 @pytest.mark.parametrize(
-    "args", [["--policies", "round-robin"], ["--workloads", "batch"], ["--sizes", "0"]]
+    "args",
+    [
+        ["--policies", "round-robin"],
+        ["--workloads", "batch"],
+        ["--sizes", "0"],
+        ["--max-num-seqs", "0"],
+    ],
 )
 def test_bad_options_are_refused(args: list[str]) -> None:
     with pytest.raises(SystemExit):

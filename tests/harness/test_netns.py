@@ -4,7 +4,9 @@ root namespace reaches both sides, and nothing is left afterwards."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 
@@ -13,6 +15,7 @@ import pytest
 from rapidkv.harness.netns import (
     NetnsUnavailable,
     _addresses,
+    bench_link,
     netns_exec_prefix,
     netns_link,
     rate_bits,
@@ -70,6 +73,14 @@ def test_the_exec_prefix_names_the_namespace() -> None:
 def test_a_bad_rate_is_the_callers_error_not_a_skip() -> None:
     with pytest.raises(ValueError), netns_link(rate="1gb"):
         pass
+
+
+def test_a_benchmark_without_a_link_gets_none_and_keeps_its_sigterm_handler() -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    with contextlib.ExitStack() as stack:
+        assert bench_link(stack, None, progress=None) == (None, None)
+        assert bench_link(stack, "", progress=None) == (None, None)
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_a_real_link_caps_a_to_b_and_is_gone_afterwards() -> None:

@@ -327,12 +327,15 @@ def _create(n: int, pid: int, rate: str | None, latency: str) -> NetnsLink:
 
 
 def bench_link(
-    stack: contextlib.ExitStack, rate: str, progress: Any
-) -> tuple[NetnsLink, dict[str, object]]:
+    stack: contextlib.ExitStack, rate: str | None, progress: Any
+) -> tuple[NetnsLink | None, dict[str, object] | None]:
     """A benchmark's ``--netns-link RATE``: from now on SIGTERM (a `timeout`)
     unwinds like Ctrl-C (servers stopped, the link removed), the link is made
     in `stack` (`NetnsUnavailable` as `netns_link` raises it), `progress`
-    told, and the link described, with one TCP stream's throughput across it."""
+    told, and the link described, with one TCP stream's throughput across it.
+    No `rate`: no link, ``(None, None)``."""
+    if not rate:
+        return None, None
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     link = stack.enter_context(netns_link(rate=rate))
     progress.stage(f"link {link.a.name} <-> {link.b.name}: {' '.join(link.tbf)}")

@@ -128,15 +128,13 @@ def run(args: argparse.Namespace) -> int:
     link_info: dict[str, Any] | None = None
     try:
         with contextlib.ExitStack() as stack:
-            link = None
-            if opts.netns_link:
-                from rapidkv.harness.netns import NetnsUnavailable, bench_link
+            from rapidkv.harness.netns import NetnsUnavailable, bench_link
 
-                try:
-                    link, link_info = bench_link(stack, opts.netns_link, progress)
-                except NetnsUnavailable as e:
-                    print(f"rapidkv bench migrate: --netns-link: {e}", file=sys.stderr)
-                    return 2
+            try:
+                link, link_info = bench_link(stack, opts.netns_link, progress)
+            except NetnsUnavailable as e:
+                print(f"rapidkv bench migrate: --netns-link: {e}", file=sys.stderr)
+                return 2
             result = Bench(opts, model, log_dir, progress, link).run()
     except SetupError as e:
         progress.close()

@@ -138,15 +138,13 @@ def run(args: argparse.Namespace) -> int:
     link_info: dict[str, Any] | None = None
     try:
         with contextlib.ExitStack() as stack:
-            link = None
-            if opts.netns_link:
-                from rapidkv.harness.netns import NetnsUnavailable, bench_link
+            from rapidkv.harness.netns import NetnsUnavailable, bench_link
 
-                try:
-                    link, link_info = bench_link(stack, opts.netns_link, progress)
-                except NetnsUnavailable as e:
-                    print(f"rapidkv bench serve: --netns-link: {e}", file=sys.stderr)
-                    return 2
+            try:
+                link, link_info = bench_link(stack, opts.netns_link, progress)
+            except NetnsUnavailable as e:
+                print(f"rapidkv bench serve: --netns-link: {e}", file=sys.stderr)
+                return 2
             runs = [
                 ModelRun(model, opts, log_dir, progress, trace, link).run() for model in opts.models
             ]

@@ -64,6 +64,14 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         help="fit the instances from this bench serve / bench goodput / bench simulate JSON",
     )
     add(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests each simulated engine runs at once (the fit's, 8; with --compare, "
+        "the real run's --max-num-seqs when its server args give one)",
+    )
+    add(
         "--refine",
         type=int,
         default=3,

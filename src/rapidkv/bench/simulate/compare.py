@@ -87,6 +87,25 @@ def target_for(config: str) -> Target | None:
     return None
 
 
+def max_num_seqs_of(real: dict[str, Any]) -> int | None:
+    """The ``--max-num-seqs`` a `bench goodput` run gave its servers (the last
+    one in ``meta.server_args``, as vLLM's parser takes it), or None."""
+    meta = real.get("meta")
+    args = meta.get("server_args") if isinstance(meta, dict) else None
+    if not isinstance(args, list):
+        return None
+    found = None
+    for arg, value in zip(args, [*args[1:], None], strict=True):
+        if arg == "--max-num-seqs":
+            text = value
+        elif isinstance(arg, str) and arg.startswith("--max-num-seqs="):
+            text = arg.partition("=")[2]
+        else:
+            continue
+        found = int(text) if isinstance(text, str) and text.isdigit() and int(text) > 0 else None
+    return found
+
+
 def policy_for(config: str) -> str | None:
     """The simulator's policy for a `bench goodput` configuration (None: not modelled)."""
     target = target_for(config)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -90,6 +91,19 @@ def run(args: argparse.Namespace) -> int:
     warnings: list[str] = []
     if args.fit:
         fit, warnings = load_fit(args.fit)
+    real = None
+    if args.compare:
+        try:
+            real = json.loads(Path(args.compare).read_text())
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"--compare {args.compare}: {e}") from e
+    slots = args.max_num_seqs
+    if slots is None and real is not None:
+        slots = compare.max_num_seqs_of(real)
+    if slots is not None:
+        if slots < 1:
+            raise SystemExit("--max-num-seqs must be >= 1")
+        fit = dataclasses.replace(fit, max_num_seqs=slots)
     for w in warnings:
         print(f"warning: {w}", file=sys.stderr)
     say = _progress()
@@ -98,11 +112,7 @@ def run(args: argparse.Namespace) -> int:
     fit_rows = check.fit_check(fit, check.measured_from(args.fit), opts.seed)
     compared = None
     workloads: dict[str, Any] = {}
-    if args.compare:
-        try:
-            real = json.loads(Path(args.compare).read_text())
-        except (OSError, ValueError) as e:
-            raise SystemExit(f"--compare {args.compare}: {e}") from e
+    if real is not None:
         compared = compare.compare(
             real,
             fit,
