@@ -255,10 +255,12 @@ def test_the_verdict_fails_on_hung_leak_mismatch_or_unclear_failure_only() -> No
 @pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_bench_chaos_survives_restarts_aborts_and_injected_failures(tmp_path: Path) -> None:
-    """40 requests at concurrency 4 with client aborts, a fifth of the transfers
+    """40 requests at concurrency 4 with client aborts, 30 % of the transfers
     failed on purpose, P and then D killed and restarted: nothing hangs, leaks,
     mismatches or fails unclearly, both recoveries are measured, and the
-    injected failures were recomputed by D."""
+    injected failures were recomputed by D. (Which transfers fail is a hash of
+    their random ids: of the ~28 a run settles on P, none failing has a chance
+    of 0.7^28, 5e-5; at a fifth it was 0.8^28, 0.2 %, and it happened once in CI.)"""
     out = tmp_path / "chaos.json"
     proc, elapsed = run_bench(
         "chaos",
@@ -267,7 +269,7 @@ def test_bench_chaos_survives_restarts_aborts_and_injected_failures(tmp_path: Pa
         "--concurrency",
         "4",
         "--fail-rate",
-        "0.2",
+        "0.3",
         "--json",
         str(out),
         "--log-dir",
@@ -284,9 +286,8 @@ def test_bench_chaos_survives_restarts_aborts_and_injected_failures(tmp_path: Pa
     assert all(s is not None and s > 0 for s in r["recovery_s"].values())
     p, d = r["counters"]["prefill"], r["counters"]["decode"]
     assert p["processes"] == d["processes"] == 2
-    assert (
-        p["debug_injected_failures"] > 0 and p["transfers_failed"] >= p["debug_injected_failures"]
-    )
+    injected = p.get("debug_injected_failures", 0)  # a counter appears once incremented
+    assert injected > 0 and p["transfers_failed"] >= injected, (p, proc.stdout[-3000:])
     assert r["recompute_fallbacks"] > 0
     assert r["cpu"] and "result: OK" in proc.stdout
     print(f"bench chaos smoke: {elapsed:.0f}s")
