@@ -260,7 +260,7 @@ def test_bench_chaos_survives_restarts_aborts_and_injected_failures(tmp_path: Pa
     mismatches or fails unclearly, both recoveries are measured, and the
     injected failures were recomputed by D. (Which transfers fail is a hash of
     their random ids: of the ~28 a run settles on P, none failing has a chance
-    of 0.7^28, 5e-5; at a fifth it was 0.8^28, 0.2 %, and it happened once in CI.)"""
+    of 0.7^28, 5e-5; at a fifth it would be 0.8^28, 0.2 %.)"""
     out = tmp_path / "chaos.json"
     proc, elapsed = run_bench(
         "chaos",

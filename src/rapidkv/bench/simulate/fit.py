@@ -50,14 +50,15 @@ float32 model, 64 prompts, --rounds 2, paired)": `single` TTFT p50 54.9 ms at
 c1, TPOT p50 5.4 at c1 and 7.6 at c4; `rapidkv-whole` c1 TTFT p50 59.2;
 `vllm-nixl` c1 TTFT p50 75.6; prompts uniform in [128, 900]. `max_num_seqs`
 8 is the harness's `--max-num-seqs` (`bench simulate --max-num-seqs` sets
-another; `--compare` takes the real run's from its server args). `max_num_batched_tokens` is 4096,
-not vLLM's CPU default of 2048: with 2048 the model chunks a closed loop of
-four prompts (~2,050 tokens) over two steps and falls out of step, and puts
-`single`'s c4 TPOT p50 at 11.0 ms against the 7.6 measured (TTFT 165 against
-185); with 4096, 7.6 and 185 (`check`). `block_size` 128 is the CPU backend's
-(a split head is whole 128-token blocks). `http_ms` (1 ms, a direct request's
-HTTP front and stream) is assumed, not measured: it only moves cost between
-the fitted prefill's fixed and per-token parts.
+another; `--compare` takes the real run's from its server args).
+`max_num_batched_tokens` is 4096, not vLLM's CPU default of 2048: with 2048
+the model chunks a closed loop of four prompts (~2,050 tokens) over two steps
+and falls out of step, and puts `single`'s c4 TPOT p50 at 11.0 ms against
+the 7.6 measured (TTFT 165 against 185); with 4096, 7.6 and 185 (`check`).
+`block_size` 128 is the CPU backend's (a split head is whole 128-token
+blocks). `http_ms` (1 ms, a direct request's HTTP front and stream) is
+assumed, not measured: it only moves cost between the fitted prefill's fixed
+and per-token parts.
 
 `--fit PATH` reads, wherever they are in the JSON, the ``ttft_ms.p50`` /
 ``tpot_ms.p50`` of `single` at ``c1`` and ``c4``, of `rapidkv-whole` (else

@@ -68,6 +68,8 @@ def options(args: argparse.Namespace) -> Options:
     per_instance = args.requests or (QUICK_REQUESTS if args.quick else REQUESTS)
     if per_instance < 1:
         raise SystemExit("--requests must be >= 1")
+    if args.max_num_seqs is not None and args.max_num_seqs < 1:
+        raise SystemExit("--max-num-seqs must be >= 1")
     for name in ("ttft_slo_ms", "tpot_slo_ms"):
         value = getattr(args, name)
         if value is not None and not value > 0:
@@ -101,8 +103,6 @@ def run(args: argparse.Namespace) -> int:
     if slots is None and real is not None:
         slots = compare.max_num_seqs_of(real)
     if slots is not None:
-        if slots < 1:
-            raise SystemExit("--max-num-seqs must be >= 1")
         fit = dataclasses.replace(fit, max_num_seqs=slots)
     for w in warnings:
         print(f"warning: {w}", file=sys.stderr)

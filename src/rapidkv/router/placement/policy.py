@@ -108,11 +108,10 @@ seeds 0 / 1 / 2, prefill-heavy: on 2 instances at TPOT 9 ms 13 / 10 / 9 req/s
 against 12 / 9 / 9 without (a fixed pair 13 / 11 / 9), at 12 ms 13 / 11 / 8
 against 13 / 9 / 8; on 4 instances 4 of 12 points up a step, none down; on
 8, at the default SLOs, seed 0, 60 against 64, the same elsewhere; chat the
-same everywhere); then, when the fleet is
-*tight* (some option computing prompt work beside a
-decode that can still meet the SLO is not safe), to the options that leave
-some instance other than their decoder with no such decode
-(`Policy.keep_free`: a prompt computed there later stalls nobody); then to
+same everywhere); then, when the fleet is *tight* (some option computing
+prompt work beside a decode that can still meet the SLO is not safe), to the
+options that leave some instance other than their decoder with no such
+decode (`Policy.keep_free`: a prompt computed there later stalls nobody); then to
 ``local``, then ``pd``, then ``split`` (the fewer crossings); then to the
 lower TPOT (to 0.1 ms: the instance the request slows least, which balances
 the fleet), the lower TTFT, the fewer outstanding requests, the lower
