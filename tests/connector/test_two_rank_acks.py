@@ -208,7 +208,7 @@ class DRank:
             layout,
             rank=rank,
             block_size=BLOCK_SIZE,
-            realtime=False,
+            boost=False,
             hugepages=False,
         )
         self.endpoint = RankEndpoint(

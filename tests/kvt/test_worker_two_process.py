@@ -46,7 +46,7 @@ class Source:
             block_size=BLOCK_TOKENS,
             on_send_done=self._on_done,
             write_timeout_s=write_timeout_s,
-            realtime=False,
+            boost=False,
         )
         self.peer = self.worker.add_peer(meta, msgspec.msgpack.decode(layout, type=Layout))
 

@@ -45,7 +45,7 @@ def serve(kind: str, conn: Connection) -> None:
 
     storage, layout = kv_memory(fill=False)
     worker = KvtWorker(
-        create_transport(kind, "dst"), layout, rank=0, block_size=BLOCK_TOKENS, realtime=False
+        create_transport(kind, "dst"), layout, rank=0, block_size=BLOCK_TOKENS, boost=False
     )
     conn.send((worker.metadata, msgspec.msgpack.encode(layout)))
     received: list[SendDone] = []

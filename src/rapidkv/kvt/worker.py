@@ -30,19 +30,16 @@ Rules
 
 Scheduling
 ----------
-The owner thread shares its core with the engine's forward pass. Under Linux's
-EEVDF scheduler a woken thread waits for the running one's slice (~3 ms) before
-it gets the core, which put layer_done -> send at 1-3 ms p50 and 5-10 ms p99
-on a busy pinned core. With `realtime=True` (default) the owner thread asks for
-SCHED_FIFO priority 1, so it preempts the forward the moment a job arrives
-(measured: p50 ~0.2 ms, p99 ~0.4 ms). It never spins: it sleeps on its queue
-or between polls, and the kernel's RT throttling bounds it anyway. Without the
-privilege (CAP_SYS_NICE) it logs a warning once and runs at normal priority.
-Invariant: no other thread runs real-time. The policy carries
-SCHED_RESET_ON_FORK, so a thread that a library starts from the owner thread
-(UCX, NIXL, OpenMP, the TCP transport) runs at normal priority. A real-time
-thread that busy-waits would hold its core: on this kernel, normal threads then
-run only in the fair server's 50 ms of every 1 s period.
+The owner thread shares its core with the engine's forward. With `boost=True`
+(default) it runs first in the fair class (nice -20, `kvt.priority`), so it
+gets the core at its wake-up instead of after the forward's slice (~3 ms
+under EEVDF): layer_done -> send p50 ~0.2 ms. It is never real-time: a
+real-time thread that busy-waited once (a library spinning on a lock) would
+take its core for about a second. It never spins: it sleeps on its queue or
+between polls. Without the privilege (CAP_SYS_NICE) it logs a warning once
+and runs at normal priority. The policy carries SCHED_RESET_ON_FORK, so a
+thread that a library starts from the owner thread (UCX, NIXL, OpenMP, the
+TCP transport) runs at nice 0.
 
 With `hugepages=True` (default) the registered KV memory is backed by huge
 pages first (`kvt.memory`): transfers on CPU run ~1.7x faster.
@@ -60,7 +57,6 @@ per `xfer_id`; a failed one settles as after a write that failed.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -77,6 +73,7 @@ from rapidkv.kvt.faults import INJECTED, SendFaults
 from rapidkv.kvt.layout import Layout, layer_descs
 from rapidkv.kvt.memory import advise_hugepages
 from rapidkv.kvt.messages import LayersLanded, SendDone, decode_notif, encode_notif
+from rapidkv.kvt.priority import boost_current_thread
 from rapidkv.kvt.task import Task
 from rapidkv.kvt.transport.base import Transport, XferState
 
@@ -161,7 +158,7 @@ class KvtWorker:
         write_timeout_s: float = 10.0,
         on_posted: PostedHook | None = None,
         on_peer_failed: Callable[[str, str], None] | None = None,
-        realtime: bool = True,
+        boost: bool = True,
         hugepages: bool = True,
         bandwidth_cap_bps: float = 0.0,
         faults: SendFaults | None = None,
@@ -175,7 +172,7 @@ class KvtWorker:
         # (peer, why), on the owner thread, when the transport fails a write to
         # it (posting refused, ERROR, or pending past write_timeout_s)
         self.on_peer_failed = on_peer_failed
-        self.realtime = realtime
+        self.boost = boost
         self.bandwidth_cap_bps = bandwidth_cap_bps
         self._link_free_at = 0.0
         self.faults = faults if faults else None
@@ -402,19 +399,17 @@ class KvtWorker:
     # -- owner thread -----------------------------------------------------------
 
     def _raise_priority(self) -> None:
-        try:
-            policy = os.SCHED_FIFO | os.SCHED_RESET_ON_FORK  # what it starts runs normally
-            os.sched_setscheduler(threading.get_native_id(), policy, os.sched_param(1))
-        except (OSError, AttributeError) as e:
+        why = boost_current_thread()
+        if why is not None:
             log.warning(
                 "kvt rank %d: owner thread stays at normal priority (%s); layer sends may "
                 "wait for the forward's time slice",
                 self.rank,
-                e,
+                why,
             )
 
     def _run(self) -> None:
-        if self.realtime:
+        if self.boost:
             self._raise_priority()
         poll_s = self.MIN_POLL_S
         while True:

@@ -14,8 +14,9 @@ KV cache. What it adds for measurement:
   sentinel: the moment that block's first byte of that layer landed (a block is
   one contiguous copy, first word first). The same thread drains the kvt's
   received SendDones and stamps the one of the watched transfer: the moment
-  the last byte was confirmed to us. The thread runs SCHED_FIFO (like kvt's
-  owner thread) so that this process's other threads do not delay its reads.
+  the last byte was confirmed to us. The thread runs first in the fair class (nice -20,
+  like kvt's owner thread) so that this process's other threads do not delay
+  its reads.
   Resolution: `poll_s` for memory; for the
   SendDone, the kvt owner thread's notification polling (`NOTIF_POLL_S`,
   lowered from kvt's 2 ms default: this process does nothing else) plus `poll_s`.
@@ -31,7 +32,6 @@ adds us as a kvt peer at its next step. TP 1 only (one rank here).
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import uuid
@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from rapidkv.kvt.priority import boost_current_thread
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +97,7 @@ class Destination:
         self._stopping = False
         self._dones: dict[str, tuple[Any, float]] = {}
         self._thread: threading.Thread | None = None
-        self.realtime = False  # the watcher thread runs SCHED_FIFO
+        self.boosted = False  # the watcher thread runs at nice -20 (`kvt.priority`)
         try:
             self.server.start()
             self.spec = self._probe(timeout_s)
@@ -255,14 +257,14 @@ class Destination:
     # -- watcher thread ---------------------------------------------------------
 
     def _run(self) -> None:
-        # real-time, like kvt's owner thread: a normal thread waits behind this
-        # process's other threads for a scheduler slice (measured: gaps of 2-5 ms
-        # between reads during a sample); without the privilege it stays normal
-        try:
-            os.sched_setscheduler(threading.get_native_id(), os.SCHED_FIFO, os.sched_param(1))
-            self.realtime = True
-        except (OSError, AttributeError) as e:
-            log.warning("bench destination: watcher stays at normal priority (%s)", e)
+        # first in the fair class, like kvt's owner thread: a normal thread waits
+        # behind this process's other threads for a scheduler slice (measured:
+        # gaps of 2-5 ms between reads during a sample); without the privilege
+        # it stays normal
+        why = boost_current_thread()
+        self.boosted = why is None
+        if why is not None:
+            log.warning("bench destination: watcher stays at normal priority (%s)", why)
         while not self._stopping:
             with self._watch_lock:
                 w = self._watch
