@@ -226,6 +226,8 @@ class Streamed:
     tpot_ms: float  # mean gap between later tokens (nan with fewer than 2 tokens)
     token_ms: tuple[float, ...] = ()  # request sent -> each token received
     headers: Mapping[str, str] = field(default_factory=dict)  # the response's headers
+    usage: Mapping[str, Any] | None = None  # the final chunk's, when include_usage was asked
+    chunk_ms: tuple[float, ...] = ()  # request sent -> each data event received (usage too)
 
 
 async def acomplete_stream(
@@ -235,13 +237,21 @@ async def acomplete_stream(
     max_tokens: int,
     *,
     timeout: float = DEFAULT_TIMEOUT_S,
+    include_usage: bool = True,
     **kwargs: Any,
 ) -> Streamed:
-    """A streaming completion (greedy, token ids returned per chunk)."""
+    """A streaming completion (greedy, token ids returned per chunk). With
+    `include_usage` (default, what vLLM's benchmark client and the OpenAI SDK
+    send) the request asks for ``stream_options: {"include_usage": true}`` and
+    the final chunk's usage is kept."""
+    if include_usage:
+        kwargs.setdefault("stream_options", {"include_usage": True})
     body = completion_body(prompt_ids, max_tokens, stream=True, **kwargs)
     t0 = time.monotonic()
     times: list[float] = []
+    chunks: list[float] = []
     tokens: list[int] = []
+    usage = None
     async with client.stream(
         "POST", f"{base_url}/v1/completions", json=body, timeout=timeout
     ) as resp:
@@ -252,12 +262,28 @@ async def acomplete_stream(
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            new = json.loads(line[6:])["choices"][0].get("token_ids") or []
+            now = time.monotonic()
+            chunks.append(now)
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"{base_url}: error event in the stream: {event['error']}")
+            if event.get("usage"):
+                usage = event["usage"]
+            choices = event.get("choices") or []  # the usage chunk has none
+            new = choices[0].get("token_ids") or [] if choices else []
             tokens.extend(new)
-            times.extend([time.monotonic()] * len(new))
+            times.extend([now] * len(new))
     ttft = (times[0] - t0) * 1000 if times else float("nan")
     tpot = (times[-1] - times[0]) * 1000 / (len(times) - 1) if len(times) > 1 else float("nan")
-    return Streamed(tokens, ttft, tpot, tuple((t - t0) * 1000 for t in times), headers)
+    return Streamed(
+        tokens,
+        ttft,
+        tpot,
+        tuple((t - t0) * 1000 for t in times),
+        headers,
+        usage,
+        tuple((t - t0) * 1000 for t in chunks),
+    )
 
 
 def stream_many(
