@@ -67,8 +67,10 @@ def test_abort_points_fall_in_their_phase_of_the_expected_timing() -> None:
 # ---------------------------------------------------------------- classification
 
 
-def _fake_router():
-    """An ASGI app answering each prompt's first token with a canned behaviour."""
+def _fake_router(seen: list[dict] | None = None):
+    """An ASGI app answering each prompt's first token with a canned behaviour;
+    each request's body is appended to `seen`. A stream that asks for
+    `stream_options.include_usage` ends with a usage event, as vLLM's does."""
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -79,7 +81,10 @@ def _fake_router():
 
     async def completions(request: Request) -> Response:
         body = await request.json()
+        if seen is not None:
+            seen.append(body)
         how = body["prompt"][0]
+        usage = (body.get("stream_options") or {}).get("include_usage")
         if how == 1:  # fine, streamed or not
             if not body["stream"]:
                 return JSONResponse({"choices": [{"token_ids": [7, 8, 9]}]})
@@ -88,6 +93,9 @@ def _fake_router():
                 for t in (7, 8, 9):
                     yield event({"choices": [{"token_ids": [t]}]})
                     await asyncio.sleep(0.01)
+                if usage:
+                    numbers = {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+                    yield event({"choices": [], "usage": numbers})
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(ok(), media_type="text/event-stream")
@@ -162,6 +170,55 @@ def test_every_answer_is_classified_as_the_bench_documents() -> None:
     assert outcomes[7].error == "HTTP 503: no decode instance is up"
     assert "without [DONE]" in outcomes[8].error
     assert outcomes[10].e2e_s == pytest.approx(1.0, abs=0.5)
+
+
+@pytest.mark.unit
+def test_streams_ask_for_usage_whose_event_is_neither_a_token_nor_an_error() -> None:
+    """A streamed request carries `stream_options: {"include_usage": true}`
+    unless told not to, a non-streamed one never; the usage event at the end
+    (no choices) is kept, the answer is complete and counted right."""
+    import aiohttp
+
+    from rapidkv.router.server import ThreadedServer
+
+    cases = [(True, True), (True, False), (False, True)]  # (stream, include_usage)
+
+    async def main(url: str) -> list:
+        async with aiohttp.ClientSession() as session:
+            return [
+                await run_one(
+                    session,
+                    url,
+                    [1, 100],
+                    Plan(i, 2, 3, stream, None, 0.0),
+                    [7, 8, 9],
+                    None,
+                    5.0,
+                    time.monotonic(),
+                    include_usage=usage,
+                )
+                for i, (stream, usage) in enumerate(cases)
+            ]
+
+    seen: list[dict] = []
+    with ThreadedServer(_fake_router(seen)) as server:
+        outcomes = asyncio.run(main(server.url))
+    assert seen[0]["stream_options"] == {"include_usage": True}
+    assert "stream_options" not in seen[1] and "stream_options" not in seen[2]
+    assert [o.kind for o in outcomes] == ["completed"] * 3
+    assert [o.tokens for o in outcomes] == [3, 3, 3] and outcomes[0].error is None
+    assert outcomes[0].usage == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+    assert outcomes[1].usage is None and outcomes[2].usage is None
+
+    import argparse
+
+    from rapidkv.bench.chaos import register
+    from rapidkv.bench.chaos.run import Options
+
+    parser = argparse.ArgumentParser()
+    register(parser)
+    assert Options.from_args(parser.parse_args([])).include_usage is True
+    assert Options.from_args(parser.parse_args(["--no-include-usage"])).include_usage is False
 
 
 @pytest.mark.unit

@@ -305,9 +305,10 @@ def test_the_nixl_proxy_asks_p_for_one_token_and_a_remote_decode() -> None:
     assert p["prompt"] == [1, 2] and body["max_tokens"] == 16  # the client's body is untouched
 
 
-def _fake_vllm(stall_on: int):
-    """An ASGI app streaming two tokens per completion; it never answers a prompt
-    starting with `stall_on`."""
+def _fake_vllm(stall_on: int, seen: list[dict] | None = None):
+    """An ASGI app streaming two tokens per completion (then a usage event when
+    asked for, as vLLM does); it never answers a prompt starting with
+    `stall_on`; each request's body is appended to `seen`."""
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import StreamingResponse
@@ -315,12 +316,17 @@ def _fake_vllm(stall_on: int):
 
     async def completions(request: Request) -> StreamingResponse:
         body = await request.json()
+        if seen is not None:
+            seen.append(body)
 
         async def events():
             if body["prompt"][0] == stall_on:
                 await asyncio.sleep(30)
             for t in (7, 8):
                 yield f"data: {json.dumps({'choices': [{'token_ids': [t]}]})}\n\n"
+            if (body.get("stream_options") or {}).get("include_usage"):
+                usage = {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}
+                yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
@@ -340,6 +346,28 @@ def test_a_load_stops_sending_after_a_request_times_out() -> None:
     assert results[1].error.startswith(TIMEOUT)
     assert all(r.error.startswith(SKIPPED) for r in results[2:])
     assert 0.5 <= wall < 5
+
+
+@pytest.mark.unit
+def test_a_load_asks_for_usage_unless_told_not_to() -> None:
+    """Every streamed request carries `stream_options: {"include_usage": true}`
+    by default (`--no-include-usage` turns it off); the usage event adds no token."""
+    from rapidkv.bench.serve import register
+    from rapidkv.bench.serve.loads import run_load
+    from rapidkv.router.server import ThreadedServer
+
+    seen: list[dict] = []
+    with ThreadedServer(_fake_vllm(stall_on=9, seen=seen)) as server:
+        with_usage, _ = run_load(server.url, [[1], [2]], 2, Load.parse("c1"))
+        without, _ = run_load(server.url, [[3]], 2, Load.parse("c1"), include_usage=False)
+    assert [b.get("stream_options") for b in seen] == [{"include_usage": True}] * 2 + [None]
+    assert [r.token_ids for r in with_usage + without] == [(7, 8)] * 3
+    assert all(len(r.token_ms) == 2 and r.error is None for r in with_usage + without)
+
+    parser = argparse.ArgumentParser()
+    register(parser)
+    assert Options.from_args(parser.parse_args([])).include_usage is True
+    assert Options.from_args(parser.parse_args(["--no-include-usage"])).include_usage is False
 
 
 def test_a_load_runs_its_client_on_the_cpus_given_and_gives_them_back() -> None:
@@ -405,6 +433,7 @@ def test_bench_serve_runs_single_and_rapidkv_and_matches(tmp_path: Path) -> None
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["ok"] is True and report["reference"]["tiny"]["error"] is None
+    assert report["meta"]["include_usage"] is True
     assert set(report["configs"]) == {"rapidkv", "single-noop-connector"}
     for name, config in report["configs"].items():
         assert config["error"] is None and config["startup_s"] > 0, name

@@ -140,6 +140,8 @@ def test_the_json_has_the_documented_keys_and_goodputs() -> None:
     assert set(report) == {"meta", "noisy", "workloads", "acceptance", "failed_baselines", "ok"}
     assert report["meta"]["command"] == "rapidkv ..." and "cpu" in report["meta"]
     assert report["meta"]["requests_per_rate"] == 2 and report["meta"]["git"]
+    assert report["meta"]["include_usage"] is True
+    assert parse("--no-include-usage").include_usage is False
     w = report["workloads"]["prefill-heavy"]
     assert w["slo"]["ttft_ms"] == 100.0 and w["slo"]["attainment_target"] == 0.9
     assert w["single_c1"]["ttft_ms"]["p50"] == 25.0 and w["single_c1"]["hard_mismatches"] == 0

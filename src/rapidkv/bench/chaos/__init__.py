@@ -77,6 +77,13 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         help="after a restart, wait this long at most for a request with a transfer, s",
     )
     add("--seed", type=int, default=0, help="prompts and plans (%(default)s)")
+    add(
+        "--no-include-usage",
+        dest="include_usage",
+        action="store_false",
+        help="stream without stream_options (default: every streamed request asks for "
+        '{"include_usage": true}, as vLLM\'s benchmark client and the OpenAI SDK do)',
+    )
     add("--dtype", choices=("float32", "bf16"), default="float32", help="tiny model's dtype")
     add(
         "--server-args",

@@ -2,7 +2,11 @@
 
 Each request is a completions request for token ids (greedy, `ignore_eos`,
 `return_token_ids`: `harness.client.completion_body`), on a connection of its
-own (closing it is how the client gives up: the router sees the disconnect).
+own (closing it is how the client gives up: the router sees the disconnect). A
+streamed one asks for `stream_options: {"include_usage": true}` (unless
+`include_usage=False`), as vLLM's benchmark client and the OpenAI SDK do: its
+last event before `[DONE]` then has no choices and carries `usage` (kept in
+`Outcome.usage`; neither a token nor an error).
 Its outcome (`Outcome.kind`):
 
 - `completed`: HTTP 200 and every token equal to the `single` instance's;
@@ -60,6 +64,7 @@ class Outcome:
     abort_after_tokens: int | None = None
     got: list[int] | None = None  # mismatch: the tokens received
     expected: list[int] | None = None  # mismatch: the reference's
+    usage: dict[str, Any] | None = None  # a stream's usage event (include_usage)
 
     def row(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if v is not None}
@@ -76,6 +81,7 @@ class _State:
     done: bool = False  # [DONE] arrived
     finish_reason: str | None = None  # the last one a stream's events gave
     error_event: Any = None  # the SSE error event's payload
+    usage: dict[str, Any] | None = None  # the usage event's (choices empty)
 
 
 class _GiveUp(Exception):
@@ -103,7 +109,11 @@ async def _exchange(
             if "error" in event:
                 st.error_event = event
                 continue
-            choice = (event.get("choices") or [{}])[0]
+            if event.get("usage") is not None:
+                st.usage = event["usage"]
+            if not event.get("choices"):  # the usage event: no token, no finish_reason
+                continue
+            choice = event["choices"][0]
             ids = choice.get("token_ids") or []
             st.finish_reason = choice.get("finish_reason") or st.finish_reason
             if ids:
@@ -155,13 +165,18 @@ async def run_one(
     abort: Abort | None,
     timeout_s: float,
     t_run: float,
+    *,
+    include_usage: bool = True,
 ) -> Outcome:
     """Send one request and classify what came back (see the module docstring)."""
     import aiohttp
 
     from rapidkv.harness.client import completion_body
 
-    body = completion_body(prompt, plan.max_tokens, stream=plan.stream)
+    extra: dict[str, Any] = {}
+    if plan.stream and include_usage:
+        extra["stream_options"] = {"include_usage": True}
+    body = completion_body(prompt, plan.max_tokens, stream=plan.stream, **extra)
     out = Outcome(plan.index, "failed_unclear", plan.stream, plan.abort)
     if abort is not None:
         out.abort_after_s, out.abort_after_tokens = abort.after_s, abort.after_tokens
@@ -185,7 +200,7 @@ async def run_one(
         out.error = f"{type(e).__name__}: {e}"
     t1 = time.monotonic()
     out.e2e_s = t1 - t0
-    out.status, out.xfer_id = st.status, st.xfer_id
+    out.status, out.xfer_id, out.usage = st.status, st.xfer_id, st.usage
     out.seen = "tokens" if st.tokens else ("status" if st.status is not None else "nothing")
     out.tokens = len(st.tokens)
     if st.t_first is not None:
@@ -258,10 +273,12 @@ async def drive(
     on_done: Callable[[Outcome], None] = lambda o: None,
     backoff_s: float = 1.0,
     timing: Timing | None = None,
+    include_usage: bool = True,
 ) -> tuple[list[Outcome], Timing]:
     """Every plan's request, at most `concurrency` in flight, in plan order;
     `before(i)` is awaited before request i is sent (the fault schedule);
-    `timing` (the abort delays' estimates) learns from the completed streams."""
+    `timing` (the abort delays' estimates) learns from the completed streams;
+    `include_usage`: streams ask for `stream_options: {"include_usage": true}`."""
     import aiohttp
 
     timing = timing if timing is not None else Timing()
@@ -286,6 +303,7 @@ async def drive(
                 abort_point(plan, timing),
                 timeout_s,
                 t_run,
+                include_usage=include_usage,
             )
             if out.status == 503:
                 degraded[0] = True

@@ -55,6 +55,7 @@ class Options:
     seed: int
     dtype: str
     server_args: tuple[str, ...]
+    include_usage: bool = True  # streams ask for stream_options: {"include_usage": true}
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Options:
@@ -101,6 +102,7 @@ class Options:
             seed=args.seed,
             dtype={"float32": "float32", "bf16": "bfloat16"}[args.dtype],
             server_args=tuple(shlex.split(args.server_args)),
+            include_usage=getattr(args, "include_usage", True),
         )
 
 
@@ -278,6 +280,7 @@ class Chaos:
                         None,
                         self.opts.timeout_s,
                         time.monotonic(),
+                        include_usage=self.opts.include_usage,
                     )
                     if out.kind == "completed" and out.ttft_s is not None and out.tokens > 1:
                         timing.add(length, out.ttft_s, (out.e2e_s - out.ttft_s) / (out.tokens - 1))
@@ -365,6 +368,7 @@ class Chaos:
                 before=faults.before,
                 on_done=on_done,
                 timing=timing,
+                include_usage=opts.include_usage,
             )
 
         outcomes, timing = asyncio.run(main())

@@ -29,7 +29,8 @@ stopped in turn, only its own configurations interleaved). A rate
 sends all `--requests` of the workload once, open loop, at Poisson arrival
 times (`arrivals`: the same seeded pattern at every rate and on every
 configuration, scaled by the rate), greedy with `ignore_eos` so each request
-yields exactly its `max_tokens`. Every output is compared with `single`'s
+yields exactly its `max_tokens`, streamed with `stream_options:
+{"include_usage": true}` (`--no-include-usage`: without). Every output is compared with `single`'s
 reference (hard mismatch / near-tie, `serve.stats.classify`).
 
 Attainment at a rate = the share of its requests that completed, were no
@@ -122,6 +123,13 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     )
     add("--quick", action="store_true", help="8 requests per rate, 2 rates, 1 warm-up")
     add("--timeout", type=float, default=60.0, help="per request, seconds (%(default)s)")
+    add(
+        "--no-include-usage",
+        dest="include_usage",
+        action="store_false",
+        help="stream without stream_options (default: every request asks for "
+        '{"include_usage": true}, as vLLM\'s benchmark client and the OpenAI SDK do)',
+    )
     add("--dtype", choices=sorted(DTYPES), default="float32", help="model dtype (%(default)s)")
     add(
         "--router-args",

@@ -321,6 +321,7 @@ def meta(opts: Options, log_dir: Path, wall_s: float, command: str | None) -> di
         "tpot_slo_ms": opts.tpot_slo_ms,
         "attainment_target": _target(),
         "timeout_s": opts.timeout,
+        "include_usage": opts.include_usage,
         "server_args": [*COMMON_ARGS, *opts.server_args],
         "near_tie_margin": NEAR_TIE_MARGIN,
         "wall_s": wall_s,

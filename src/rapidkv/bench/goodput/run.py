@@ -46,6 +46,7 @@ class Options:
     server_args: tuple[str, ...]  # --max-model-len first, then --server-args
     router_args: tuple[str, ...] = ()  # the adaptive router's, after its SLOs
     together: bool = True  # every group up at once, rates interleaved across them
+    include_usage: bool = True  # stream_options: {"include_usage": true} on every request
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Options:
@@ -99,6 +100,7 @@ class Options:
             server_args=("--max-model-len", str(MAX_MODEL_LEN), *shlex.split(args.server_args)),
             router_args=tuple(shlex.split(args.router_args)),
             together=not args.one_group_at_a_time,
+            include_usage=getattr(args, "include_usage", True),
         )
 
     def units(self) -> int:
@@ -464,6 +466,7 @@ class Sweep:
             timeout_s=self.opts.timeout,
             on_done=self.progress.advance,
             cpus=helper_cpus(config.group),
+            include_usage=self.opts.include_usage,
         )
         for r in results:
             if r.error:
@@ -490,6 +493,7 @@ class Sweep:
             timeout_s=self.opts.timeout,
             on_done=self.progress.advance,
             cpus=helper_cpus(CONFIGS["single"].group),
+            include_usage=self.opts.include_usage,
         )
         w.single_c1, w.single_c1_wall_s = results, wall
         w.single_c1_other_cpu_s = cpu.close()[2]
@@ -535,6 +539,7 @@ class Sweep:
             on_done=self.progress.advance,
             cpus=helper_cpus(config.group),
             arrivals=arrivals,
+            include_usage=self.opts.include_usage,
         )
         run = RateRun(rate, arrivals, results, wall)
         run.server_cpu_s, run.client_cpu_s, run.other_cpu_s = cpu.close()

@@ -113,6 +113,13 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     parser.add_argument("--quick", action="store_true", help="8 prompts, loads c1,c4, 1 warm-up")
     parser.add_argument("--seed", type=int, default=0, help="prompts and Poisson arrivals")
     parser.add_argument(
+        "--no-include-usage",
+        dest="include_usage",
+        action="store_false",
+        help="stream without stream_options (default: every request asks for "
+        '{"include_usage": true}, as vLLM\'s benchmark client and the OpenAI SDK do)',
+    )
+    parser.add_argument(
         "--timeout", type=float, default=60.0, help="per request, seconds (%(default)s)"
     )
     parser.add_argument(

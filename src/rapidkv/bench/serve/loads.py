@@ -1,7 +1,9 @@
 """`rapidkv bench serve`: the loads, and the client that sends them.
 
 A load sends every prompt of the set once, as a streaming completion (greedy,
-`ignore_eos`, so each request yields exactly `max_tokens` tokens):
+`ignore_eos`, so each request yields exactly `max_tokens` tokens) that asks for
+`stream_options: {"include_usage": true}`, as vLLM's benchmark client and the
+OpenAI SDK do (`include_usage=False`: without `stream_options`):
 
 - `cN`: closed loop, at most N requests in flight (`c1`: one after another);
 - `poissonR`: open loop, requests sent at Poisson arrival times of R per second
@@ -72,6 +74,7 @@ def run_load(
     on_done: Callable[[], None] = lambda: None,
     cpus: set[int] | None = None,
     arrivals: Sequence[float] | None = None,
+    include_usage: bool = True,
 ) -> tuple[list[RequestResult], float]:
     """Send every prompt under `load`; results in prompt order and the wall time
     from the first request sent to the last response complete. With `cpus`, the
@@ -79,12 +82,15 @@ def run_load(
 
     `max_tokens` is one for all prompts or one per prompt; `arrivals` (an open
     loop only: seconds after the start, one per prompt) replaces the arrival
-    times drawn from `load.rate` and `seed`."""
+    times drawn from `load.rate` and `seed`. `include_usage`: each request asks
+    for `stream_options: {"include_usage": true}`."""
     if not isinstance(max_tokens, int) and len(max_tokens) != len(prompts):
         raise ValueError("give one max_tokens per prompt")
     if arrivals is not None and (load.concurrency is not None or len(arrivals) != len(prompts)):
         raise ValueError("arrivals: an open loop's, one per prompt")
-    run = _run(url, prompts, max_tokens, load, params, seed, timeout_s, on_done, arrivals)
+    run = _run(
+        url, prompts, max_tokens, load, params, seed, timeout_s, on_done, arrivals, include_usage
+    )
     if cpus is None:
         return asyncio.run(run)
     previous = os.sched_getaffinity(0)
@@ -105,6 +111,7 @@ async def _run(
     timeout_s: float,
     on_done: Callable[[], None],
     given_arrivals: Sequence[float] | None = None,
+    include_usage: bool = True,
 ) -> tuple[list[RequestResult], float]:
     import httpx
 
@@ -129,6 +136,7 @@ async def _run(
                         max_tokens if isinstance(max_tokens, int) else max_tokens[i],
                         timeout=timeout_s,
                         kv_transfer_params=params,
+                        include_usage=include_usage,
                     ),
                     timeout_s,
                 )

@@ -285,6 +285,7 @@ def meta(runs: list[ModelRun], opts: Options, log_dir: Path) -> dict[str, Any]:
         },
         "max_tokens": opts.max_tokens,
         "loads": [load.name for load in opts.loads],
+        "include_usage": opts.include_usage,
         "rounds": opts.rounds,
         "warmup_requests": opts.warmup,
         "pair_block": opts.pair_block,

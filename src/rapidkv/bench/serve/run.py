@@ -44,6 +44,7 @@ class Options:
     timeout: float
     server_args: tuple[str, ...]
     netns_link: str | None = None  # tc rate: rapidkv's P and D in two namespaces
+    include_usage: bool = True  # stream_options: {"include_usage": true} on every request
 
     def paired(self, name: str) -> bool:
         """Whether configuration `name` is measured in blocks paired with `single`."""
@@ -120,6 +121,7 @@ class Options:
             timeout=args.timeout,
             server_args=tuple(shlex.split(args.server_args)),
             netns_link=netns,
+            include_usage=getattr(args, "include_usage", True),
         )
 
 
@@ -401,6 +403,7 @@ class ModelRun:
             timeout_s=self.opts.timeout,
             on_done=self.progress.advance,
             cpus=helper_cpus(CONFIGS[name].group),
+            include_usage=self.opts.include_usage,
         )
         for r in results:
             if r.error:
@@ -503,6 +506,7 @@ class ModelRun:
             timeout_s=self.opts.timeout,
             on_done=self.progress.advance,
             cpus=helper_cpus(config.group),
+            include_usage=self.opts.include_usage,
         )
         return [dataclasses.replace(r, prompt_index=r.prompt_index + lo) for r in results], wall
 
