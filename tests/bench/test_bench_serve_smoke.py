@@ -257,6 +257,64 @@ def test_load_names_parse_into_closed_and_open_loops() -> None:
             Load.parse(bad)
 
 
+def _entry(loads: dict[str, list[RequestResult]]) -> dict:
+    """A configuration's JSON entry as `report.config_report` builds it, from
+    each load's results (one round, no references, 1 s per load)."""
+    entry: dict = {"error": None, "startup_s": 1.0, "first_request_ms": [], "affinity": {}}
+    entry.update(errors=0, hard_mismatches=0, near_tie_mismatches=0, loads={})
+    entry["paired_single_hard_mismatches"] = 0
+    for load, results in loads.items():
+        s = load_summary(results, None, 1.0, {"decode": 0.5})
+        s.update(prompt_tokens={}, kv_transferred_fraction=1.0, client_cpu_s=0.1)
+        s.update(other_cpu_s=0.0, other_cpu_cores=0.0)
+        entry["loads"][load] = s
+    return entry
+
+
+@pytest.mark.unit
+def test_deep_closed_loops_are_accepted_and_reported() -> None:
+    """`--loads c1,c4,c16,c32,poisson8`: parsed, counted, reported and printed
+    like any other; paired blocks of 8 cannot hold 16 in flight, which is said."""
+    import io
+
+    from rapidkv.bench.serve import register
+    from rapidkv.bench.serve.report import print_report
+    from rapidkv.bench.serve.run import total_units
+
+    parser = argparse.ArgumentParser()
+    register(parser)
+    names = ["c1", "c4", "c16", "c32", "poisson8"]
+    opts = Options.from_args(parser.parse_args(["--loads", ",".join(names)]))
+    assert [load.name for load in opts.loads] == names
+    assert [load.concurrency for load in opts.loads] == [1, 4, 16, 32, None]
+    assert opts.capped_loads() == ["c16", "c32"]  # rapidkv is paired, in blocks of 8
+    assert opts.units("single") == 2 + 5 * 64 and total_units(opts) > 0
+    deep = ["--loads", "c16,c32", "--pair-block", "32"]
+    assert Options.from_args(parser.parse_args(deep)).capped_loads() == []
+    unpaired = ["--loads", "c32", "--pair-block", "0"]
+    assert Options.from_args(parser.parse_args(unpaired)).capped_loads() == []
+
+    ok = [RequestResult(i, (1, 2), (40.0, 45.0), 46.0, 0.0) for i in range(4)]
+    entries = {name: _entry(dict.fromkeys(names, ok)) for name in ("single", "rapidkv")}
+    a = acceptance_report(entries)
+    assert a["tpot_p50_rapidkv_over_single_c32"] == pytest.approx(1.0)
+    st = stall_report(entries)
+    assert set(st) >= {f"rapidkv {n}" for n in names} and st["met"] is True
+    report = {
+        "configs": entries,
+        "acceptance": {"tiny": a},
+        "stalls": {"tiny": st},
+        "reference": {"tiny": {"error": None}},
+        "failed_baselines": [],
+        "ok": True,
+    }
+    out = io.StringIO()
+    print_report(report, out)
+    rows = [line.split()[:2] for line in out.getvalue().splitlines()]
+    assert ["rapidkv", "c16"] in rows and ["rapidkv", "c32"] in rows
+    assert "rapidkv c32" in out.getvalue()
+
+
 @pytest.mark.unit
 def test_affinity_guard_keeps_threads_on_the_instances_cpus() -> None:
     calls: list[tuple[int, frozenset[int]]] = []

@@ -89,8 +89,9 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     parser.add_argument(
         "--loads",
         default=None,
-        help=f"comma-separated cN (concurrency N) / poissonR (R req/s); default {DEFAULT_LOADS} "
-        f"({QUICK_LOADS} with --quick)",
+        help="comma-separated cN (concurrency N: c1, c4, c16, c32, ...) / poissonR (R req/s); "
+        f"default {DEFAULT_LOADS} ({QUICK_LOADS} with --quick). A paired configuration's "
+        "blocks hold --pair-block prompts: at most that many in flight",
     )
     parser.add_argument("--requests", type=int, default=None, help="prompts (default 64; 8 quick)")
     parser.add_argument("--min-len", type=int, default=128, help="shortest prompt, tokens")

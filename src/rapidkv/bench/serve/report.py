@@ -289,6 +289,7 @@ def meta(runs: list[ModelRun], opts: Options, log_dir: Path) -> dict[str, Any]:
         "rounds": opts.rounds,
         "warmup_requests": opts.warmup,
         "pair_block": opts.pair_block,
+        "pair_capped_loads": opts.capped_loads(),
         "pair_pause_s": PAIR_PAUSE_S,
         "seed": opts.seed,
         "server_args": ["--no-enable-prefix-caching", *opts.server_args],

@@ -57,6 +57,17 @@ class Options:
         """Whether `single` stays up through each round for paired blocks."""
         return any(self.paired(c) for c in self.configs)
 
+    def capped_loads(self) -> list[str]:
+        """Closed loops whose concurrency a paired configuration's blocks cannot
+        reach (a block holds `pair_block` prompts): measured at most that deep."""
+        if not self.pairing:
+            return []
+        return [
+            load.name
+            for load in self.loads
+            if load.concurrency is not None and load.concurrency > self.pair_block
+        ]
+
     def load_units(self, name: str) -> int:
         """Progress units (requests) of one load of `name`, its `single` blocks included."""
         return self.requests * (2 if self.paired(name) else 1)
@@ -134,6 +145,13 @@ def run(args: argparse.Namespace) -> int:
     from rapidkv.bench.serve.report import git_describe
 
     git_describe()  # the checkout measured: as it is now (cached)
+    if capped := opts.capped_loads():
+        print(
+            f"rapidkv bench serve: note: paired configurations run {', '.join(capped)} in "
+            f"blocks of {opts.pair_block} prompts, so at most {opts.pair_block} in flight "
+            "(--pair-block N to go deeper, 0 for no pairing)",
+            file=sys.stderr,
+        )
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="rapidkv-bench-serve-"))
     progress = Progress(total_units(opts))
     trace = open(args.trace, "w") if args.trace else None  # noqa: SIM115 - closed below
