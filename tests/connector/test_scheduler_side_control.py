@@ -9,6 +9,8 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from vllm_stand_ins import Request as StandInRequest
+from vllm_stand_ins import SchedulerOutput as StandInOutput
 from vllm_stand_ins import rank_info
 
 from rapidkv.connector.config import ConnectorConfig
@@ -364,3 +366,22 @@ def test_the_identity_a_router_learns_carries_block_size_and_max_num_seqs() -> N
     finally:
         for s in sides:
             s.close()
+
+
+@pytest.mark.parametrize("reason", [AbortReason.NOTHING_TO_LOAD, AbortReason.CLIENT_ABORT])
+def test_an_abort_that_overtakes_its_request_frees_it_when_it_finishes(
+    p_side: tuple[SchedulerSide, RpcClient], reason: AbortReason
+) -> None:
+    """D's Abort reaches P before P's engine admitted the request (D found the
+    prompt in its prefix cache; 32 streams at once through the router did it):
+    the request is released as it finishes, not held for `finished_ttl_s`."""
+    side, client = p_side
+    reply = client.call(side.server.address, Abort(xfer_id="early", reason=reason), 5)
+    assert isinstance(reply, AbortReply) and reply.code == Code.OK
+    ids = list(range(21))
+    req = StandInRequest("req-early", {"rapidkv": {"xfer_id": "early", "role": "prefill"}}, 21, ids)
+    side.on_new_request(req)
+    held, _ = side.request_finished(req, [3, 4])
+    assert held  # vLLM must wait for finished_sending, which comes with the next step
+    assert "req-early" in side.build_meta(StandInOutput({}, set(), 0)).release
+    assert stats(side, client)["aborted_before_admission"] == 1

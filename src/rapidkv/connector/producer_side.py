@@ -18,7 +18,8 @@ Invariants (all under the shared lock):
 - at most `max_transfers_per_peer` transfers to one destination are accepted
   and not settled, or parked (a new one beyond is answered BUSY);
 - a settled or aborted transfer is tombstoned for `tombstone_ttl_s`: a
-  TransferKV for it is answered GONE;
+  TransferKV for it is answered GONE, and a request admitted for it is
+  aborted at once (an Abort may overtake its request);
 - a finished request's blocks are released (`PendingMeta.release`) only once
   no write from them can be in flight: its transfer settled on every rank, or
   was aborted before anything was sent; without a TransferKV they go after
@@ -117,7 +118,11 @@ class ProducerSide:
     # -- request lifecycle (engine thread; caller holds the lock) -----------------
 
     def admit(self, request: Any, xfer_id: str) -> None:
-        """A prefill request was admitted; a TransferKV parked for it is taken up."""
+        """A prefill request was admitted; a TransferKV parked for it is taken
+        up. One whose transfer was aborted before it arrived here (D's local
+        hits covered the prompt, the client left: the Abort overtook the
+        request) is aborted at once: its blocks go when it finishes, not after
+        `finished_ttl_s`."""
         p = Produced(
             xfer_id,
             request.request_id,
@@ -129,6 +134,10 @@ class ProducerSide:
         self._xfer_by_req[request.request_id] = xfer_id
         self._shared.timeline.event(xfer_id, "admitted")
         self._requests[request.request_id] = request
+        if xfer_id in self._tombstones:
+            self._counters["aborted_before_admission"] += 1
+            self._abort_produced(p, "aborted before P admitted it")
+            return
         parked = self._parked.pop(xfer_id, None)
         if parked is not None:
             self._counters["parked_served"] += 1
