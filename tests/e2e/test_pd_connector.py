@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import socket
 import time
 
@@ -34,6 +35,57 @@ from rapidkv.harness.client import (
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+
+STALL_S = 0.5
+"""No gap between two events of a stream through the router may be longer
+than this: the bug this guards against lost a whole second."""
+
+
+def assert_usage_and_no_stall(outs: list, prompts: list, ttft_s: float | None = None) -> None:
+    """Every stream asked for `include_usage` (the harness's default, as vLLM's
+    benchmark client and the OpenAI SDK do) and ends with the usage one vLLM
+    instance reports for it; no event waited `STALL_S` after the one before
+    it, nor the first one `ttft_s` (when given: P and D were idle)."""
+    for out, prompt in zip(outs, prompts, strict=True):
+        n = len(prompt)
+        assert out.usage == {
+            "prompt_tokens": n,
+            "completion_tokens": MAX_TOKENS,
+            "total_tokens": n + MAX_TOKENS,
+        }, out.usage
+        longest = max(b - a for a, b in itertools.pairwise(out.chunk_ms))
+        assert longest < STALL_S * 1000, f"a {n}-token prompt's stream paused {longest:.0f} ms"
+        if ttft_s is not None:
+            assert out.ttft_ms < ttft_s * 1000, f"a {n}-token prompt's TTFT: {out.ttft_ms:.0f} ms"
+
+
+def ttft_histogram(url: str) -> dict[float, float]:
+    """An instance's `vllm:time_to_first_token_seconds` buckets: upper bound ->
+    cumulative count."""
+    metrics = get_metrics(url)
+    out: dict[float, float] = {}
+    for (name, labels), value in metrics.items():
+        if name == "vllm:time_to_first_token_seconds_bucket":
+            bound = float(dict(labels)["le"])  # "+Inf" reads as inf
+            out[bound] = out.get(bound, 0.0) + value
+    return out
+
+
+def bucket_counts(before: list[dict], after: list[dict]) -> list[tuple[float, float]]:
+    """(upper bound, cumulative count) of what the instances' histograms counted
+    between `before` and `after`, merged."""
+    return [
+        (b, sum(a.get(b, 0.0) - z.get(b, 0.0) for a, z in zip(after, before, strict=True)))
+        for b in sorted(after[0])
+    ]
+
+
+def bucket_quantile(counts: list[tuple[float, float]], q: float) -> float:
+    """The upper bound of the bucket holding the `q` quantile (seconds)."""
+    total = counts[-1][1]
+    assert total > 0, "the engines counted no first token"
+    return next(b for b, c in counts if c >= q * total)
 
 
 @pytest.mark.parametrize("run", list(MODE_RUNS))
@@ -198,6 +250,7 @@ def test_router_streams_pd_outputs_equal_to_single_instance(
         outs = stream_many(router.url, prompts, MAX_TOKENS, concurrency=4)
         metrics = get_metrics(router.url)
     assert [o.token_ids for o in outs] == expected
+    assert_usage_and_no_stall(outs, prompts)
     first = {
         source: metric_sum(metrics, "rapidkv_router_first_token_total", source=source)
         for source in ("prefill", "decode", "continuation")
@@ -252,6 +305,7 @@ def test_router_split_prefills_equal_single_instance_outputs(
         outs = asyncio.run(main(router.url))
         split = metric_sum(get_metrics(router.url), "rapidkv_router_split_prefills_total")
     assert [o.token_ids for o in outs] == expected
+    assert_usage_and_no_stall(outs, prompts, ttft_s=1.0)
     splittable = sum(split_point(len(ids), BLOCK, config.split_fraction) > 0 for ids in prompts)
     assert splittable >= len(prompts) // 2
     assert split == splittable
@@ -266,6 +320,46 @@ def test_router_split_prefills_equal_single_instance_outputs(
         ),
         2.0,
     )
+    assert_back_to_baseline(pd_pair)
+
+
+def test_32_streams_through_the_router_start_as_the_engines_answer_and_flow_as_produced(
+    pd_pair: Pair, workloads: dict
+) -> None:
+    """32 streams at once through the router with its defaults (dual dispatch,
+    splits while idle), each asking for `include_usage`: the outputs are the
+    single instance's, with its usage; the client's TTFT p90 is within 1.5x the
+    engines' own (their `time_to_first_token` histograms, to the bucket) + 50 ms,
+    so nothing waits outside them; no event waits `STALL_S`; and the tokens
+    come as they are produced, not in lumps (median gap over 1 ms)."""
+    from rapidkv.harness.client import stream_many
+    from rapidkv.router.config import Instance, RouterConfig
+    from rapidkv.router.server import start_router
+
+    prompts, expected = workloads["router-dual"]
+    assert len(prompts) == 32
+    urls = (pd_pair.p.base_url, pd_pair.d.base_url)
+    config = RouterConfig(
+        prefill=(Instance(pd_pair.p.base_url),),
+        decode=(Instance(pd_pair.d.base_url, pd_pair.d_control),),
+        port=0,
+    )
+    with start_router(config) as router:
+        before = [ttft_histogram(u) for u in urls]
+        outs = stream_many(router.url, prompts, MAX_TOKENS, concurrency=32)
+        # P's first token of each request, and D's: the API servers record
+        # them as their outputs go out
+        counted = lambda: bucket_counts(before, [ttft_histogram(u) for u in urls])[-1][1]  # noqa: E731
+        assert wait_for(lambda: counted() >= 2 * len(prompts), 5), counted()
+        after = [ttft_histogram(u) for u in urls]
+    assert [o.token_ids for o in outs] == expected
+    assert_usage_and_no_stall(outs, prompts)
+    engine_p90_ms = bucket_quantile(bucket_counts(before, after), 0.9) * 1000
+    client = sorted(o.ttft_ms for o in outs)
+    client_p90_ms = client[int(0.9 * (len(client) - 1))]
+    assert client_p90_ms <= 1.5 * engine_p90_ms + 50, (client_p90_ms, engine_p90_ms)
+    gaps = sorted(b - a for o in outs for a, b in zip(o.token_ms, o.token_ms[1:], strict=False))
+    assert gaps[len(gaps) // 2] > 1.0, f"tokens came in lumps: median gap {gaps[len(gaps) // 2]} ms"
     assert_back_to_baseline(pd_pair)
 
 
