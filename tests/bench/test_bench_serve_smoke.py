@@ -19,6 +19,7 @@ from rapidkv.bench.serve.proxy import prefill_body
 from rapidkv.bench.serve.report import acceptance_report, stall_report, to_json
 from rapidkv.bench.serve.run import Options
 from rapidkv.bench.serve.stats import (
+    Histogram,
     Reference,
     RequestResult,
     classify,
@@ -137,13 +138,26 @@ def test_a_load_summary_counts_verdicts_errors_throughput_and_cpu() -> None:
 
 @pytest.mark.unit
 def test_a_stall_shows_in_the_stall_report_whatever_the_p50() -> None:
-    def config(p50: float, p99: float, over: int, rate: float) -> dict:
-        ttft = {"p50": p50, "p99": p99, "max": p99}
+    def config(
+        p50: float,
+        p99: float,
+        over: int,
+        rate: float,
+        gap: float = 12.0,
+        p90: float = 300.0,
+        engine: float = 250.0,
+    ) -> dict:
+        ttft = {"p50": p50, "p90": p90, "p99": p99, "max": p99}
         load = {"ttft_ms": ttft, "ttft_over_1s": over, "throughput_req_s": rate}
+        load.update(itl_max_ms=gap, gaps_over_250ms=int(gap > 250), lumped_share=0.1)
+        load.update(engine_ttft_ms_p90=engine, client_ttft_over_engine_p90=p90 / engine)
+        load["client_ttft_within_engine_bound"] = (
+            p90 <= 1.5 * engine + 50 if not math.isnan(engine) else None
+        )
         return {"loads": {"c1": load, "c4": load}}
 
     configs = {
-        "vllm-nixl": config(200.0, 2900.0, 3, 10.0),  # a baseline's stalls are not ours
+        "vllm-nixl": config(200.0, 2900.0, 3, 10.0, gap=3000.0),  # a baseline's are not ours
         "rapidkv": config(160.0, 600.0, 0, 12.0),
         "rapidkv-whole": config(170.0, 650.0, 0, 11.0),
     }
@@ -151,14 +165,36 @@ def test_a_stall_shows_in_the_stall_report_whatever_the_p50() -> None:
     assert st["met"] is True
     assert st["rapidkv c4"]["throughput_over_vllm_nixl"] == pytest.approx(1.2)
     assert "throughput_over_vllm_nixl" not in st["rapidkv c1"]
+    assert st["rapidkv c1"]["itl_max_ms"] == 12.0 and st["rapidkv c1"]["lumped_share"] == 0.1
+    assert st["rapidkv c1"]["client_ttft_over_engine_p90"] == pytest.approx(1.2)
     configs["rapidkv-whole"] = config(161.0, 2885.0, 4, 11.0)  # the p50 looks fine
     st = stall_report(configs)
     assert st["met"] is False and st["rapidkv-whole c1"]["ttft_over_1s"] == 4
+    assert st["rapidkv-whole c1"]["ttft_p99_over_p50"] == pytest.approx(2885 / 161)
+    configs["rapidkv-whole"] = config(161.0, 900.0, 0, 11.0)  # p99 / p50 5.6: context only
+    assert stall_report(configs)["met"] is True
     configs["rapidkv-whole"] = config(161.0, 600.0, 0, 9.0)  # slower than vllm-nixl at c4
     assert stall_report(configs)["met"] is False
     configs["rapidkv-whole"]["loads"]["c4"]["paired_single"] = {}  # blocks: no rate target
     st = stall_report(configs)
     assert st["met"] is True and st["rapidkv-whole c4"]["paired"] is True
+    # whole streams: a gap over 1 s fails, gaps over 250 ms are shown, not a target
+    configs["rapidkv-whole"] = config(170.0, 650.0, 0, 11.0, gap=1000.5)
+    st = stall_report(configs)
+    assert st["met"] is False and st["rapidkv-whole c1"]["gaps_over_250ms"] == 1
+    configs["rapidkv-whole"] = config(170.0, 650.0, 0, 11.0, gap=1000.0)
+    assert stall_report(configs)["met"] is True
+    configs["rapidkv-whole"] = config(170.0, 650.0, 0, 11.0, gap=math.nan)  # one token each
+    assert stall_report(configs)["met"] is True
+    # the client's TTFT against the engines' own: waits outside the engines fail
+    configs["rapidkv-whole"] = config(170.0, 650.0, 0, 11.0, p90=425.0, engine=250.0)
+    assert stall_report(configs)["met"] is True  # 425 <= 1.5 x 250 + 50
+    configs["rapidkv-whole"] = config(170.0, 650.0, 0, 11.0, p90=426.0, engine=250.0)
+    st = stall_report(configs)
+    assert st["met"] is False and st["rapidkv-whole c1"]["client_ttft_within_engine_bound"] is False
+    configs["rapidkv-whole"] = config(170.0, 650.0, 0, 11.0, engine=math.nan)  # not read
+    assert stall_report(configs)["met"] is False
+    assert "engines' TTFT p90" in st["targets"] and "gap over 1 s" in st["targets"]
 
 
 @pytest.mark.unit
@@ -263,8 +299,9 @@ def _entry(loads: dict[str, list[RequestResult]]) -> dict:
     entry: dict = {"error": None, "startup_s": 1.0, "first_request_ms": [], "affinity": {}}
     entry.update(errors=0, hard_mismatches=0, near_tie_mismatches=0, loads={})
     entry["paired_single_hard_mismatches"] = 0
+    engine = Histogram(((0.01, 0.0), (0.05, 4.0), (math.inf, 4.0)), 4.0)  # p90 46 ms
     for load, results in loads.items():
-        s = load_summary(results, None, 1.0, {"decode": 0.5})
+        s = load_summary(results, None, 1.0, {"decode": 0.5}, {"decode": engine})
         s.update(prompt_tokens={}, kv_transferred_fraction=1.0, client_cpu_s=0.1)
         s.update(other_cpu_s=0.0, other_cpu_cores=0.0)
         entry["loads"][load] = s
@@ -503,6 +540,11 @@ def test_bench_serve_runs_single_and_rapidkv_and_matches(tmp_path: Path) -> None
                 assert c1[measure][key] > 0, (name, measure, key)
         assert c1["throughput_req_s"] > 0 and c1["output_tok_s"] > 0
         assert c1["server_cpu_s_per_req"] > 0
+        # whole streams, and the engines' own TTFT read from their /metrics
+        assert c1["itl_max_ms"] > 0 and c1["gaps_over_250ms"] >= 0
+        assert 0 <= c1["lumped_share"] <= 1
+        assert c1["engine_ttft_requests"] >= 2 and c1["engine_ttft_ms_p90"] > 0
+        assert c1["client_ttft_over_engine_p90"] > 0
     # one request at a time: the router splits each prompt, and the head (about
     # 55 % of it, in whole blocks) reaches D through the connector
     assert report["configs"]["rapidkv"]["loads"]["c1"]["kv_transferred_fraction"] > 0.3
@@ -517,6 +559,8 @@ def test_bench_serve_runs_single_and_rapidkv_and_matches(tmp_path: Path) -> None
         )
     ratio = report["acceptance"]["tiny"]["tpot_p50_rapidkv_over_single_c1"]
     assert report["acceptance"]["tiny"]["paired_c1"] is True
+    stalls = report["stalls"]["tiny"]["rapidkv c1"]
+    assert set(stalls["engine_ttft_ms_p90_by_server"]) == {"prefill", "decode"}
     assert (
         ratio
         == report["configs"]["rapidkv"]["loads"]["c1"]["paired_single"][

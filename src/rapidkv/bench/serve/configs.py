@@ -284,14 +284,20 @@ class RunningGroup:
 
         return {name: tree_cpu_seconds(proc.live_pids()) for name, proc in self.trees().items()}
 
-    def prompt_tokens(self) -> dict[str, dict[str, float]]:
-        """Per server, vLLM's prompt-token counters by source so far: `external` (KV
-        received through a connector) and `local` (computed by the instance)."""
-        from rapidkv.harness import get_metrics, metric_sum
+    def scrape(self) -> dict[str, Any]:
+        """Per server, its `/metrics` now (`harness.get_metrics`)."""
+        from rapidkv.harness import get_metrics
+
+        return {key: get_metrics(server.base_url) for key, server in self.servers.items()}
+
+    def prompt_tokens(self, scraped: dict[str, Any] | None = None) -> dict[str, dict[str, float]]:
+        """Per server, vLLM's prompt-token counters by source so far (or in
+        `scraped`, a `scrape()`): `external` (KV received through a connector)
+        and `local` (computed by the instance)."""
+        from rapidkv.harness import metric_sum
 
         out = {}
-        for key, server in self.servers.items():
-            m = get_metrics(server.base_url)
+        for key, m in (scraped if scraped is not None else self.scrape()).items():
             out[key] = {
                 short: metric_sum(m, PROMPT_TOKENS_METRIC, source=source)
                 for short, source in (
@@ -300,6 +306,14 @@ class RunningGroup:
                 )
             }
         return out
+
+    def ttft_histograms(self, scraped: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Per server, vLLM's histogram of its engine's TTFT so far (or in
+        `scraped`), a `stats.Histogram` in seconds."""
+        from rapidkv.bench.serve.stats import TTFT_METRIC, histogram
+
+        scraped = scraped if scraped is not None else self.scrape()
+        return {key: histogram(m, TTFT_METRIC) for key, m in scraped.items()}
 
     def affinity(self) -> dict[str, list[str]]:
         """Per server and front, the distinct CPU lists its threads may run on."""

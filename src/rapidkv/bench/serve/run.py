@@ -217,6 +217,8 @@ class LoadRun:
     cpu_s: dict[str, float] = field(default_factory=dict)
     prompt_tokens: dict[str, dict[str, float]] = field(default_factory=dict)  # server ->
     # {"external", "local"} counted
+    engine_ttft: dict[str, Any] = field(default_factory=dict)  # server -> stats.Histogram
+    # of its engine's TTFT, counted over the configuration's blocks
     client_cpu_s: float = 0.0  # this process: the load generator
     other_cpu_s: float = 0.0  # everything else on the machine (noise: should be ~0)
     paired_single: list[Any] | None = None  # `single` on the same blocks (paired only)
@@ -447,6 +449,7 @@ class ModelRun:
         blocks each followed (in alternate order) by the same block on `single`."""
         from rapidkv.bench.serve.configs import CONFIGS
         from rapidkv.bench.serve.loads import TIMEOUT
+        from rapidkv.bench.serve.stats import histogram_delta
 
         self.progress.stage(f"{self.model} r{rnd}: {name} {load.name}")
         pair = self.single if self.opts.paired(name) else None
@@ -454,7 +457,7 @@ class ModelRun:
         if self.opts.paired(name) and pair is None:  # `single` did not start this round
             self.progress.advance(n)  # its blocks, counted in `load_units`, are not run
         size = self.opts.pair_block if pair is not None else n
-        tokens_before = group.prompt_tokens()
+        before = group.scrape()
         run = LoadRun(rnd, paired_single=None if pair is None else [])
         for b, lo in enumerate(range(0, n, size)):
             seed = self.opts.seed + rnd + b * PAIR_SEED_STRIDE
@@ -473,9 +476,15 @@ class ModelRun:
                 left = max(0, n - lo - size)  # prompts not sent, on both sides if paired
                 self.progress.advance(left * (1 if pair is None else 2))
                 break
+        after = group.scrape()
+        tokens_before, ttft_before = group.prompt_tokens(before), group.ttft_histograms(before)
         run.prompt_tokens = {
             server: {src: v - tokens_before[server][src] for src, v in counts.items()}
-            for server, counts in group.prompt_tokens().items()
+            for server, counts in group.prompt_tokens(after).items()
+        }
+        run.engine_ttft = {
+            server: histogram_delta(ttft_before[server], h)
+            for server, h in group.ttft_histograms(after).items()
         }
         self.configs[name].loads.setdefault(load.name, []).append(run)
         self.check_timeouts(name, load.name, run.results)

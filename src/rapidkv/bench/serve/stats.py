@@ -1,7 +1,8 @@
 """`rapidkv bench serve`: summaries of measured samples and the correctness check.
 
 Pure functions, no I/O: they turn what one load produced (per-request token
-ids and arrival times) into the numbers the benchmark reports.
+ids and arrival times, and the engines' TTFT histograms read before and after
+it) into the numbers the benchmark reports.
 
 Correctness: every output is compared token for token with the reference (the
 `single` instance, greedy). A mismatch is a *near-tie* when, at the first
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -25,6 +26,23 @@ NEAR_TIE_MARGIN = 0.05
 SLOW_TTFT_MS = 1000.0
 """A request whose first token took longer than this is counted (`ttft_over_1s`):
 a stall of the whole pipeline shows there even when the p50 hides it."""
+
+SLOW_GAP_MS = 1000.0
+"""The largest inter-token gap a stall-free stream has (`itl_max_ms`, a target)."""
+LONG_GAP_MS = 250.0
+"""Inter-token gaps longer than this are counted (`gaps_over_250ms`): decode steps
+take a few ms here, so a gap this long is a stream held up somewhere."""
+LUMP_GAP_MS = 1.0
+"""Inter-token gaps shorter than this are tokens that arrived in a lump
+(`lumped_share`): held back, then relayed together."""
+
+TTFT_METRIC = "vllm:time_to_first_token_seconds"
+"""vLLM's histogram of each engine's own time to first token (arrival at the
+instance -> first token out), in seconds."""
+ENGINE_TTFT_FACTOR = 1.5
+ENGINE_TTFT_SLACK_MS = 50.0
+"""The client's TTFT p90 is within the engines' when <= FACTOR x theirs + SLACK:
+the rest is time a request spent outside the engines (client, router, relays)."""
 
 Verdict = Literal["match", "near_tie", "hard"]
 
@@ -126,6 +144,116 @@ def summarize(values: Sequence[float]) -> dict[str, float]:
 
 
 @dataclass(frozen=True)
+class Histogram:
+    """A Prometheus histogram as scraped: cumulative counts by upper bound
+    (`le`, ascending; the last one +Inf), and the observations' count and sum."""
+
+    buckets: tuple[tuple[float, float], ...] = ()
+    count: float = 0.0
+    total: float = 0.0  # the `_sum` sample
+
+    def as_json(self) -> dict[str, float]:
+        """{le: cumulative count}, `le` written as Prometheus writes it (`+Inf`)."""
+        return {("+Inf" if math.isinf(le) else f"{le:g}"): c for le, c in self.buckets}
+
+
+def histogram(
+    metrics: Mapping[tuple[str, frozenset[tuple[str, str]]], float], name: str
+) -> Histogram:
+    """Histogram `name` out of one scrape (`harness.get_metrics`: {(sample name,
+    labels): value}), summed over every label set but `le` (engines, models);
+    empty when the scrape has no such histogram."""
+    buckets: dict[float, float] = {}
+    count = total = 0.0
+    for (sample, labels), value in metrics.items():
+        if sample == f"{name}_bucket":
+            le = float(dict(labels)["le"])  # "+Inf" -> inf
+            buckets[le] = buckets.get(le, 0.0) + value
+        elif sample == f"{name}_count":
+            count += value
+        elif sample == f"{name}_sum":
+            total += value
+    return Histogram(tuple(sorted(buckets.items())), count, total)
+
+
+def histogram_delta(before: Histogram, after: Histogram) -> Histogram:
+    """What `after` counted since `before` (the same series read twice); `after`
+    itself when a count went back (the server started afresh in between)."""
+    old = dict(before.buckets)
+    if after.count < before.count or any(c < old.get(le, 0.0) for le, c in after.buckets):
+        return after
+    return Histogram(
+        tuple((le, c - old.get(le, 0.0)) for le, c in after.buckets),
+        after.count - before.count,
+        after.total - before.total,
+    )
+
+
+def merge_histograms(histograms: Iterable[Histogram]) -> Histogram:
+    """The sum of histograms (several servers, several rounds). Over the union
+    of their bounds: where one has no bucket at a bound, it counts there what
+    its next lower bound counts (vLLM's instances share their bounds: exact)."""
+    hs = list(histograms)
+    bounds = sorted({le for h in hs for le, _ in h.buckets})
+
+    def at(h: Histogram, bound: float) -> float:
+        below = [c for le, c in h.buckets if le <= bound]
+        return below[-1] if below else 0.0
+
+    return Histogram(
+        tuple((b, sum(at(h, b) for h in hs)) for b in bounds),
+        sum(h.count for h in hs),
+        sum(h.total for h in hs),
+    )
+
+
+def histogram_percentile(h: Histogram, q: float) -> float:
+    """The `q`-th percentile (0..100) estimated from cumulative bucket counts,
+    as Prometheus's `histogram_quantile`: the rank's bucket is found and the
+    value interpolated linearly between its lower bound (the bucket below's
+    upper bound; 0 below the first) and its upper bound; a rank in the +Inf
+    bucket gives the highest finite bound; q = 0 the lower bound of the first
+    bucket that holds any. nan without observations."""
+    if not h.buckets or h.buckets[-1][1] <= 0:
+        return math.nan
+    rank = q / 100.0 * h.buckets[-1][1]
+    lo_le, lo_c = 0.0, 0.0
+    for le, c in h.buckets:
+        if c >= rank and c > lo_c:  # the first bucket that holds the rank (q = 0: any)
+            if math.isinf(le):
+                return lo_le
+            return lo_le + (le - lo_le) * (rank - lo_c) / (c - lo_c)
+        lo_le, lo_c = le, c
+    return lo_le
+
+
+def engine_ttft_summary(
+    client_ttft_p90_ms: float, engines: Mapping[str, Histogram]
+) -> dict[str, Any]:
+    """The engines' own TTFT over a load (`engines`: per server, its TTFT
+    histogram's counts over the load) next to the client's TTFT p90: each
+    server's p90 and the p90 of all servers merged, in ms, the client's p90
+    over the merged one, and whether the client's is within
+    `ENGINE_TTFT_FACTOR` x it + `ENGINE_TTFT_SLACK_MS` (None when either is unknown)."""
+    merged = merge_histograms(engines.values())
+    engine_p90 = histogram_percentile(merged, 90) * 1000
+    known = math.isfinite(engine_p90) and math.isfinite(client_ttft_p90_ms)
+    bound = ENGINE_TTFT_FACTOR * engine_p90 + ENGINE_TTFT_SLACK_MS
+    return {
+        "engine_ttft_ms_p90": engine_p90,
+        "engine_ttft_ms_p90_by_server": {
+            k: histogram_percentile(h, 90) * 1000 for k, h in engines.items()
+        },
+        "engine_ttft_requests": merged.buckets[-1][1] if merged.buckets else 0.0,
+        "engine_ttft_buckets": {k: h.as_json() for k, h in engines.items()},
+        "client_ttft_over_engine_p90": (
+            client_ttft_p90_ms / engine_p90 if known and engine_p90 > 0 else math.nan
+        ),
+        "client_ttft_within_engine_bound": client_ttft_p90_ms <= bound if known else None,
+    }
+
+
+@dataclass(frozen=True)
 class RequestResult:
     """One measured request: which prompt, what came back, when (ms after it was sent)."""
 
@@ -161,15 +289,25 @@ def load_summary(
     references: Sequence[Reference] | None,
     wall_s: float,
     cpu_s: Mapping[str, float],
+    engine_ttft: Mapping[str, Histogram] | None = None,
 ) -> dict[str, Any]:
     """The report of one load on one configuration.
 
     `wall_s` is first request sent -> last response complete; `cpu_s` the CPU
     seconds each server-side process tree ("prefill", "router", ...) used over
-    the load. Mismatches are counted against `references` (by prompt index)
-    when given; failed requests count as errors, not as mismatches.
+    the load; `engine_ttft` each server's TTFT histogram counted over the load
+    (`engine_ttft_summary`; none given: its figures are nan). Mismatches are
+    counted against `references` (by prompt index) when given; failed requests
+    count as errors, not as mismatches.
+
+    Whole streams, not only their first token: `itl_max_ms` is the longest gap
+    between two tokens of any request, `gaps_over_250ms` counts the gaps over
+    `LONG_GAP_MS`, `lumped_share` is the share of gaps under `LUMP_GAP_MS`
+    (tokens that arrived together).
     """
     ok = [r for r in results if r.error is None]
+    gaps = [g for r in ok for g in r.itl_ms]
+    ttft = summarize([r.ttft_ms for r in ok])
     verdicts = {"match": 0, "near_tie": 0, "hard": 0}
     for r in ok if references is not None else ():
         verdicts[classify(references[r.prompt_index], r.token_ids)] += 1
@@ -180,10 +318,14 @@ def load_summary(
         "requests": n,
         "errors": n - len(ok),
         "error_examples": sorted({r.error for r in results if r.error})[:3],
-        "ttft_ms": summarize([r.ttft_ms for r in ok]),
+        "ttft_ms": ttft,
         "ttft_over_1s": sum(r.ttft_ms > SLOW_TTFT_MS for r in ok),
+        **engine_ttft_summary(ttft["p90"], engine_ttft or {}),
         "tpot_ms": summarize([r.tpot_ms for r in ok]),
-        "itl_ms": summarize([g for r in ok for g in r.itl_ms]),
+        "itl_ms": summarize(gaps),
+        "itl_max_ms": max(gaps) if gaps else math.nan,
+        "gaps_over_250ms": sum(g > LONG_GAP_MS for g in gaps),
+        "lumped_share": sum(g < LUMP_GAP_MS for g in gaps) / len(gaps) if gaps else math.nan,
         "e2e_ms": summarize([r.e2e_ms for r in ok]),
         "duration_s": wall_s,
         "throughput_req_s": len(ok) / wall_s if wall_s > 0 else math.nan,
