@@ -58,6 +58,7 @@ E2E_ORDER = (
     "test_migration.py",
     "test_migration_connector.py",
     "test_pd_connector.py",
+    "test_vllm_bench_through_router.py",
     "test_pd_faults.py",
     "test_fleet_etcd.py",
     "test_fleet.py",
