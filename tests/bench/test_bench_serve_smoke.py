@@ -275,6 +275,20 @@ def test_progress_counts_the_paired_single_blocks_and_its_warm_up() -> None:
         Options.from_args(parser.parse_args([*base, "--pair-block", "-1"]))
 
 
+@pytest.mark.unit
+def test_a_model_is_a_test_model_by_name_or_a_checkpoints_directory(tmp_path: Path) -> None:
+    from rapidkv.bench.serve import register
+
+    parser = argparse.ArgumentParser()
+    register(parser)
+    (tmp_path / "config.json").write_text("{}")
+    opts = Options.from_args(parser.parse_args(["--models", f"tiny,{tmp_path}"]))
+    assert opts.models == ("tiny", str(tmp_path))
+    for bad in ("huge", str(tmp_path / "nothing-here")):
+        with pytest.raises(ValueError, match="unknown model"):
+            Options.from_args(parser.parse_args(["--models", bad]))
+
+
 def test_the_json_output_is_strict_json_with_null_for_missing_figures() -> None:
     text = to_json({"p50": math.nan, "n": 3, "ids": (1, 2), "inf": math.inf, "dir": Path("/x")})
     assert json.loads(text) == {"p50": None, "n": 3, "ids": [1, 2], "inf": None, "dir": "/x"}

@@ -68,7 +68,12 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     )
 
     parser.description = (__doc__ or "").split("\n\n")[0]
-    parser.add_argument("--models", default="tiny", help=f"comma-separated, of {', '.join(MODELS)}")
+    parser.add_argument(
+        "--models",
+        default="tiny",
+        help=f"comma-separated: {', '.join(MODELS)} (test models, built on first use) or a "
+        "checkpoint's directory (served with --dtype as given)",
+    )
     parser.add_argument(
         "--dtype", choices=sorted(DTYPES), default="float32", help="model dtype (%(default)s)"
     )

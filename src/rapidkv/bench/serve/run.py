@@ -90,8 +90,11 @@ class Options:
         else:
             configs = tuple(name for name, c in CONFIGS.items() if c.default)
         for m in models:
-            if m not in MODELS:
-                raise ValueError(f"unknown model {m!r} (known: {', '.join(MODELS)})")
+            if m not in MODELS and not (Path(m) / "config.json").is_file():
+                raise ValueError(
+                    f"unknown model {m!r} (known: {', '.join(MODELS)}, or a checkpoint's "
+                    "directory, holding its config.json)"
+                )
         for c in configs:
             if c not in CONFIGS:
                 raise ValueError(f"unknown configuration {c!r} (known: {', '.join(CONFIGS)})")
@@ -255,11 +258,13 @@ class ModelRun:
 
         self.model = model
         self.opts = opts
-        self.log_dir = log_dir / model
+        self.log_dir = log_dir / Path(model).name
         self.progress = progress
         self.trace = trace
         self.link = link
-        self.model_dir = ensure_model(model, dtype=opts.dtype)
+        # a test model by name (built on first use), or a checkpoint's directory
+        test_model = model in MODELS
+        self.model_dir = ensure_model(model, dtype=opts.dtype) if test_model else Path(model)
         self.prompts = random_prompts(self.model_dir, prompt_lengths(opts), seed=opts.seed)
         self.references: list[Any] | None = None  # stats.Reference per prompt
         self.reference_error: str | None = None
