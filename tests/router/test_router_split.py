@@ -174,3 +174,27 @@ def test_no_split_while_d_has_a_request_in_flight(
             assert first.status_code == 200
             first.read()
     assert splits(router) == 1  # the first one, sent while everything was idle
+
+
+@pytest.mark.parametrize("prompt", [["abc", "defg"], [PROMPT, PROMPT[:6]], [PROMPT]])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_batch_of_prompts_is_served_on_d_alone_as_sent(
+    pd: tuple[FakeVLLM, FakeVLLM],
+    make_router: MakeRouter,
+    http: httpx.Client,
+    prompt: list,
+    stream: bool,
+) -> None:
+    """vLLM makes one engine request per prompt of a batch, all with the same
+    kv_transfer_params: no transfer could serve them (D waited for KV that never
+    came: the client hung). The router sends the batch to D as a local request,
+    the client's body untouched, and P is not asked."""
+    p, d = pd
+    router = router_for(make_router, p, d)
+    body = dict(BODY, prompt=prompt, stream=stream)
+    resp = http.post(f"{router.url}/v1/completions", json=body)
+    assert resp.status_code == 200
+    (d_seen,) = completions(d.wait_seen(1))
+    assert d_seen.body == body
+    assert not p.requests(), "P was asked for a batch"
+    assert resp.content == bytes(d_seen.sent)

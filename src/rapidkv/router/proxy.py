@@ -12,7 +12,10 @@ Theory of operation
   and D computes the tail at the same time (`split`);
 - ``serial``: P's request is sent and its answer awaited, then D's is sent
   (the conventional flow, for comparison);
-- ``local``: only D, sent the client's bytes untouched.
+- ``local``: only D, sent the client's bytes untouched. A completions request
+  whose ``prompt`` is a batch (a list of several prompts) goes this way in any
+  mode: vLLM makes one engine request per prompt, all carrying the same
+  ``kv_transfer_params``, and no transfer could serve them.
 
 D's answer (status, headers, body) is relayed to the client as it arrives,
 streaming or not, byte for byte; P's answer is dropped. Except, in ``dual``
@@ -103,6 +106,7 @@ from rapidkv.router.rewrite import (
     encode,
     error_body,
     new_xfer_id,
+    one_sequence,
     parse_request,
     prefill_body,
     stitchable,
@@ -492,6 +496,11 @@ class Router:
         Returns the outcome."""
         assert ex.decode is not None
         if mode != "local" and p_choice is None:
+            mode = "local"
+        elif mode != "local" and not one_sequence(body, ex.endpoint):
+            # several engine requests would share one xfer_id (a batch of prompts):
+            # D would wait for KV no transfer brings; one instance serves it all
+            log.debug("xfer %s: a batch of prompts is served on D alone", ex.xfer_id)
             mode = "local"
         elif mode != "local" and p_choice == "least":
             others = [i for i in self._pools["prefill"] if i != d_index]

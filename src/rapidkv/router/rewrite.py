@@ -167,6 +167,13 @@ def stitchable(body: Body, endpoint: Endpoint) -> bool:
     )
 
 
+def one_sequence(body: Body, endpoint: Endpoint) -> bool:
+    """The request makes one engine request on vLLM, which one transfer can
+    serve: a chat request, or a completion of one prompt. A batch of prompts (or
+    no valid prompt, which vLLM refuses) is not."""
+    return endpoint == "chat" or single_prompt(body)
+
+
 def single_prompt(body: Body) -> bool:
     """The body's `prompt` is one prompt: text, or token ids."""
     prompt = body.get("prompt")
