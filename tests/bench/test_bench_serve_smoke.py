@@ -137,6 +137,26 @@ def test_a_load_summary_counts_verdicts_errors_throughput_and_cpu() -> None:
 
 
 @pytest.mark.unit
+def test_at_deep_loads_throughput_is_held_against_vllm_nixl_and_half_of_dp2() -> None:
+    def config(rate: float) -> dict:
+        load = {"ttft_ms": {"p50": 100.0, "p90": 120.0, "p99": 150.0, "max": 160.0}}
+        load.update(ttft_over_1s=0, throughput_req_s=rate, itl_max_ms=20.0)
+        load.update(gaps_over_250ms=0, lumped_share=0.0, engine_ttft_ms_p90=110.0)
+        load.update(client_ttft_over_engine_p90=120 / 110, client_ttft_within_engine_bound=True)
+        return {"loads": {"c16": load, "c32": dict(load)}}
+
+    configs = {"vllm-nixl": config(20.0), "dp2": config(50.0), "rapidkv": config(26.0)}
+    st = stall_report(configs)
+    assert st["met"] is True
+    assert st["rapidkv c32"]["throughput_over_vllm_nixl"] == pytest.approx(1.3)
+    assert st["rapidkv c32"]["throughput_over_dp2"] == pytest.approx(0.52)
+    configs["rapidkv"] = config(24.0)  # above vllm-nixl, under half of dp2
+    assert stall_report(configs)["met"] is False
+    configs["dp2"] = config(40.0)
+    configs["rapidkv"] = config(19.0)  # half of dp2, under vllm-nixl
+    assert stall_report(configs)["met"] is False
+
+
 def test_a_stall_shows_in_the_stall_report_whatever_the_p50() -> None:
     def config(
         p50: float,
