@@ -249,6 +249,31 @@ def test_router_streams_pd_outputs_equal_to_single_instance(
     assert_back_to_baseline(pd_pair)
 
 
+def test_router_local_dispatch_streams_the_usage_one_vllm_reports(
+    pd_pair: Pair, workloads: dict
+) -> None:
+    """`--dispatch local`: D alone answers, the client's bytes relayed as they
+    come, with the usage one vLLM reports; P is not asked."""
+    from rapidkv.harness.client import stream_many
+    from rapidkv.router.config import Instance, RouterConfig
+    from rapidkv.router.server import start_router
+
+    prompts, expected = workloads["router-serial"]
+    p0 = pd_pair.stats("p")
+    config = RouterConfig(
+        prefill=(Instance(pd_pair.p.base_url, pd_pair.p_control),),
+        decode=(Instance(pd_pair.d.base_url, pd_pair.d_control),),
+        port=0,
+        dispatch="local",
+    )
+    with start_router(config) as router:
+        outs = stream_many(router.url, prompts[:8], MAX_TOKENS, concurrency=4)
+    assert [o.token_ids for o in outs] == expected[:8]
+    assert_usage_and_no_stall(outs, prompts[:8])
+    assert pd_pair.stats("p").get("parked", 0) == p0.get("parked", 0)
+    assert_back_to_baseline(pd_pair)
+
+
 def test_router_split_prefills_equal_single_instance_outputs(
     pd_pair: Pair, workloads: dict
 ) -> None:
@@ -348,6 +373,38 @@ def test_32_streams_through_the_router_start_as_the_engines_answer_and_flow_as_p
     assert client_p90_ms <= bound, (client_p90_ms, engine_p90_ms)
     gaps = sorted(b - a for o in outs for a, b in itertools.pairwise(o.token_ms))
     assert percentile(gaps, 50) > 1.0, f"tokens came in lumps: median gap {percentile(gaps, 50)} ms"
+    assert_back_to_baseline(pd_pair)
+
+
+def test_a_batch_of_prompts_through_the_router_is_answered_as_one_vllm_answers_it(
+    pd_pair: Pair, workloads: dict
+) -> None:
+    """A completion whose `prompt` is a list of prompts (the API's batch form)
+    hung in dual dispatch: vLLM made one engine request per prompt with one
+    xfer_id, and D waited for KV that no transfer brought. It is served on D
+    alone: every choice, in order, is the single instance's."""
+    from rapidkv.router.config import Instance, RouterConfig
+    from rapidkv.router.server import start_router
+
+    prompts, expected = workloads["router-serial"]
+    batch = [prompts[1], prompts[6]]
+    config = RouterConfig(
+        prefill=(Instance(pd_pair.p.base_url),),
+        decode=(Instance(pd_pair.d.base_url, pd_pair.d_control),),
+        port=0,
+    )
+    body = {
+        "prompt": batch,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    with start_router(config) as router:
+        resp = httpx.post(f"{router.url}/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    choices = sorted(resp.json()["choices"], key=lambda c: c["index"])
+    assert [c["token_ids"] for c in choices] == [expected[1], expected[6]]
     assert_back_to_baseline(pd_pair)
 
 
