@@ -34,7 +34,7 @@ from rapidkv.control.messages import AbortReply, Reply, Request
 from rapidkv.control.server import RpcServer
 from rapidkv.harness import wait_until
 from rapidkv.router import Instance, RunningRouter
-from rapidkv.router.rewrite import MAX_DEPTH
+from rapidkv.router.rewrite import MAX_DEPTH, one_sequence
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(300)]
 
@@ -331,7 +331,9 @@ def test_any_other_body_is_passed_through_and_d_answers(
     setup: Setup, case: tuple[str, dict[str, Any]], ascii_only: bool
 ) -> None:
     """Any JSON object the router does not refuse is routed: D gets the client's
-    fields unchanged, P a one-token copy of them, and the client D's answer."""
+    fields unchanged, P a one-token copy of them, and the client D's answer. A
+    completion whose prompt is not one prompt (a batch, or no valid prompt) goes
+    to D alone, its bytes untouched: no transfer could serve it."""
     endpoint, body = case
     assume(mode_of(body) in (None, *MODES))
     raw = to_json(body, ascii_only)
@@ -343,8 +345,10 @@ def test_any_other_body_is_passed_through_and_d_answers(
     seen = setup.d.by_id(xfer)
     assert seen is not None and seen.path == PATHS[endpoint]
     setup.settled()
-    if setup.dispatch == "local":
+    if setup.dispatch == "local" or not one_sequence(body, endpoint):
         assert seen.raw == raw  # the client's bytes, untouched
+        if setup.p is not None:
+            assert not [s for s in setup.p.requests()[p_before:] if s.path == PATHS[endpoint]]
         return
     check_decode(seen, body, xfer)
     assert setup.p is not None
