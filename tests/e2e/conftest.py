@@ -9,6 +9,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conformance import SHAPES
+from conformance import run as run_shape
 from pd_harness import (
     ABORT_WRITING_TOKENS,
     BLOCK,
@@ -59,6 +61,8 @@ E2E_ORDER = (
     "test_migration_connector.py",
     "test_pd_connector.py",
     "test_vllm_bench_through_router.py",
+    "test_conformance.py",
+    "test_router_schema_fuzz.py",
     "test_pd_faults.py",
     "test_fleet_etcd.py",
     "test_fleet.py",
@@ -226,6 +230,9 @@ def workloads(tiny_model: Path, single_server_starter) -> dict[str, tuple[list, 
     out["migration"] = (migrate, complete_many(single.base_url, migrate, SOURCE_MIGRATION_TOKENS))
     gone = random_prompts(tiny_model, [350], seed=2601)
     out["migration-gone"] = (gone, complete_many(single.base_url, gone, MAX_TOKENS))
+    # test_conformance: every request shape, as one vLLM answers it
+    model = str(tiny_model)
+    out["conformance"] = (model, {s.name: run_shape(single.base_url, model, s) for s in SHAPES})
     for seed, name in enumerate(["late_p", "gone", "abort_d", "nothing"]):
         one = random_prompts(
             tiny_model, [BLOCK + 1 if name == "nothing" else 600], seed=2000 + seed

@@ -20,7 +20,9 @@ every one that reaches it before its listener closed has its connection
 dropped, unanswered (`stop()`, the orderly end, lets the held ones answer).
 
 ``POST /tokenize`` answers a text prompt's "token ids" (its characters' code
-points), or 500 for a prompt that starts with "untokenizable".
+points), or 500 for a prompt that starts with "untokenizable". ``POST
+/v1/responses`` answers a response id (streamed: in a ``response.created``
+event) that ``GET /v1/responses/{id}`` then finds on this fake only.
 
 Every answer's exact bytes are recorded (`sent`), so a test can check that the
 router relayed them byte for byte. Order across fakes is recorded with one
@@ -97,6 +99,7 @@ class FakeVLLM:
         self.control: str | None = None
         self.max_num_seqs = 4  # what it reports with the control address
         self.seen: list[Seen] = []
+        self.responses: set[str] = set()  # ids of the Responses API answers it gave
         self._loop: asyncio.AbstractEventLoop | None = None
         self._gate: asyncio.Event | None = None
         self._released = False
@@ -177,6 +180,9 @@ class FakeVLLM:
         if path == "/tokenize":
             await self._tokenize(seen, send)
             return
+        if path == "/v1/responses":
+            await self._respond(seen, send)
+            return
         behaviour = (body.get("fake") or {}).get(self.role, "ok")
         if self._dead:
             await self._cut(seen, send)
@@ -251,6 +257,18 @@ class FakeVLLM:
         answer = {"count": len(tokens), "max_model_len": 1024, "tokens": tokens}
         await self._answer(seen, send, 200, "application/json", [json.dumps(answer).encode()])
 
+    async def _respond(self, seen: Seen, send: Any) -> None:
+        """The Responses API: an id this fake remembers (``GET /v1/responses/{id}``)."""
+        response_id = f"resp_{self.name}_{seen.seq}"
+        self.responses.add(response_id)
+        answer = {"id": response_id, "object": "response", "served_by": self.name}
+        if seen.body.get("stream") is True:
+            created = {"type": "response.created", "response": answer}
+            events = [b"event: response.created\ndata: " + json.dumps(created).encode() + b"\n\n"]
+            await self._answer(seen, send, 200, "text/event-stream", events)
+        else:
+            await self._answer(seen, send, 200, "application/json", [json.dumps(answer).encode()])
+
     async def _hold(self, receive: Any) -> bool:
         """Wait for release (True) or the caller's disconnect (False)."""
         assert self._gate is not None
@@ -273,6 +291,10 @@ class FakeVLLM:
             }
             await self._start(send, 200, "application/json")
             await send({"type": "http.response.body", "body": json.dumps(models).encode()})
+        elif path.removeprefix("/v1/responses/") in self.responses:
+            answer = {"id": path.removeprefix("/v1/responses/"), "served_by": self.name}
+            await self._start(send, 200, "application/json")
+            await send({"type": "http.response.body", "body": json.dumps(answer).encode()})
         else:
             await self._start(send, 404, "text/plain")
             await send({"type": "http.response.body", "body": b"not found"})

@@ -1,15 +1,15 @@
 """Bad client input to the router, fuzzed, against fake P and D upstreams.
 
-The router validates little itself (`rewrite.parse_request`): the body must be
-a JSON object of at most `max_body_bytes`, ask for one sequence (``n`` and
-``best_of``, read as vLLM reads an integer) and name a known
-``kv_transfer_params.rapidkv.transfer_kv_mode``. What it refuses gets a JSON
-400 (413 for size) and reaches no instance. Everything else is vLLM's to
-validate: whatever the types and values, the router passes the client's fields
-through (P: a one-token copy, `rewrite.prefill_body`; D: unchanged but for
-`kv_transfer_params`; local dispatch: the client's bytes) and relays D's
-answer. Either way the router never answers 5xx itself, stays up, and leaves
-nothing running on P.
+The router validates little itself (`rewrite.parse_request`, `fanout.plan`):
+the body must be a JSON object of at most `max_body_bytes`, name a known
+``kv_transfer_params.rapidkv.transfer_kv_mode`` and ask for at most
+`MAX_SEQUENCES` sequences. What it refuses gets a JSON 400 (413 for size) and
+reaches no instance. Everything else is vLLM's to validate: whatever the types
+and values, the router passes the client's fields through (P: a one-token
+copy, `rewrite.prefill_body`; D: unchanged but for `kv_transfer_params`; local
+dispatch: the client's bytes; a batch or ``n > 1``: one sub-request per
+sequence, answers merged) and relays D's answer. Either way the router never
+answers 5xx itself, stays up, and leaves nothing running on P.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ from rapidkv.control.messages import AbortReply, Reply, Request
 from rapidkv.control.server import RpcServer
 from rapidkv.harness import wait_until
 from rapidkv.router import Instance, RunningRouter
-from rapidkv.router.rewrite import MAX_DEPTH, one_sequence
+from rapidkv.router.fanout.plan import MAX_SEQUENCES, Sub, plan
+from rapidkv.router.rewrite import MAX_DEPTH, transferable
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(300)]
 
@@ -82,8 +83,10 @@ counts = st.one_of(st.integers(-3, 70), numbers, junk)
 # n / best_of values vLLM does not read as more than one sequence
 ONE_SEQUENCE = [None, 0, 1, -1, True, False, 1.0, "1", " 1 ", 2.5, "2.5", "two", "", [], {},
                 [2], {"n": 2}, -(10**30), math.nan, math.inf, "inf", "NaN"]  # fmt: skip
-# ... and values it reads as several (the router must refuse them)
-SEVERAL = [2, 3, 10**30, 10**4000, 2.0, 1e10, "2", " 3 ", "2.0", "+4", "1_0", "\t5\n"]
+# ... values it reads as a few (served: one sub-request each) ...
+SEVERAL = [2, 3, 2.0, "2", " 3 ", "2.0", "+4", "\t5\n"]
+# ... and as more than the router serves in one request (refused)
+TOO_MANY = [MAX_SEQUENCES + 1, 10**30, 10**4000, 1e10, "1e10", "1_000"]
 
 # the client's own kv_transfer_params.rapidkv: a valid mode, and junk the router drops
 OURS = {"transfer_kv_mode": st.sampled_from([None, *MODES]), "xfer_id": junk, "role": junk}
@@ -133,7 +136,7 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
             optional={"do_remote_prefill": junk, "remote_host": junk},
         ),
     ),
-    "n": st.sampled_from(ONE_SEQUENCE),
+    "n": st.sampled_from(ONE_SEQUENCE + SEVERAL),
     "best_of": st.sampled_from(ONE_SEQUENCE),
 }
 # a well-formed request of each endpoint (streamed and greedy often enough that
@@ -333,19 +336,25 @@ def test_any_other_body_is_passed_through_and_d_answers(
     """Any JSON object the router does not refuse is routed: D gets the client's
     fields unchanged, P a one-token copy of them, and the client D's answer. A
     completion whose prompt is not one prompt (a batch, or no valid prompt) goes
-    to D alone, its bytes untouched: no transfer could serve it."""
+    to D alone, its bytes untouched: no transfer could serve it; so does one
+    whose prompt logprobs make vLLM compute the prompt on D anyway."""
     endpoint, body = case
     assume(mode_of(body) in (None, *MODES))
     raw = to_json(body, ascii_only)
     p_before = len(setup.p.requests()) if setup.p else 0
+    d_before = len(setup.d.requests())
     resp = setup.post(endpoint, raw)
     assert resp.status_code == 200, resp.text[:300]
+    subs = plan(body, endpoint)  # type: ignore[arg-type]
+    if subs is not None:
+        check_fanned_out(setup, endpoint, body, subs, resp, p_before, d_before)
+        return
     assert resp.headers["x-fake-name"] == "D0"
     xfer = resp.headers["x-rapidkv-xfer-id"]
     seen = setup.d.by_id(xfer)
     assert seen is not None and seen.path == PATHS[endpoint]
     setup.settled()
-    if setup.dispatch == "local" or not one_sequence(body, endpoint):
+    if setup.dispatch == "local" or not transferable(body, endpoint):  # type: ignore[arg-type]
         assert seen.raw == raw  # the client's bytes, untouched
         if setup.p is not None:
             assert not [s for s in setup.p.requests()[p_before:] if s.path == PATHS[endpoint]]
@@ -359,6 +368,44 @@ def test_any_other_body_is_passed_through_and_d_answers(
         assert resp.content == bytes(seen.sent)  # D's answer, byte for byte
     else:
         assert resp.content.endswith(b"data: [DONE]\n\n") and b'"error"' not in resp.content
+
+
+def check_fanned_out(
+    setup: Setup,
+    endpoint: str,
+    body: dict[str, Any],
+    subs: list[Sub],
+    resp: httpx.Response,
+    p_before: int,
+    d_before: int,
+) -> None:
+    """A batch or n > 1: D got one request per sequence (n = 1, the prompt's
+    own), P one per prompt at most, and the client one answer whose choices
+    are numbered as vLLM numbers them."""
+    event(f"fanned out into {len(subs)}")
+    setup.settled()
+    seen = [s for s in setup.d.requests()[d_before:] if s.path == PATHS[endpoint]]
+    assert len(seen) == len(subs)
+    for s in seen:
+        assert s.body.get("n", 1) == 1
+        if endpoint == "completions":
+            assert any(same(s.body["prompt"], sub.body["prompt"]) for sub in subs)
+    if setup.p is not None:
+        p_seen = [s for s in setup.p.requests()[p_before:] if s.path == PATHS[endpoint]]
+        assert len(p_seen) <= len([s for s in subs if s.lead is None])
+    if body.get("stream") is True:
+        assert resp.content.endswith(b"data: [DONE]\n\n") and b'"error"' not in resp.content
+        indexes = {
+            c["index"]
+            for line in resp.content.split(b"\n\n")
+            if line.startswith(b"data: {")
+            for c in json.loads(line[6:])["choices"]
+        }
+        assert indexes == {sub.index for sub in subs}
+        assert resp.content.count(b"data: [DONE]") == 1
+    else:
+        answer = resp.json()
+        assert [c["index"] for c in answer["choices"]] == [sub.index for sub in subs]
 
 
 def check_decode(seen: Seen, body: dict[str, Any], xfer: str) -> None:
@@ -416,7 +463,7 @@ not_json = st.one_of(
     ),
 )
 not_an_object = junk.filter(lambda v: not isinstance(v, dict))
-several = st.one_of(st.sampled_from(SEVERAL), st.integers(min_value=2))
+too_many = st.one_of(st.sampled_from(TOO_MANY), st.integers(min_value=MAX_SEQUENCES + 1))
 
 
 @FUZZ
@@ -426,10 +473,13 @@ several = st.one_of(st.sampled_from(SEVERAL), st.integers(min_value=2))
         not_json.map(lambda raw: ("json", raw)),
         st.builds(lambda v, a: ("json", to_json(v, a)), not_an_object, st.booleans()),
         st.builds(
-            lambda param, v, body: (param, to_json({**body, param: v}, True)),
-            st.sampled_from(["n", "best_of"]),
-            several,
-            bodies,
+            lambda v, endpoint, prompt: (
+                "n",
+                to_json({"prompt": prompt, "messages": [], "n": v, "temperature": 1.0}, True),
+            ),
+            too_many,
+            endpoints,
+            PROMPTS.filter(bool),
         ),
         st.builds(
             lambda mode, body: (
@@ -447,9 +497,8 @@ several = st.one_of(st.sampled_from(SEVERAL), st.integers(min_value=2))
 @example("chat", ("json", b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}"))
 @example("completions", ("json", b'{"max_tokens": 1' + b"0" * 5000 + b"}"))  # int(): was 500
 @example("chat", ("json", b'{"tools": ' + b"[" * MAX_DEPTH + b"]" * MAX_DEPTH + b"}"))
-@example("completions", ("n", b'{"prompt": "x", "n": "2"}'))  # vLLM reads "2" as 2: was routed
-@example("chat", ("n", b'{"messages": [], "n": 2.0}'))  # likewise 2.0
-@example("completions", ("best_of", b'{"prompt": "x", "best_of": " 3 "}'))
+@example("completions", ("n", b'{"prompt": "x", "n": "1e10"}'))  # vLLM reads it as 10**10
+@example("completions", ("prompt", b'{"prompt": ' + json.dumps(["x"] * 257).encode() + b"}"))
 def test_what_the_router_validates_gets_a_json_400_and_reaches_no_instance(
     setup: Setup, endpoint: str, case: tuple[str, bytes]
 ) -> None:

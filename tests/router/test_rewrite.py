@@ -14,9 +14,11 @@ from rapidkv.router.rewrite import (
     encode,
     error_body,
     new_xfer_id,
+    one_sequence,
     parse_request,
     prefill_body,
     stitchable,
+    transferable,
 )
 
 pytestmark = pytest.mark.unit
@@ -197,16 +199,29 @@ def test_unknown_transfer_kv_mode_is_refused() -> None:
     assert e.value.param == "kv_transfer_params"
 
 
-@pytest.mark.parametrize(("param", "value"), [("n", 2), ("n", 8), ("best_of", 3)])
-def test_more_than_one_sequence_is_refused(param: str, value: int) -> None:
-    with pytest.raises(BadRequest, match=f"{param}={value}") as e:
-        parse_request(encode(dict(COMPLETION, **{param: value})))
-    assert e.value.param == param
+@pytest.mark.parametrize(("param", "value"), [("n", 2), ("n", "8"), ("best_of", 3)])
+def test_several_sequences_are_not_refused_but_are_not_one_transfer(
+    param: str, value: object
+) -> None:
+    body = parse_request(encode(dict(COMPLETION, **{param: value})))
+    assert not one_sequence(body, "completions") and not transferable(body, "completions")
 
 
 @pytest.mark.parametrize("value", [None, 1, True])
 def test_one_sequence_is_accepted(value: object) -> None:
-    assert parse_request(encode(dict(COMPLETION, n=value, best_of=value)))["prompt"] == [5, 6, 7]
+    body = parse_request(encode(dict(COMPLETION, n=value)))
+    assert body["prompt"] == [5, 6, 7] and one_sequence(body, "completions")
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"prompt_logprobs": 0}, {"prompt_logprobs": 3}, {"echo": True, "logprobs": 0}],
+)
+def test_prompt_logprobs_are_computed_on_d_alone(extra: dict[str, object]) -> None:
+    """vLLM computes the prompt again for them, whatever KV a connector loads."""
+    body = dict(COMPLETION, **extra)
+    assert one_sequence(body, "completions") and not transferable(body, "completions")
+    assert transferable(dict(COMPLETION, echo=True), "completions")
 
 
 @pytest.mark.parametrize("raw", [b"{", b"", b"\xff\xfe", b"not json"])

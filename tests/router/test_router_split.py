@@ -178,7 +178,7 @@ def test_no_split_while_d_has_a_request_in_flight(
 
 @pytest.mark.parametrize("prompt", [["abc", "defg"], [PROMPT, PROMPT[:6]], [PROMPT]])
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_batch_of_prompts_is_served_on_d_alone_as_sent(
+def test_a_batch_of_prompts_is_one_transfer_per_prompt(
     pd: tuple[FakeVLLM, FakeVLLM],
     make_router: MakeRouter,
     http: httpx.Client,
@@ -186,15 +186,19 @@ def test_a_batch_of_prompts_is_served_on_d_alone_as_sent(
     stream: bool,
 ) -> None:
     """vLLM makes one engine request per prompt of a batch, all with the same
-    kv_transfer_params: no transfer could serve them (D waited for KV that never
-    came: the client hung). The router sends the batch to D as a local request,
-    the client's body untouched, and P is not asked."""
+    kv_transfer_params: no one transfer could serve them (D waited for KV that
+    never came: the client hung). The router sends each prompt as a request of
+    its own, each with its own transfer (`fanout`), and merges the answers."""
     p, d = pd
     router = router_for(make_router, p, d)
     body = dict(BODY, prompt=prompt, stream=stream)
     resp = http.post(f"{router.url}/v1/completions", json=body)
     assert resp.status_code == 200
-    (d_seen,) = completions(d.wait_seen(1))
-    assert d_seen.body == body
-    assert not p.requests(), "P was asked for a batch"
-    assert resp.content == bytes(d_seen.sent)
+    d_seen = completions(d.wait_seen(len(prompt)))
+    assert sorted(s.body["prompt"] for s in d_seen) == sorted(prompt)
+    assert len({s.kv_transfer_params["rapidkv"]["xfer_id"] for s in d_seen}) == len(prompt)
+    wait_until(lambda: len(completions(p.requests())) == len(prompt), 10, what="P's requests")
+    if not stream:
+        assert [c["index"] for c in resp.json()["choices"]] == list(range(len(prompt)))
+    else:
+        assert resp.content.endswith(b"data: [DONE]\n\n")

@@ -4,6 +4,7 @@
 ``POST /v1/completions``    routed through P and D (`proxy.Router.serve`)
 ``POST /v1/chat/completions`` likewise
 ``GET /v1/models``          relayed from the first decode instance that answers
+``/v1/responses``, ...      served on one instance (`passthrough`)
 ``GET /health``             200 when at least one P (unless dispatch is
                             ``local``) and one D answer ``/health`` with 200,
                             else 503; the JSON body says which did, and
@@ -42,6 +43,7 @@ from starlette.types import Receive, Scope, Send
 from rapidkv.membership.watcher import Members, MembershipWatcher
 from rapidkv.router.admin import admin_routes
 from rapidkv.router.config import ROLES, Instance, RouterConfig
+from rapidkv.router.passthrough import Passthrough
 from rapidkv.router.proxy import Router
 from rapidkv.router.rewrite import Endpoint, error_body
 from rapidkv.router.upstream import UPSTREAM_ERRORS, get
@@ -137,6 +139,7 @@ def build_app(config: RouterConfig) -> Starlette:
             Route("/v1/completions", _ProxyEndpoint(router, "completions"), methods=["POST"]),
             Route("/v1/chat/completions", _ProxyEndpoint(router, "chat"), methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
+            *Passthrough(router).routes(),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             *(admin_routes(router, config.admin_token) if config.admin_token else ()),

@@ -12,10 +12,15 @@ Theory of operation
   and D computes the tail at the same time (`split`);
 - ``serial``: P's request is sent and its answer awaited, then D's is sent
   (the conventional flow, for comparison);
-- ``local``: only D, sent the client's bytes untouched. A completions request
-  whose ``prompt`` is a batch (a list of several prompts) goes this way in any
-  mode: vLLM makes one engine request per prompt, all carrying the same
-  ``kv_transfer_params``, and no transfer could serve them.
+- ``local``: only D, sent the client's bytes untouched. A request that is
+  several engine requests on vLLM and does not fan out (`fanout.plan`: greedy
+  ``n > 1``, ``best_of``, a prompt list vLLM refuses) goes this way in any
+  mode: its engine requests would all carry the same ``kv_transfer_params``,
+  and no transfer could serve them.
+
+A batch of prompts or ``n > 1`` with sampling fans out (`fanout.relay`): each
+sequence is served by `serve_one` as a request of its own, and the answers
+are merged into vLLM's one answer.
 
 D's answer (status, headers, body) is relayed to the client as it arrives,
 streaming or not, byte for byte; P's answer is dropped. Except, in ``dual``
@@ -63,7 +68,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -81,6 +86,8 @@ from rapidkv.router.discovery import (
     discover_control,
     discovered_from_answer,
 )
+from rapidkv.router.fanout.plan import plan
+from rapidkv.router.fanout.relay import FanOut
 from rapidkv.router.health import InstanceHealth
 from rapidkv.router.membership_diff import Left, MembershipDiff
 from rapidkv.router.metrics import RouterMetrics
@@ -106,10 +113,10 @@ from rapidkv.router.rewrite import (
     encode,
     error_body,
     new_xfer_id,
-    one_sequence,
     parse_request,
     prefill_body,
     stitchable,
+    transferable,
 )
 from rapidkv.router.split import head_body, prompt_ids, split_point, splittable
 from rapidkv.router.sse import FirstTokenDetector, sse_error
@@ -190,6 +197,9 @@ class Exchange:
     # why it cannot be migrated (None: it can, once `relay` exists)
     unmigratable: str | None = "migration is off (no admin token)"
     relay: MigratingRelay | None = None  # a migratable stream's, once streaming
+    # set once D has the prompt's KV or computes it (D's first token, P's answer,
+    # local dispatch, or the request's end): a fan-out's followers wait for it
+    kv_ready: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
     @property
     def path(self) -> str:
@@ -384,7 +394,6 @@ class Router:
 
     async def serve(self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send) -> None:
         """ASGI handler of one completions / chat completions request."""
-        t_start = time.monotonic()
         dispatch = self.config.dispatch
         limit = self.config.max_body_bytes
         try:
@@ -401,20 +410,46 @@ class Router:
             return
         try:
             body = parse_request(raw)
+            subs = plan(body, endpoint)
         except BadRequest as e:
             log.debug("%s request refused: %s", endpoint, e.message)
             await _send_error(send, 400, e.message, e.param)
             self.metrics.requests.labels(endpoint, dispatch, "bad_request").inc()
             return
+        if subs is not None:
+            await FanOut(self, endpoint, body, subs, _upstream_headers(scope)).run(receive, send)
+            return
+        await self.serve_one(endpoint, body, raw, _upstream_headers(scope), receive, send)
 
-        ex = Exchange(endpoint, new_xfer_id(), t_start, _upstream_headers(scope))
+    async def serve_one(
+        self,
+        endpoint: Endpoint,
+        body: Body,
+        raw: bytes,
+        headers: dict[str, str],
+        receive: Receive,
+        send: Send,
+        *,
+        pinned: int | None = None,
+        on_exchange: Callable[[Exchange], None] | None = None,
+    ) -> str:
+        """Serve one request (one engine request on vLLM) whose body was read
+        and checked; its answer goes to `send`. `pinned`: decode it on that
+        instance, computing its prompt there (local). `on_exchange` is told its
+        `Exchange` once it exists. Returns the outcome."""
+        dispatch = self.config.dispatch
+        ex = Exchange(endpoint, new_xfer_id(), time.monotonic(), dict(headers))
         ex.upstream_headers["x-request-id"] = ex.xfer_id
+        if on_exchange is not None:
+            on_exchange(ex)
         outcome = "error"  # unless _route returns: a router failure, or shutdown
         self.metrics.in_flight.inc()
         self._exchanges[ex.xfer_id] = ex
         try:
-            outcome = await self._route(ex, body, raw, receive, send)
+            outcome = await self._route(ex, body, raw, receive, send, pinned)
+            return outcome
         finally:
+            ex.kv_ready.set()
             del self._exchanges[ex.xfer_id]
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(endpoint, dispatch, outcome).inc()
@@ -427,14 +462,23 @@ class Router:
                 ex.decode.url if ex.decode else None,
                 outcome,
                 ex.status,
-                time.monotonic() - t_start,
+                time.monotonic() - ex.t_start,
             )
 
     async def _route(
-        self, ex: Exchange, body: dict[str, Any], raw: bytes, receive: Receive, send: Send
+        self,
+        ex: Exchange,
+        body: dict[str, Any],
+        raw: bytes,
+        receive: Receive,
+        send: Send,
+        pinned: int | None = None,
     ) -> str:
-        """Dispatch `ex`; return its outcome (see `metrics.OUTCOMES`)."""
+        """Dispatch `ex` (on D `pinned`, locally, if given); return its outcome
+        (see `metrics.OUTCOMES`)."""
         mode = self.config.dispatch
+        if pinned is not None:
+            return await self._route_pinned(ex, body, raw, receive, send, pinned)
         if not self._up("decode"):  # nothing can answer: P is not asked either
             why = self._down_reasons()
             await _send_error(send, 503, f"no decode instance is up and not draining: {why}")
@@ -477,6 +521,23 @@ class Router:
             if self._placer is not None:
                 self._placer.finished(ex.xfer_id, ex.output_events, ok=outcome == "ok")
 
+    async def _route_pinned(
+        self, ex: Exchange, body: Body, raw: bytes, receive: Receive, send: Send, d_index: int
+    ) -> str:
+        """Dispatch `ex` locally on `d_index` (a fan-out's follower: its prompt's
+        KV is there already, or is computed there)."""
+        self._take(d_index)
+        ex.decode = self._members[d_index].instance
+        ex.decode_index = d_index
+        if self.config.admin_token is not None:
+            ex.unmigratable = migratable(body, ex.endpoint)
+        try:
+            return await self._route_to(
+                ex, body, raw, receive, _CountingSend(send, ex), "local", d_index, None, None
+            )
+        finally:
+            self._release(ex.decode_index)
+
     async def _route_to(
         self,
         ex: Exchange,
@@ -497,10 +558,10 @@ class Router:
         assert ex.decode is not None
         if mode != "local" and p_choice is None:
             mode = "local"
-        elif mode != "local" and not one_sequence(body, ex.endpoint):
-            # several engine requests would share one xfer_id (a batch of prompts):
-            # D would wait for KV no transfer brings; one instance serves it all
-            log.debug("xfer %s: a batch of prompts is served on D alone", ex.xfer_id)
+        elif mode != "local" and not transferable(body, ex.endpoint):
+            # several engine requests would share one xfer_id, or D would compute
+            # the prompt anyway (prompt logprobs): one instance serves it all
+            log.debug("xfer %s: served on D alone (not one transfer)", ex.xfer_id)
             mode = "local"
         elif mode != "local" and p_choice == "least":
             others = [i for i in self._pools["prefill"] if i != d_index]
@@ -524,6 +585,7 @@ class Router:
             if mode == "local":
                 d_content = encode(local_body(streamed(body), ex.xfer_id)) if migrating else raw
                 self._dispatched(ex, "local", d_index, d_index)
+                ex.kv_ready.set()  # D computes the prompt
             else:
                 if isinstance(p_choice, int):
                     p_index = self._take(p_choice)
@@ -667,6 +729,7 @@ class Router:
         answered at once (GONE: D recomputes) rather than after P's park TTL; a
         split prefill's tail stops waiting for the head."""
         ok = not task.cancelled() and task.exception() is None and task.result()
+        ex.kv_ready.set()  # P is done: its KV was sent (or D computes the prompt)
         if self._placer is not None:
             self._placer.prefill_done(ex.xfer_id, ok)
         if ok or task.cancelled():
@@ -956,6 +1019,7 @@ class Router:
 
     def _decode_first_token(self, ex: Exchange) -> None:
         """D's own first output event arrived (placement learns from it)."""
+        ex.kv_ready.set()
         if self._placer is not None:
             self._placer.first_token(ex.xfer_id)
 
@@ -1216,6 +1280,24 @@ class Router:
             if member.instance.url == url:
                 return index
         return None
+
+    # the pass-through routes' view of the router (`passthrough`)
+
+    def index_of(self, url: str) -> int | None:
+        """The member whose base URL is `url`, while it is in the fleet."""
+        index = self._index_of(url)
+        return None if index is None or index in self._retired else index
+
+    def any_decode_up(self) -> bool:
+        return bool(self._up("decode"))
+
+    def acquire(self, role: Role) -> int:
+        """The least outstanding instance that may play `role`, counted outstanding
+        (`let_go` when its request is over)."""
+        return self._acquire(role)
+
+    def mark_down(self, index: int, reason: str) -> None:
+        self._mark_down(index, reason)
 
     # the relay's view of the router (`migration.relay.Fleet`)
 

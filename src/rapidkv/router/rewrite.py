@@ -20,10 +20,11 @@ the other end of this contract (see docs/vllm-connector-contract.md §4.5, §8):
 - any other `kv_transfer_params` the client sent are dropped: routing owns them.
 
 Invariants: the input dict is never mutated; the P and D bodies carry the same
-``xfer_id``; requests the router cannot serve faithfully (``n > 1`` or
-``best_of > 1``, in any form vLLM reads as such: one engine request per
-``xfer_id``) and bodies it cannot re-encode (nested deeper than `MAX_DEPTH`)
-are refused with `BadRequest` before anything is sent.
+``xfer_id``; a body the router cannot re-encode (nested deeper than
+`MAX_DEPTH`) or a ``transfer_kv_mode`` it does not know is refused with
+`BadRequest` before anything is sent. Requests that are several engine
+requests on vLLM (a batch of prompts, ``n > 1``) are not refused: they fan out
+(`fanout.plan`) or go to one instance whole (`one_sequence` is false).
 """
 
 from __future__ import annotations
@@ -76,14 +77,6 @@ def parse_request(raw: bytes) -> Body:
         raise BadRequest("request body must be a JSON object")
     if _deeper_than(body, raw, MAX_DEPTH):
         raise BadRequest(f"request body nested deeper than {MAX_DEPTH} levels")
-    for param in ("n", "best_of"):
-        count = _as_count(body.get(param))
-        if count is not None and count > 1:
-            raise BadRequest(
-                f"{param}={count} is not supported by the PD router: it serves one "
-                f"sequence per request (send {param}=1, or several requests)",
-                param,
-            )
     mode = client_transfer_kv_mode(body)
     if mode is not None and mode not in TRANSFER_KV_MODES:
         raise BadRequest(
@@ -110,7 +103,7 @@ def _deeper_than(body: Body, raw: bytes, limit: int) -> bool:
     return False
 
 
-def _as_count(value: Any) -> int | None:
+def as_count(value: Any) -> int | None:
     """`value` as vLLM reads an integer field (pydantic, lax): an int, a float
     or a string that is a whole number (``2.0``, ``"2"``, ``" 2 "``, ``"2.0"``);
     None for anything else (vLLM refuses it)."""
@@ -152,7 +145,7 @@ def stitchable(body: Body, endpoint: Endpoint) -> bool:
 
     A streamed completions request, greedy (``temperature`` given, below vLLM's
     greedy threshold), one prompt (text or token ids), at least one output
-    token, none of `NOT_STITCHABLE`.
+    token, none of `NOT_STITCHABLE`, no ``stream_options.continuous_usage_stats``.
     """
     if endpoint != "completions" or body.get("stream") is not True:
         return False
@@ -161,6 +154,9 @@ def stitchable(body: Body, endpoint: Endpoint) -> bool:
         return False
     if any(body.get(key) not in (None, False, [], "") for key in NOT_STITCHABLE):
         return False
+    options = body.get("stream_options")
+    if isinstance(options, dict) and options.get("continuous_usage_stats"):
+        return False  # every event's usage counts D's tokens: P's event has none
     max_tokens = body.get("max_tokens")
     return single_prompt(body) and (
         max_tokens is None or (_non_negative_int(max_tokens) and max_tokens >= 1)
@@ -169,9 +165,26 @@ def stitchable(body: Body, endpoint: Endpoint) -> bool:
 
 def one_sequence(body: Body, endpoint: Endpoint) -> bool:
     """The request makes one engine request on vLLM, which one transfer can
-    serve: a chat request, or a completion of one prompt. A batch of prompts (or
-    no valid prompt, which vLLM refuses) is not."""
+    serve: a chat request or a completion of one prompt, ``n`` absent or 1, no
+    ``best_of``. A batch of prompts, several sequences (or no valid prompt, or
+    an ``n`` vLLM refuses) is not."""
+    n = body.get("n")
+    if (n is not None and as_count(n) != 1) or body.get("best_of") is not None:
+        return False
     return endpoint == "chat" or single_prompt(body)
+
+
+def transferable(body: Body, endpoint: Endpoint) -> bool:
+    """D would load this request's prompt KV from P: one engine request
+    (`one_sequence`), and no prompt logprobs (``prompt_logprobs``, or ``echo``
+    with ``logprobs``, which vLLM serves as prompt logprobs): vLLM computes the
+    prompt again for those (``skip_reading_prefix_cache``), ignoring any KV a
+    connector would load, so P's work would be wasted."""
+    if not one_sequence(body, endpoint):
+        return False
+    if body.get("prompt_logprobs") is not None:
+        return False
+    return not (endpoint == "completions" and body.get("echo") and body.get("logprobs") is not None)
 
 
 def single_prompt(body: Body) -> bool:
