@@ -19,6 +19,7 @@ import pytest
 
 from rapidkv.harness import ServerPool, ServerSpec, VLLMServer
 from rapidkv.harness.iterations import FLAG as ITERATION_LOG_FLAG
+from rapidkv.harness.server import TOOL_CALLING_ARGS
 
 CHUNK_TOKENS = 256
 """`--max-num-batched-tokens` of the chunked-prefill server."""
@@ -81,7 +82,11 @@ def single_spec(model: Path) -> ServerSpec:
     see how steps were composed.
     """
     return ServerSpec(
-        model=model, name="server", role="single", cpus=(0,), extra_args=(ITERATION_LOG_FLAG,)
+        model=model,
+        name="server",
+        role="single",
+        cpus=(0,),
+        extra_args=(ITERATION_LOG_FLAG, *TOOL_CALLING_ARGS),
     )
 
 

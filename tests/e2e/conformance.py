@@ -8,7 +8,9 @@ within `TOLERANCE`); usage. What differs between two servers by design is left
 out: ids, timestamps, ``system_fingerprint``, ``kv_transfer_params``, per-request
 ``metrics``. A stream is assembled per choice index (texts and token ids
 concatenated, logprobs appended), with its usage chunk and, for
-``continuous_usage_stats``, every chunk's usage in order per choice.
+``continuous_usage_stats``, every chunk's usage in order per choice; a
+Responses stream to its event types, its text deltas concatenated and its
+last event (how many events carry the text depends on timing).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import openai
 
 TOLERANCE = 2e-3  # logprobs: float32 PD against one instance, within rounding
 VOLATILE = {"id", "created", "system_fingerprint", "kv_transfer_params", "metrics",
-            "created_at", "service_tier", "item_id"}  # fmt: skip
+            "created_at", "service_tier", "item_id", "sequence_number"}  # fmt: skip
 PROMPT = "The quick brown fox jumps over the lazy dog. Then"
 CHAT = [{"role": "user", "content": "Name three colours of the rainbow."}]
 TOOL = {
@@ -99,7 +101,7 @@ SHAPES = [
     Shape("completion-batch-n2-seeded", "completions",
           {"prompt": ["Hello", "Goodbye"], "max_tokens": 5, "n": 2, "temperature": 0.8,
            "seed": 3}),
-    Shape("completion-n3-greedy", "completions",
+    Shape("error-n3-greedy", "completions",
           {"prompt": PROMPT, "max_tokens": 4, "n": 3, **G}),
     Shape("chat", "chat", {"messages": CHAT, "max_tokens": 12, **G}),
     Shape("chat-stream-usage", "chat",
@@ -118,6 +120,11 @@ SHAPES = [
               "type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}}),
     Shape("chat-tool-named", "chat",
           {"messages": CHAT, "max_tokens": 24, "tools": [TOOL], **G,
+           "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
+    Shape("chat-tool-auto", "chat",
+          {"messages": CHAT, "max_tokens": 24, "tools": [TOOL], "tool_choice": "auto", **G}),
+    Shape("chat-tool-named-stream", "chat",
+          {"messages": CHAT, "max_tokens": 24, "tools": [TOOL], "stream": True, **G,
            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
     Shape("chat-tool-required", "chat",
           {"messages": CHAT, "max_tokens": 24, "tools": [TOOL], "tool_choice": "required", **G}),
@@ -182,8 +189,12 @@ def assemble(chunks: list[dict[str, Any]]) -> dict[str, Any]:
                 acc["usages"].append(chunk["usage"])
             _accumulate(acc, {k: v for k, v in choice.items() if k != "index"})
     out = {"choices": {i: choices[i] for i in sorted(choices)}, "usage": usage}
-    if other_events:
-        out["events"] = other_events
+    if other_events:  # how many deltas carry the text depends on timing: not compared
+        out["event_types"] = sorted({e.get("type") for e in other_events})
+        out["delta_text"] = "".join(
+            e.get("delta") or "" for e in other_events if e.get("type", "").endswith("text.delta")
+        )
+        out["final"] = other_events[-1]
     return _clean(out)
 
 

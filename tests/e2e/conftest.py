@@ -39,7 +39,7 @@ from rapidkv.harness.client import (
     complete_many,
 )
 from rapidkv.harness.etcd import EtcdServer, EtcdUnavailable
-from rapidkv.harness.server import pd_specs
+from rapidkv.harness.server import TOOL_CALLING_ARGS, pd_specs
 
 # The e2e files in the order that starts the fewest servers (the pool runs at
 # most two; switching groups costs a start of ~30 s): the demo first (its
@@ -119,7 +119,7 @@ def pd_pair_specs(
                 "advertise_url": f"http://127.0.0.1:{port}",
             }
         configs.append(connector_config(control, **etcd))
-    chunked = ("--max-num-batched-tokens", "256")
+    chunked = ("--max-num-batched-tokens", "256", *TOOL_CALLING_ARGS)
     specs = pd_specs(tiny_model, *configs, chunked)
     specs = [s.replace(port=port) for s, port in zip(specs, ports, strict=True)]
     return specs, (f"127.0.0.1:{pc}", f"127.0.0.1:{dc}")

@@ -53,7 +53,7 @@ def test_the_reference_answers_are_what_the_shapes_ask_for(workloads: dict) -> N
     _, reference = workloads["conformance"]
     for name, answer in reference.items():
         assert (answer["status"] >= 400) == name.startswith("error-"), (name, answer)
-    assert reference["completion-n3-greedy"]["status"] == 400  # vLLM refuses it
+    assert reference["error-n3-greedy"]["status"] == 400  # vLLM refuses it
     assert len(reference["completion-batch"]["answer"]["choices"]) == 2
     assert len(reference["completion-batch-n2-seeded"]["answer"]["choices"]) == 4
     assert list(reference["chat-n2-seeded-stream"]["answer"]["choices"]) == [0, 1]

@@ -226,10 +226,24 @@ def test_a_completion_is_assembled_from_its_events() -> None:
                 "logprobs": None,
                 "finish_reason": "length",
                 "stop_reason": None,
+                "token_ids": None,
+                "prompt_logprobs": None,
+                "prompt_token_ids": None,
+                "routed_experts": None,
             }
         ],
-        "usage": {"prompt_tokens": 3, "completion_tokens": 2},
-    }
+        "service_tier": None,
+        "system_fingerprint": None,
+        "usage": {
+            "prompt_tokens": 3,
+            "completion_tokens": 2,
+            "prompt_tokens_details": None,
+            "completion_tokens_details": None,
+        },
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "metrics": None,
+    }  # every key of vLLM's whole answer
 
 
 def test_a_chat_answer_is_assembled_with_the_token_ids_the_client_asked_for() -> None:
@@ -247,5 +261,7 @@ def test_a_chat_answer_is_assembled_with_the_token_ids_the_client_asked_for() ->
     )
     out = a.answer()
     assert out["object"] == "chat.completion" and out["prompt_token_ids"] == [1, 2]
-    assert out["choices"][0]["message"] == {"role": "assistant", "content": "hi!"}
+    message = out["choices"][0]["message"]
+    assert message["role"] == "assistant" and message["content"] == "hi!"
+    assert {k for k, v in message.items() if v is not None} == {"role", "content"}
     assert out["choices"][0]["token_ids"] == [5, 6] and out["choices"][0]["finish_reason"] == "stop"

@@ -174,6 +174,11 @@ class ServerSpec:
         return env
 
 
+# tool calling on, as a chat deployment runs it (any model: the parser is only
+# asked to parse what a request with tools produced)
+TOOL_CALLING_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "pythonic")
+
+
 def pd_specs(
     model: Path,
     prefill_kv_config: dict[str, Any],

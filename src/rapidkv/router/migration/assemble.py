@@ -62,27 +62,45 @@ class Assembler:
             self._stop = choice.get("stop_reason")
 
     def answer(self) -> Payload:
-        """The non-streamed answer."""
+        """The non-streamed answer, with every key vLLM 0.32's has (null where
+        a stream does not tell: vLLM's whole answers dump every field)."""
         head = self._head or {}
         text = "".join(self._text)
+        chat = self.endpoint == "chat"
         choice: dict[str, Any] = {"index": 0}
-        if self.endpoint == "chat":
-            choice["message"] = {"role": "assistant", "content": text}
+        if chat:
+            choice["message"] = dict(
+                {"role": "assistant", "content": text}, **dict.fromkeys(MESSAGE_NULLS)
+            )
         else:
             choice["text"] = text
         choice.update(logprobs=None, finish_reason=self._finish, stop_reason=self._stop)
+        choice["token_ids"] = self._token_ids if self.keep_token_ids else None
+        if not chat:
+            choice["prompt_logprobs"] = None
+            choice["prompt_token_ids"] = self._prompt_ids if self.keep_token_ids else None
+        choice["routed_experts"] = None
+        usage = self._usage
+        if isinstance(usage, dict):
+            usage = {**dict.fromkeys(USAGE_NULLS), **usage}
         out: Payload = {
             "id": head.get("id"),
-            "object": "chat.completion" if self.endpoint == "chat" else "text_completion",
+            "object": "chat.completion" if chat else "text_completion",
             "created": head.get("created"),
             "model": head.get("model"),
             "choices": [choice],
-            "usage": self._usage,
+            "service_tier": None,
+            "system_fingerprint": head.get("system_fingerprint"),
+            "usage": usage,
         }
-        if self.keep_token_ids:
-            choice["token_ids"] = self._token_ids
-            if self.endpoint == "chat":
-                out["prompt_token_ids"] = self._prompt_ids
-            else:
-                choice["prompt_token_ids"] = self._prompt_ids
+        if chat:
+            out["prompt_logprobs"] = None
+            out["prompt_token_ids"] = self._prompt_ids if self.keep_token_ids else None
+            out["prompt_text"] = None
+        out.update(kv_transfer_params=None, ec_transfer_params=None, metrics=None)
         return out
+
+
+# keys of vLLM 0.32's whole answers that a stream does not carry, null there
+MESSAGE_NULLS = ("refusal", "annotations", "audio", "function_call", "reasoning")
+USAGE_NULLS = ("prompt_tokens_details", "completion_tokens_details")
