@@ -56,7 +56,7 @@ def build_into(spec: ModelSpec, target: Path) -> Path:
     if _is_complete(target, digest):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(target.parent / f".{target.name}.lock"):
+    with locked(target.parent / f".{target.name}.lock"):
         if _is_complete(target, digest):
             return target
         if target.exists():
@@ -119,7 +119,7 @@ def _is_complete(target: Path, digest: str) -> bool:
 
 
 @contextmanager
-def _locked(path: Path) -> Iterator[None]:
+def locked(path: Path) -> Iterator[None]:
     with open(path, "a+b") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:

@@ -1,0 +1,1 @@
+"""Data sets users benchmark with, read offline from installed packages."""
