@@ -145,16 +145,28 @@ async def acomplete_full(
 def complete_many_full(
     base_url: str,
     prompts: Sequence[Sequence[int]],
-    max_tokens: int,
+    max_tokens: int | Sequence[int],
     *,
     concurrency: int = 1,
     **kwargs: Any,
 ) -> list[Completion]:
-    """Send every prompt, at most `concurrency` in flight; results in prompt order."""
+    """Send every prompt, at most `concurrency` in flight; results in prompt order.
+    `max_tokens`: one for all prompts, or one per prompt."""
+    if isinstance(max_tokens, int):
+        return _for_each(
+            prompts,
+            concurrency,
+            lambda client, p: acomplete_full(client, base_url, p, max_tokens, **kwargs),
+        )
+    if len(max_tokens) != len(prompts):
+        raise ValueError("give one max_tokens per prompt")
+    indexed = [(i,) for i in range(len(prompts))]  # items of `_for_each`, in prompt order
     return _for_each(
-        prompts,
+        indexed,
         concurrency,
-        lambda client, p: acomplete_full(client, base_url, p, max_tokens, **kwargs),
+        lambda client, i: acomplete_full(
+            client, base_url, prompts[i[0]], max_tokens[i[0]], **kwargs
+        ),
     )
 
 

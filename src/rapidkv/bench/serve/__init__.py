@@ -4,8 +4,9 @@ For each model, the configurations (`configs.CONFIGS`) are served one
 server group after another (never two groups serving at once: 2 cores), each
 group started, warmed up, measured under every load (`loads`) and stopped;
 only `single` may stay up beside the others, idle between its blocks (Pairing).
-All of them get the same seeded prompt set (token ids, lengths uniform in
-[--min-len, --max-len]); prefix caching is off everywhere.
+All of them get the same seeded requests (`dataset`: random token ids of
+lengths uniform in [--min-len, --max-len], or ShareGPT's first questions);
+prefix caching is off everywhere.
 
 Correctness: before anything is measured, the `single` instance serves every
 prompt once with `logprobs: 2` (the reference: greedy tokens and the
@@ -58,6 +59,7 @@ from pathlib import Path
 
 def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
     from rapidkv.bench.serve.configs import CONFIGS
+    from rapidkv.bench.serve.dataset import DATASETS, SHAREGPT_MAX_TOKENS
     from rapidkv.bench.serve.run import (
         DEFAULT_LOADS,
         DTYPES,
@@ -71,8 +73,9 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     parser.add_argument(
         "--models",
         default="tiny",
-        help=f"comma-separated: {', '.join(MODELS)} (test models, built on first use) or a "
-        "checkpoint's directory (served with --dtype as given)",
+        help=f"comma-separated: {', '.join(MODELS)} (built on first use: the random-weight "
+        "test models, SmolLM2-135M-Instruct from its package) or a checkpoint's directory "
+        "(served with --dtype as given)",
     )
     parser.add_argument(
         "--dtype", choices=sorted(DTYPES), default="float32", help="model dtype (%(default)s)"
@@ -101,7 +104,20 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     parser.add_argument("--requests", type=int, default=None, help="prompts (default 64; 8 quick)")
     parser.add_argument("--min-len", type=int, default=128, help="shortest prompt, tokens")
     parser.add_argument("--max-len", type=int, default=900, help="longest prompt, tokens")
-    parser.add_argument("--max-tokens", type=int, default=16, help="output tokens per request")
+    parser.add_argument(
+        "--dataset",
+        choices=DATASETS,
+        default="random",
+        help="random token-id prompts, or ShareGPT's first questions through the chat "
+        "template (vLLM's sampling; --max-len caps the prompt)",
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="output tokens per request (random: 16); sharegpt: the first answer's length, "
+        f"at most this ({SHAREGPT_MAX_TOKENS})",
+    )
     parser.add_argument(
         "--rounds",
         type=int,

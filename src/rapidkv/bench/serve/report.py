@@ -340,7 +340,13 @@ def meta(runs: list[ModelRun], opts: Options, log_dir: Path) -> dict[str, Any]:
             "max": max(lengths),
             "mean": sum(lengths) / len(lengths),
         },
-        "max_tokens": opts.max_tokens,
+        "dataset": opts.dataset,
+        "max_tokens": opts.max_tokens,  # sharegpt: the cap on each answer's length
+        "output_len": {
+            "min": min(runs[0].max_tokens),
+            "max": max(runs[0].max_tokens),
+            "mean": sum(runs[0].max_tokens) / len(runs[0].max_tokens),
+        },
         "loads": [load.name for load in opts.loads],
         "include_usage": opts.include_usage,
         "rounds": opts.rounds,

@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-MODELS = ("tiny", "small")
+from rapidkv.bench.serve.dataset import SHAREGPT_MAX_TOKENS
+
+MODELS = ("tiny", "small", "smollm2-135m")  # test models, and the real one (built on first use)
 DTYPES = {"float32": "float32", "bf16": "bfloat16"}
 DEFAULT_LOADS = "c1,c4,poisson8"
 QUICK_LOADS = "c1,c4"
@@ -45,6 +47,7 @@ class Options:
     server_args: tuple[str, ...]
     netns_link: str | None = None  # tc rate: rapidkv's P and D in two namespaces
     include_usage: bool = True  # stream_options: {"include_usage": true} on every request
+    dataset: str = "random"  # dataset.DATASETS
 
     def paired(self, name: str) -> bool:
         """Whether configuration `name` is measured in blocks paired with `single`."""
@@ -113,7 +116,11 @@ class Options:
         loads = args.loads or (QUICK_LOADS if args.quick else DEFAULT_LOADS)
         requests = args.requests if args.requests is not None else (8 if args.quick else 64)
         warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
-        if requests < 1 or args.rounds < 1 or args.max_tokens < 1:
+        dataset = getattr(args, "dataset", "random")
+        max_tokens = args.max_tokens
+        if max_tokens is None:
+            max_tokens = SHAREGPT_MAX_TOKENS if dataset == "sharegpt" else 16
+        if requests < 1 or args.rounds < 1 or max_tokens < 1:
             raise ValueError("--requests, --rounds and --max-tokens must be >= 1")
         if warmup < 0 or args.pair_block < 0:
             raise ValueError("--warmup and --pair-block must be >= 0")
@@ -127,7 +134,7 @@ class Options:
             requests=requests,
             min_len=args.min_len,
             max_len=args.max_len,
-            max_tokens=args.max_tokens,
+            max_tokens=max_tokens,
             rounds=args.rounds,
             warmup=warmup,
             pair_block=args.pair_block,
@@ -136,6 +143,7 @@ class Options:
             server_args=tuple(shlex.split(args.server_args)),
             netns_link=netns,
             include_usage=getattr(args, "include_usage", True),
+            dataset=dataset,
         )
 
 
@@ -195,7 +203,10 @@ def run(args: argparse.Namespace) -> int:
         from rapidkv.bench.serve.plot import plot
 
         samples = {r.model: r.samples() for r in runs}
-        title = f"rapidkv bench serve: {opts.requests} prompts, max_tokens {opts.max_tokens}"
+        title = (
+            f"rapidkv bench serve: {opts.requests} {opts.dataset} prompts, "
+            f"max_tokens {opts.max_tokens}"
+        )
         plot(samples, [load.name for load in opts.loads], args.plot, title)
         print(f"plot: {args.plot}", file=sys.stderr)
     print(f"server logs: {log_dir}", file=sys.stderr)
@@ -253,8 +264,10 @@ class ModelRun:
         trace: IO[str] | None,
         link: Any = None,  # harness.netns.NetnsLink: rapidkv's P and D across it
     ) -> None:
-        from rapidkv.harness import random_prompts
+        from rapidkv.bench.serve.dataset import random_workload, sharegpt_workload
         from rapidkv.models import ensure_model
+        from rapidkv.models.smollm2 import NAME as SMOLLM2
+        from rapidkv.models.smollm2 import ensure_smollm2
 
         self.model = model
         self.opts = opts
@@ -262,10 +275,28 @@ class ModelRun:
         self.progress = progress
         self.trace = trace
         self.link = link
-        # a test model by name (built on first use), or a checkpoint's directory
-        test_model = model in MODELS
-        self.model_dir = ensure_model(model, dtype=opts.dtype) if test_model else Path(model)
-        self.prompts = random_prompts(self.model_dir, prompt_lengths(opts), seed=opts.seed)
+        # a model by name (built on first use), or a checkpoint's directory
+        if model == SMOLLM2:
+            self.model_dir = ensure_smollm2(opts.dtype)
+        elif model in MODELS:
+            self.model_dir = ensure_model(model, dtype=opts.dtype)
+        else:
+            self.model_dir = Path(model)
+        if opts.dataset == "sharegpt":
+            workload = sharegpt_workload(
+                self.model_dir, opts.requests, opts.max_len, opts.max_tokens, opts.seed
+            )
+        else:
+            workload = random_workload(
+                self.model_dir,
+                opts.requests,
+                opts.min_len,
+                opts.max_len,
+                opts.max_tokens,
+                opts.seed,
+            )
+        self.prompts = workload.prompts
+        self.max_tokens = workload.max_tokens  # one per prompt
         self.references: list[Any] | None = None  # stats.Reference per prompt
         self.reference_error: str | None = None
         self.configs = {name: ConfigRun(name) for name in opts.configs}
@@ -402,7 +433,7 @@ class ModelRun:
     def take_reference(self, url: str) -> None:
         self.progress.stage(f"{self.model}: reference (single, logprobs=2)")
         try:
-            refs = take_references(url, self.prompts, self.opts.max_tokens, self.opts.timeout)
+            refs = take_references(url, self.prompts, self.max_tokens, self.opts.timeout)
         except Exception as e:
             self.reference_error = f"reference pass failed: {type(e).__name__}: {e}"[:4000]
             self.progress.say(self.reference_error)
@@ -422,7 +453,7 @@ class ModelRun:
         results, _ = run_load(
             url,
             self.prompts[:n],
-            self.opts.max_tokens,
+            self.max_tokens[:n],
             Load("warmup", concurrency=1),
             params=CONFIGS[name].params,
             timeout_s=self.opts.timeout,
@@ -531,7 +562,7 @@ class ModelRun:
         results, wall = run_load(
             group.url(config),
             self.prompts[lo:hi],
-            self.opts.max_tokens,
+            self.max_tokens[lo:hi],
             load,
             params=config.params,
             seed=seed,
@@ -595,7 +626,7 @@ class ModelRun:
 
 
 def take_references(
-    url: str, prompts: Sequence[Sequence[int]], max_tokens: int, timeout: float
+    url: str, prompts: Sequence[Sequence[int]], max_tokens: int | Sequence[int], timeout: float
 ) -> list[Any]:
     """Every prompt once on `url` (`single`), greedy with `logprobs: 2`, 4 at a
     time: each output's tokens and top-2 margins (`stats.Reference`)."""
@@ -619,11 +650,10 @@ def take_references(
 
 
 def prompt_lengths(opts: Options) -> list[int]:
-    """`opts.requests` lengths, uniform in [min_len, max_len], seeded."""
-    import random
+    """`opts.requests` lengths, uniform in [min_len, max_len], seeded (the random dataset's)."""
+    from rapidkv.bench.serve.dataset import random_lengths
 
-    rng = random.Random(opts.seed)
-    return [rng.randint(opts.min_len, opts.max_len) for _ in range(opts.requests)]
+    return random_lengths(opts.requests, opts.min_len, opts.max_len, opts.seed)
 
 
 def total_units(opts: Options) -> int:
