@@ -120,6 +120,15 @@ def single_server_chunked(server_pool: ServerPool, tiny_model: Path) -> VLLMServ
     return server_pool.get_one("single_chunked", chunked_spec(tiny_model))
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test is `unit` or `e2e` (``-m unit`` runs no vLLM server): one that
+    names neither is marked by its directory, `e2e` under tests/e2e, else `unit`."""
+    for item in items:
+        if not any(item.iter_markers("unit")) and not any(item.iter_markers("e2e")):
+            e2e = "e2e" in item.path.relative_to(Path(__file__).parent).parts
+            item.add_marker(pytest.mark.e2e if e2e else pytest.mark.unit)
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """Report every vLLM server start-up of the session and where the logs are."""
     if _pool is None or not _pool.startups:

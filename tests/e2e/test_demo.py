@@ -1,4 +1,6 @@
-"""`rapidkv demo`, the README's first command, as a user runs it."""
+"""`rapidkv demo`, the README's first command, as a user runs it: SmolLM2
+answering ShareGPT questions and a conversation through P and D, token for
+token what one instance answers."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import pytest
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 
-def test_demo_serves_through_p_and_d_and_matches_a_single_instance(tmp_path) -> None:
+def test_demo_answers_questions_through_p_and_d_as_a_single_instance_does(tmp_path) -> None:
     proc = subprocess.run(
         [
             sys.executable,
@@ -20,6 +22,8 @@ def test_demo_serves_through_p_and_d_and_matches_a_single_instance(tmp_path) -> 
             "demo",
             "--requests",
             "6",
+            "--conversations",
+            "1",
             "--json",
             "--log-dir",
             str(tmp_path),
@@ -29,7 +33,15 @@ def test_demo_serves_through_p_and_d_and_matches_a_single_instance(tmp_path) -> 
         timeout=540,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    assert "outputs equal to the single instance: 6/6  -> PASS" in proc.stdout
+    n = 6 + 3  # the questions, and the conversation's three turns
+    assert f"outputs equal to the single instance: {n}/{n}  -> PASS" in proc.stdout
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["kv_transfers"] == 6 and result["recompute_fallbacks"] == 0
+    assert result["model"] == "smollm2-135m" and result["requests"] == n
+    assert result["kv_transfers"] == n and result["recompute_fallbacks"] == 0
     assert result["kv_bytes_moved"] > 0 and result["mismatches"] == 0
+    shown = result["answers"]
+    assert len(shown) == 3 and all(qa["question"] and qa["answer"] for qa in shown)
+    assert all(f"Q: {qa['question'].split()[0]}" in proc.stdout for qa in shown)
+    # real words: a model that answers, not a random-weight one
+    words = " ".join(qa["answer"] for qa in shown).split()
+    assert sum(w.isalpha() for w in words) > len(words) / 2, shown
