@@ -101,6 +101,8 @@ SHAPES = [
     Shape("completion-batch-n2-seeded", "completions",
           {"prompt": ["Hello", "Goodbye"], "max_tokens": 5, "n": 2, "temperature": 0.8,
            "seed": 3}),
+    Shape("error-n3-greedy-stream", "completions",
+          {"prompt": PROMPT, "max_tokens": 4, "n": 3, "stream": True, **G}),
     Shape("error-n3-greedy", "completions",
           {"prompt": PROMPT, "max_tokens": 4, "n": 3, **G}),
     Shape("chat", "chat", {"messages": CHAT, "max_tokens": 12, **G}),
