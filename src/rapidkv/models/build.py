@@ -16,7 +16,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -64,17 +64,23 @@ def build_into(spec: ModelSpec, target: Path) -> Path:
                 target.rmdir()
             else:
                 raise FileExistsError(f"{target} exists and is not a model for {spec}")
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-        try:
-            _write_model(spec, digest, tmp)
-            for f in tmp.iterdir():
-                os.chmod(f, 0o644)
-            os.chmod(tmp, 0o755)
-            os.rename(tmp, target)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        publish(target, lambda tmp: _write_model(spec, digest, tmp))
     return target
+
+
+def publish(target: Path, write: Callable[[Path], None]) -> None:
+    """`write` a directory's files into a temporary sibling of `target`, then
+    rename it into place (readable by all); on any failure nothing is left."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        write(tmp)
+        for f in tmp.iterdir():
+            os.chmod(f, 0o644)
+        os.chmod(tmp, 0o755)
+        os.rename(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _write_model(spec: ModelSpec, digest: str, out: Path) -> None:

