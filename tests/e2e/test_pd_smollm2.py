@@ -39,7 +39,7 @@ def rpc_stats(address: str) -> dict[str, float]:
 
 def prefix_hits(*base_urls: str) -> float:
     """Prompt tokens the engines found in their own prefix caches (vLLM's count
-    by source: its `prefix_cache_hits` stays 0 for requests a connector serves)."""
+    of prompt tokens by source, as test_pd_connector reads it)."""
     return sum(
         metric_sum(get_metrics(u), "vllm:prompt_tokens_by_source_total", source="local_cache_hit")
         for u in base_urls
