@@ -39,7 +39,7 @@ from starlette.requests import Request
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from rapidkv.router.rewrite import error_body
+from rapidkv.router.asgi import send_error, wait_disconnect
 from rapidkv.router.stitch import EventSplitter, StreamError
 from rapidkv.router.upstream import UPSTREAM_ERRORS
 
@@ -130,7 +130,7 @@ class Passthrough:
         index = router.index_of(url) if url is not None else None
         if index is None:
             if not router.any_decode_up():
-                await _send_error(send, 503, "no decode instance is up and not draining")
+                await send_error(send, 503, "no decode instance is up and not draining")
                 return
             index = router.acquire("decode")
         else:
@@ -147,7 +147,7 @@ class Passthrough:
         relay = asyncio.ensure_future(
             self._relay_to(index, scope["method"], target, raw, headers, send, learn)
         )
-        gone = asyncio.ensure_future(_wait_disconnect(receive))
+        gone = asyncio.ensure_future(wait_disconnect(receive))
         try:
             await asyncio.wait({relay, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -175,7 +175,7 @@ class Passthrough:
             resp = await router.http.request(method, target, data=raw or None, headers=headers)
         except UPSTREAM_ERRORS as e:
             router.mark_down(index, repr(e))
-            await _send_error(send, 502, f"instance {inst_url} did not answer: {e!r}")
+            await send_error(send, 502, f"instance {inst_url} did not answer: {e!r}")
             return
         try:
             out = [(k, v) for k, v in resp.raw_headers if k.lower() not in NOT_RELAYED]
@@ -249,15 +249,3 @@ class _IdScan:
             self.found = answer["id"]
             return True
         return False
-
-
-async def _wait_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _send_error(send: Send, status: int, message: str) -> None:
-    body = error_body(status, message)
-    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})

@@ -78,6 +78,7 @@ from starlette.types import Message, Receive, Scope, Send
 from rapidkv.control.messages import AbortReason
 from rapidkv.membership.record import InstanceRecord
 from rapidkv.router.aborts import ControlAborter
+from rapidkv.router.asgi import send_error, wait_disconnect
 from rapidkv.router.balance import LeastOutstanding
 from rapidkv.router.config import ROLES, Instance, Member, Role, RouterConfig
 from rapidkv.router.discovery import (
@@ -111,7 +112,6 @@ from rapidkv.router.rewrite import (
     client_transfer_kv_mode,
     decode_body,
     encode,
-    error_body,
     new_xfer_id,
     parse_request,
     prefill_body,
@@ -402,7 +402,7 @@ class Router:
                 raise BodyTooLarge
             raw = await _read_body(receive, limit)
         except BodyTooLarge:
-            await _send_error(send, 413, f"request body larger than {limit} bytes")
+            await send_error(send, 413, f"request body larger than {limit} bytes")
             self.metrics.requests.labels(endpoint, dispatch, "bad_request").inc()
             return
         if raw is None:  # the client left while sending its body
@@ -413,7 +413,7 @@ class Router:
             subs = plan(body, endpoint)
         except BadRequest as e:
             log.debug("%s request refused: %s", endpoint, e.message)
-            await _send_error(send, 400, e.message, e.param)
+            await send_error(send, 400, e.message, e.param)
             self.metrics.requests.labels(endpoint, dispatch, "bad_request").inc()
             return
         if subs is not None:
@@ -481,7 +481,7 @@ class Router:
             return await self._route_pinned(ex, body, raw, receive, send, pinned)
         if not self._up("decode"):  # nothing can answer: P is not asked either
             why = self._down_reasons()
-            await _send_error(send, 503, f"no decode instance is up and not draining: {why}")
+            await send_error(send, 503, f"no decode instance is up and not draining: {why}")
             return "unavailable"
         # fixed: P by least outstanding, split while idle
         p_index: int | Literal["least"] | None = "least"
@@ -493,7 +493,7 @@ class Router:
             try:
                 decision, request = self._placer.decide(body, ex.endpoint, splits)
             except NoPlacement as e:
-                await _send_error(send, 503, f"no instance can take the request: {e}")
+                await send_error(send, 503, f"no instance can take the request: {e}")
                 return "unavailable"
             ex.decision = decision
             ex.estimated_tokens, ex.output_tokens = request.prompt_tokens, request.output_tokens
@@ -578,7 +578,7 @@ class Router:
             and not migrating  # a migratable stream is relayed event by event (`migration`)
         )
         stitch: Stitch | None = None
-        gone = asyncio.create_task(_wait_disconnect(receive))
+        gone = asyncio.create_task(wait_disconnect(receive))
         prefill: asyncio.Task[bool] | None = None
         relay: asyncio.Task[str] | None = None
         try:
@@ -819,7 +819,7 @@ class Router:
         except UPSTREAM_ERRORS as e:
             self._upstream_error("decode", inst, "connect", ex, repr(e))
             self._mark_down(index, repr(e))
-            await _send_error(send, 502, f"decode instance {inst.url} did not answer: {e!r}")
+            await send_error(send, 502, f"decode instance {inst.url} did not answer: {e!r}")
             return "unreachable"
         try:
             ex.status = resp.status
@@ -892,7 +892,7 @@ class Router:
             if client_streams:
                 await send({"type": "http.response.body", "body": sse_error(why)})
             else:
-                await _send_error(send, 502, why)
+                await send_error(send, 502, why)
             return "stream_error"
         if client_streams:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -1419,19 +1419,6 @@ async def _read_body(receive: Receive, limit: int) -> bytes | None:
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
-
-
-async def _wait_disconnect(receive: Receive) -> None:
-    """Return when the client disconnects (call once the body has been read)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _send_error(send: Send, status: int, message: str, param: str | None = None) -> None:
-    body = error_body(status, message, param)
-    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 async def _first_output(

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.types import Message, Receive, Send
 
+from rapidkv.router.asgi import send_error, wait_disconnect
 from rapidkv.router.fanout.merge import StreamMerge, merge_answers
 from rapidkv.router.fanout.plan import Sub
 from rapidkv.router.rewrite import Body, Endpoint, encode, error_body
@@ -95,12 +96,13 @@ class FanOut:
         self._captures = [_Capture(k, self._queue) for k in range(len(subs))]
         self._stops = [asyncio.Event() for _ in subs]  # a sub-request's client left
         self._exchanges: dict[int, Exchange] = {}
+        self._known = [asyncio.Event() for _ in subs]  # its Exchange exists, or never will
         self._tasks: list[asyncio.Task[None]] = []
 
     async def run(self, receive: Receive, send: Send) -> None:
         """Serve the client's request (its body was read) into `send`."""
         log.debug("%s request fanned out into %d sub-requests", self.endpoint, len(self.subs))
-        gone = asyncio.ensure_future(_wait_disconnect(receive))
+        gone = asyncio.ensure_future(wait_disconnect(receive))
         answer = asyncio.ensure_future(self._answer(send))
         self._tasks = [asyncio.create_task(self._sub(k)) for k in range(len(self.subs))]
         try:
@@ -144,18 +146,20 @@ class FanOut:
                 receive,
                 capture,
                 pinned=pinned,
-                on_exchange=lambda ex: self._exchanges.__setitem__(k, ex),
+                on_exchange=lambda ex: self._exchange_known(k, ex),
             )
         finally:
             capture.end()
+            self._known[k].set()
+
+    def _exchange_known(self, k: int, ex: Exchange) -> None:
+        self._exchanges[k] = ex
+        self._known[k].set()
 
     async def _lead_exchange(self, k: int) -> Exchange | None:
         """The lead `k`'s Exchange, once it exists (None: it ended without one)."""
-        while k not in self._exchanges:
-            if self._tasks[k].done():
-                return None
-            await asyncio.sleep(0)  # serve_one creates it before its first await
-        return self._exchanges[k]
+        await self._known[k].wait()
+        return self._exchanges.get(k)
 
     async def _wait_either(self, waiting: Any, k: int) -> None:
         """Wait for `waiting` or for sub-request `k` to be stopped."""
@@ -264,23 +268,10 @@ class FanOut:
         try:
             answers = [json.loads(b"".join(p)) for p in parts]
         except ValueError as e:
-            body = error_body(502, f"a sub-request's answer is not JSON: {e}")
-            await _send_whole(send, 502, body)
+            await send_error(send, 502, f"a sub-request's answer is not JSON: {e}")
             return
         merged = encode(merge_answers(self.subs, answers))
         kept = [(h, v) for h, v in headers if h.lower() not in (b"content-length",)]
         kept.append((b"content-length", b"%d" % len(merged)))
         await send({"type": "http.response.start", "status": 200, "headers": kept})
         await send({"type": "http.response.body", "body": merged, "more_body": False})
-
-
-async def _send_whole(send: Send, status: int, body: bytes) -> None:
-    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-async def _wait_disconnect(receive: Receive) -> None:
-    """Return when the client disconnects (its body has been read)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
