@@ -13,21 +13,14 @@ from pathlib import Path
 import pytest
 from bench_cli import run_bench
 
-from rapidkv.bench.serve.loads import Load
-from rapidkv.bench.serve.nixl_tuning import guarded_setaffinity, parse_cpus, patch_nixl_api
-from rapidkv.bench.serve.proxy import prefill_body
-from rapidkv.bench.serve.report import acceptance_report, stall_report, to_json
-from rapidkv.bench.serve.run import Options
-from rapidkv.bench.serve.stats import (
-    Histogram,
-    Reference,
-    RequestResult,
-    classify,
-    load_summary,
-    margins_from_logprobs,
-    percentile,
-    summarize,
-)
+from rapidkv.bench.common.loads import Load
+from rapidkv.bench.common.nixl_tuning import guarded_setaffinity, parse_cpus, patch_nixl_api
+from rapidkv.bench.common.output import to_json
+from rapidkv.bench.common.proxy import prefill_body
+from rapidkv.bench.common.reference import Reference, classify, margins_from_logprobs
+from rapidkv.bench.common.stats import Histogram, RequestResult, load_summary, percentile, summarize
+from rapidkv.bench.serve.options import Options
+from rapidkv.bench.serve.report import acceptance_report, stall_report
 
 REF = Reference(token_ids=(5, 6, 7, 8), margins=(2.0, 0.03, 0.5, math.nan))
 
@@ -465,7 +458,7 @@ def _fake_vllm(stall_on: int, seen: list[dict] | None = None):
 
 @pytest.mark.unit
 def test_a_load_stops_sending_after_a_request_times_out() -> None:
-    from rapidkv.bench.serve.loads import SKIPPED, TIMEOUT, run_load
+    from rapidkv.bench.common.loads import SKIPPED, TIMEOUT, run_load
     from rapidkv.router.server import ThreadedServer
 
     prompts = [[1], [2], [3], [4]]
@@ -481,8 +474,8 @@ def test_a_load_stops_sending_after_a_request_times_out() -> None:
 def test_a_load_asks_for_usage_unless_told_not_to() -> None:
     """Every streamed request carries `stream_options: {"include_usage": true}`
     by default (`--no-include-usage` turns it off); the usage event adds no token."""
+    from rapidkv.bench.common.loads import run_load
     from rapidkv.bench.serve import register
-    from rapidkv.bench.serve.loads import run_load
     from rapidkv.router.server import ThreadedServer
 
     seen: list[dict] = []
@@ -502,7 +495,7 @@ def test_a_load_asks_for_usage_unless_told_not_to() -> None:
 def test_a_load_runs_its_client_on_the_cpus_given_and_gives_them_back() -> None:
     import os
 
-    from rapidkv.bench.serve.loads import run_load
+    from rapidkv.bench.common.loads import run_load
     from rapidkv.router.server import ThreadedServer
 
     before = os.sched_getaffinity(0)
@@ -522,7 +515,7 @@ def test_a_load_runs_its_client_on_the_cpus_given_and_gives_them_back() -> None:
 
 
 def test_the_client_and_fronts_share_core_0_except_with_the_stock_nixl_setup() -> None:
-    from rapidkv.bench.serve.configs import CONFIGS, helper_cpus
+    from rapidkv.bench.common.groups import CONFIGS, helper_cpus
 
     for name in ("single", "dp2", "vllm-nixl", "rapidkv", "single-noop-connector"):
         assert helper_cpus(CONFIGS[name].group) == {0}, name
@@ -617,7 +610,7 @@ def test_bench_serve_runs_single_and_rapidkv_and_matches(tmp_path: Path) -> None
 
 @pytest.mark.unit
 def test_the_paired_ratio_interval_is_seeded_and_brackets_what_the_blocks_show() -> None:
-    from rapidkv.bench.serve.stats import paired_ratio_interval
+    from rapidkv.bench.common.stats import paired_ratio_interval
 
     same = [([5.0 + i % 3, 5.5, 6.0], [5.0 + (i + 1) % 3, 5.5, 6.0]) for i in range(12)]
     lo, hi = paired_ratio_interval(same)
@@ -637,8 +630,8 @@ def test_netns_link_places_rapidkv_and_refuses_the_nixl_baselines() -> None:
     address, D binds its own; both data planes get their link address."""
     from types import SimpleNamespace
 
+    from rapidkv.bench.common.groups import _group_plan, rapidkv_control
     from rapidkv.bench.serve import register
-    from rapidkv.bench.serve.configs import _group_plan, rapidkv_control
     from rapidkv.harness.netns import NetnsLink, Side
 
     parser = argparse.ArgumentParser()

@@ -14,11 +14,13 @@ from types import SimpleNamespace
 
 import pytest
 
+from rapidkv.bench.common.output import to_json
+from rapidkv.bench.common.reference import Reference
+from rapidkv.bench.common.stats import RequestResult
+from rapidkv.bench.goodput.options import Options
 from rapidkv.bench.goodput.report import acceptance, build_report, print_report
-from rapidkv.bench.goodput.run import ConfigRun, Options, RateRun, WorkloadRun
+from rapidkv.bench.goodput.results import ConfigRun, RateRun, WorkloadRun
 from rapidkv.bench.goodput.slo import SLO
-from rapidkv.bench.serve.report import to_json
-from rapidkv.bench.serve.stats import Reference, RequestResult
 
 pytestmark = pytest.mark.unit
 
@@ -291,7 +293,7 @@ def _fake_vllm():
 
 
 def test_a_load_takes_one_max_tokens_per_prompt_and_the_arrivals_given() -> None:
-    from rapidkv.bench.serve.loads import Load, run_load
+    from rapidkv.bench.common.loads import Load, run_load
     from rapidkv.router.server import ThreadedServer
 
     app, seen = _fake_vllm()
@@ -313,7 +315,7 @@ def test_a_load_takes_one_max_tokens_per_prompt_and_the_arrivals_given() -> None
 
 
 def test_the_adaptive_router_gets_both_instances_and_the_slos_appended() -> None:
-    from rapidkv.bench.serve.configs import CONFIGS, RunningGroup, _group_plan
+    from rapidkv.bench.common.groups import CONFIGS, RunningGroup, _group_plan
 
     assert (
         CONFIGS["rapidkv-adaptive"].group == "rapidkv" and not CONFIGS["rapidkv-adaptive"].default
@@ -354,7 +356,7 @@ def test_a_front_restarted_with_options_replaces_the_running_one(tmp_path: Path)
     old process stopped first."""
     import sys
 
-    from rapidkv.bench.serve.configs import RunningGroup
+    from rapidkv.bench.common.groups import RunningGroup
     from rapidkv.harness import free_port
 
     script = (

@@ -9,7 +9,8 @@ import statistics
 
 import pytest
 
-from rapidkv.bench.goodput.arrivals import offered_rate, poisson_arrivals, unit_gaps
+from rapidkv.bench.common.arrivals import offered_rate, poisson_arrivals, unit_gaps
+from rapidkv.bench.common.workloads import MAX_MODEL_LEN, WORKLOADS
 from rapidkv.bench.goodput.slo import (
     SLO,
     TARGET,
@@ -21,7 +22,6 @@ from rapidkv.bench.goodput.slo import (
     goodput,
     rate_key,
 )
-from rapidkv.bench.goodput.workloads import MAX_MODEL_LEN, WORKLOADS
 
 pytestmark = pytest.mark.unit
 
@@ -87,7 +87,8 @@ def test_prefill_heavy_draws_bench_serves_prompt_lengths() -> None:
     import argparse
 
     from rapidkv.bench.serve import register
-    from rapidkv.bench.serve.run import Options, prompt_lengths
+    from rapidkv.bench.serve.options import Options
+    from rapidkv.bench.serve.run import prompt_lengths
 
     parser = argparse.ArgumentParser()
     register(parser)

@@ -11,8 +11,10 @@ from typing import Any
 
 import pytest
 
-from rapidkv.bench.goodput.run import ConfigRun, Options, Sweep, WorkloadRun, fixed_fronts
-from rapidkv.bench.serve.configs import CONFIGS
+from rapidkv.bench.common.groups import CONFIGS
+from rapidkv.bench.goodput.options import Options, fixed_fronts
+from rapidkv.bench.goodput.results import ConfigRun, WorkloadRun
+from rapidkv.bench.goodput.run import Sweep
 
 pytestmark = pytest.mark.unit
 

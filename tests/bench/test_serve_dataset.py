@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from rapidkv.bench.serve.dataset import (
+from rapidkv.bench.common.dataset import (
     SHAREGPT_MAX_TOKENS,
     random_workload,
     sharegpt_workload,
 )
-from rapidkv.bench.serve.run import Options
+from rapidkv.bench.serve.options import Options
 
 pytestmark = pytest.mark.unit
 

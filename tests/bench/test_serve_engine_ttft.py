@@ -10,7 +10,7 @@ import math
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from rapidkv.bench.serve.stats import (
+from rapidkv.bench.common.stats import (
     TTFT_METRIC,
     Histogram,
     RequestResult,

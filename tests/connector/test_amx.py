@@ -94,7 +94,7 @@ def test_amx_is_read_from_the_cpu_flags(tmp_path: Path) -> None:
 @needs_amx
 def test_the_tuned_nixl_start_up_hook_asks_too(tmp_path: Path) -> None:
     """The tuned vllm-nixl servers' sitecustomize asks at interpreter start."""
-    from rapidkv.bench.serve.nixl_tuning import write_sitecustomize
+    from rapidkv.bench.common.nixl_tuning import write_sitecustomize
     from rapidkv.harness.server import SRC_DIR
 
     site = write_sitecustomize(tmp_path / "site")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from rapidkv.bench.serve.stats import Reference, classify, margins_from_logprobs
+from rapidkv.bench.common.reference import Reference, classify, margins_from_logprobs
 from rapidkv.connector.config import kv_transfer_config
 from rapidkv.control.client import RpcClient
 from rapidkv.control.messages import StatsRequest

@@ -329,7 +329,7 @@ def test_32_streams_through_the_router_start_as_the_engines_answer_and_flow_as_p
     engines' own (their `time_to_first_token` histograms, to the bucket) + 50 ms,
     so nothing waits outside them; no event waits `STALL_S`; and the tokens
     come as they are produced, not in lumps (median gap over 1 ms)."""
-    from rapidkv.bench.serve.stats import (
+    from rapidkv.bench.common.stats import (
         ENGINE_TTFT_FACTOR,
         ENGINE_TTFT_SLACK_MS,
         TTFT_METRIC,

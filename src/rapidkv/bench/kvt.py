@@ -205,15 +205,16 @@ def receiver_main(kind: str, cpu: int, conn: Any, host: str | None = None) -> No
 
 
 def percentiles(samples: list[float]) -> dict[str, float]:
-    import numpy as np
+    """p50, p99 and max (rounded to 0.1) and n; nan for no samples."""
+    from rapidkv.bench.common.stats import percentile
 
     if not samples:
         return {"p50": float("nan"), "p99": float("nan"), "n": 0}
-    arr = np.asarray(samples)
+    xs = sorted(samples)
     return {
-        "p50": round(float(np.percentile(arr, 50)), 1),
-        "p99": round(float(np.percentile(arr, 99)), 1),
-        "max": round(float(arr.max()), 1),
+        "p50": round(percentile(xs, 50), 1),
+        "p99": round(percentile(xs, 99), 1),
+        "max": round(xs[-1], 1),
         "n": len(samples),
     }
 

@@ -24,11 +24,16 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from pathlib import Path
 
 
 def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
     from rapidkv.bench.chaos.run import run
+    from rapidkv.bench.common.options import (
+        add_dtype,
+        add_include_usage,
+        add_output,
+        add_server_args,
+    )
 
     parser.description = (__doc__ or "").split("\n\n")[0]
     add = parser.add_argument
@@ -77,25 +82,13 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         help="after a restart, wait this long at most for a request with a transfer, s",
     )
     add("--seed", type=int, default=0, help="prompts and plans (%(default)s)")
-    add(
-        "--no-include-usage",
-        dest="include_usage",
-        action="store_false",
-        help="stream without stream_options (default: every streamed request asks for "
-        '{"include_usage": true}, as vLLM\'s benchmark client and the OpenAI SDK do)',
-    )
-    add("--dtype", choices=("float32", "bf16"), default="float32", help="tiny model's dtype")
-    add(
-        "--server-args",
-        default="",
-        help="extra vLLM arguments for every server, one string: --server-args='--flag value'",
-    )
+    add_include_usage(parser)
+    add_dtype(parser)
+    add_server_args(parser)
     add(
         "--strict-recovery",
         action="store_true",
         help="also fail when a recovery took over 5 s",
     )
-    add("--json", default=None, metavar="PATH", help="also write the JSON here (- = stdout only)")
-    add("--trace", type=Path, default=None, metavar="PATH", help="one JSON line per request")
-    add("--log-dir", type=Path, default=None, help="server logs (default: a tmp dir)")
+    add_output(parser, plot=False, trace="one JSON line per request")
     return run

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rapidkv.bench.chaos.workload import Abort, Plan, Timing, abort_point
-from rapidkv.bench.serve.loads import XFER_HEADER
+from rapidkv.bench.common.loads import XFER_HEADER
 
 KINDS = ("completed", "mismatch", "aborted", "failed_clear", "failed_unclear", "hung")
 

@@ -12,12 +12,10 @@ and `--strict-recovery` makes it fatal too.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections import Counter
 from collections.abc import Sequence
-from pathlib import Path
 from typing import IO, Any
 
 from rapidkv.bench.chaos.driver import KINDS, Outcome
@@ -238,21 +236,4 @@ def print_report(report: dict[str, Any], out: IO[str]) -> None:
     w(f"result: {verdict} (recovery {bound} {RECOVERY_BOUND_S:g}s)\n")
 
 
-def to_json(obj: Any, indent: int | None = None) -> str:
-    """Strict JSON: NaN and infinities as null, paths as strings."""
-
-    def clean(x: Any) -> Any:
-        if isinstance(x, float) and not math.isfinite(x):
-            return None
-        if isinstance(x, dict):
-            return {str(k): clean(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return [clean(v) for v in x]
-        if isinstance(x, Path):
-            return str(x)
-        return x
-
-    return json.dumps(clean(obj), indent=indent, allow_nan=False)
-
-
-__all__ = ["KINDS", "build_report", "normalize", "print_report", "to_json"]
+__all__ = ["KINDS", "build_report", "normalize", "print_report"]

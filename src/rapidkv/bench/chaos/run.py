@@ -26,12 +26,13 @@ import argparse
 import asyncio
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from rapidkv.bench.common.options import DTYPES
 
 WARMUP_LENGTHS = (64, 300, 600, 900)
 
@@ -100,7 +101,7 @@ class Options:
             quiesce_timeout_s=args.quiesce_timeout,
             recovery_timeout_s=args.recovery_timeout,
             seed=args.seed,
-            dtype={"float32": "float32", "bf16": "bfloat16"}[args.dtype],
+            dtype=DTYPES[args.dtype],
             server_args=tuple(shlex.split(args.server_args)),
             include_usage=getattr(args, "include_usage", True),
         )
@@ -111,14 +112,15 @@ def say(message: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rapidkv.bench.chaos.report import build_report, print_report, to_json
+    from rapidkv.bench.chaos.report import build_report, print_report
+    from rapidkv.bench.common.options import log_dir as make_log_dir
+    from rapidkv.bench.common.output import table_stream, to_json
+    from rapidkv.bench.common.run import command_line, parse_options
 
-    try:
-        opts = Options.from_args(args)
-    except ValueError as e:
-        print(f"rapidkv bench chaos: error: {e}", file=sys.stderr)
+    opts = parse_options(Options.from_args, args, "chaos")
+    if opts is None:
         return 2
-    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="rapidkv-bench-chaos-"))
+    log_dir = make_log_dir(args, "chaos")
     log_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     try:
@@ -132,9 +134,7 @@ def run(args: argparse.Namespace) -> int:
     extra = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "cpu": cpu_model(),
-        "command": " ".join(["rapidkv", "bench", "chaos", *sys.argv[3:]])
-        if sys.argv[1:3] == ["bench", "chaos"]
-        else None,
+        "command": command_line("chaos"),
         "wall_s": time.monotonic() - t0,
         "run_s": result["run_s"],
         "log_dir": str(log_dir),
@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
         with open(args.trace, "w") as f:
             for o in result["outcomes"]:
                 f.write(to_json(o.row()) + "\n")
-    print_report(report, sys.stderr if args.json == "-" else sys.stdout)
+    print_report(report, table_stream(args.json))
     text = to_json(report, indent=1)
     if args.json and args.json != "-":
         Path(args.json).write_text(text + "\n")
@@ -246,14 +246,14 @@ class Chaos:
         return servers, {"prefill": f"127.0.0.1:{pc}", "decode": f"127.0.0.1:{dc}"}
 
     def start_router(self, servers: Sequence[Any], controls: dict[str, str]) -> Any:
-        from rapidkv.bench.serve.configs import HELPER_CPU, _router_argv, _start_front
+        from rapidkv.bench.common.groups import HELPER_CPU, router_argv, start_front
 
         p, d = servers
-        argv = _router_argv(
+        argv = router_argv(
             "dual", [f"{p.base_url}={controls['prefill']}"], [f"{d.base_url}={controls['decode']}"]
         )
         try:
-            return _start_front("chaos.router", argv, self.log_dir, {HELPER_CPU})
+            return start_front("chaos.router", argv, self.log_dir, {HELPER_CPU})
         except Exception as e:
             raise SetupError(f"the router did not start: {type(e).__name__}: {e}") from e
 
@@ -293,7 +293,7 @@ class Chaos:
         from rapidkv.bench.chaos.driver import drive
         from rapidkv.bench.chaos.faults import FaultSchedule, Instances
         from rapidkv.bench.chaos.workload import Timing
-        from rapidkv.bench.serve.configs import HELPER_CPU
+        from rapidkv.bench.common.groups import HELPER_CPU
 
         full = self.reference()
         refs = [r[: p.max_tokens] for r, p in zip(full, self.plans, strict=False)]

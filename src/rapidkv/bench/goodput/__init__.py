@@ -52,13 +52,19 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from pathlib import Path
 
 
 def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
-    from rapidkv.bench.goodput.run import DEFAULT_CONFIGS, DTYPES, run
-    from rapidkv.bench.goodput.workloads import WORKLOADS
-    from rapidkv.bench.serve.configs import CONFIGS
+    from rapidkv.bench.common.groups import CONFIGS
+    from rapidkv.bench.common.options import (
+        add_dtype,
+        add_include_usage,
+        add_output,
+        add_server_args,
+    )
+    from rapidkv.bench.common.workloads import WORKLOADS
+    from rapidkv.bench.goodput.options import DEFAULT_CONFIGS
+    from rapidkv.bench.goodput.run import run
 
     def rates(attr: str) -> str:
         return "; ".join(
@@ -123,31 +129,19 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     )
     add("--quick", action="store_true", help="8 requests per rate, 2 rates, 1 warm-up")
     add("--timeout", type=float, default=60.0, help="per request, seconds (%(default)s)")
-    add(
-        "--no-include-usage",
-        dest="include_usage",
-        action="store_false",
-        help="stream without stream_options (default: every request asks for "
-        '{"include_usage": true}, as vLLM\'s benchmark client and the OpenAI SDK do)',
-    )
-    add("--dtype", choices=sorted(DTYPES), default="float32", help="model dtype (%(default)s)")
+    add_include_usage(parser)
+    add_dtype(parser)
     add(
         "--router-args",
         default="",
         help="extra arguments for the adaptive router, one string: --router-args='--flag value'",
     )
-    add(
-        "--server-args",
-        default="",
-        help="extra vLLM arguments for every server, one string: --server-args='--flag value'",
-    )
+    add_server_args(parser)
     add(
         "--one-group-at-a-time",
         action="store_true",
         help="start, sweep and stop each group in turn (default: every group up at once, each "
         "rate run on every configuration in turn, so that the machine's drift falls on all)",
     )
-    add("--json", default=None, metavar="PATH", help="write the JSON here (- = stdout)")
-    add("--plot", type=Path, default=None, metavar="PATH", help="write a PNG here")
-    add("--log-dir", type=Path, default=None, help="server logs (default: a tmp dir)")
+    add_output(parser)
     return run

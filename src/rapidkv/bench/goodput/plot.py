@@ -18,8 +18,8 @@ def plot(report: dict[str, Any], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from rapidkv.bench.common.output import save_figure
     from rapidkv.bench.goodput.slo import TARGET
-    from rapidkv.bench.serve.plot import save_figure
 
     workloads = report["workloads"]
     fig, axes = plt.subplots(1, max(1, len(workloads)), figsize=(6.0 * len(workloads), 4.2))

@@ -15,8 +15,11 @@ import time
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from rapidkv.bench.common.output import fmt
+
 if TYPE_CHECKING:
-    from rapidkv.bench.goodput.run import ConfigRun, Options, Sweep, WorkloadRun
+    from rapidkv.bench.goodput.options import Options
+    from rapidkv.bench.goodput.results import ConfigRun, SweepResult, WorkloadRun
 
 OWN_GROUPS = ("single", "rapidkv")
 """Groups whose failure, or any failed request of theirs, fails the command; a
@@ -35,11 +38,11 @@ SUMMARY_KEYS = ("p50", "p90", "p99", "mean", "max")
 
 
 def build_report(
-    sweep: Sweep, opts: Options, log_dir: Path, wall_s: float, command: str | None
+    sweep: SweepResult, opts: Options, log_dir: Path, wall_s: float, command: str | None
 ) -> dict[str, Any]:
-    from rapidkv.bench.goodput.run import ADAPTIVE, BASELINES
-    from rapidkv.bench.goodput.workloads import WORKLOADS
-    from rapidkv.bench.serve.configs import CONFIGS
+    from rapidkv.bench.common.groups import CONFIGS
+    from rapidkv.bench.common.workloads import WORKLOADS
+    from rapidkv.bench.goodput.options import ADAPTIVE, BASELINES
 
     workloads: dict[str, Any] = {}
     ok = True
@@ -118,7 +121,7 @@ def _brief(summary: dict[str, float]) -> dict[str, float]:
 
 def single_c1_report(w: WorkloadRun) -> dict[str, Any] | None:
     """`single`'s c1 on the workload: what the SLOs were derived from."""
-    from rapidkv.bench.serve.stats import load_summary
+    from rapidkv.bench.common.stats import load_summary
 
     if w.single_c1 is None:
         return None
@@ -138,10 +141,11 @@ def single_c1_report(w: WorkloadRun) -> dict[str, Any] | None:
 
 def rate_report(run: Any, w: WorkloadRun) -> dict[str, Any]:
     """One configuration at one rate: attainment and what it was made of."""
-    from rapidkv.bench.goodput.arrivals import offered_rate
+    from rapidkv.bench.common.arrivals import offered_rate
+    from rapidkv.bench.common.reference import classify
+    from rapidkv.bench.common.stats import load_summary
     from rapidkv.bench.goodput.by_placement import by_placement
     from rapidkv.bench.goodput.slo import Outcome, attainment, attains
-    from rapidkv.bench.serve.stats import classify, load_summary
 
     refs = w.references
     s = load_summary(run.results, refs, run.wall_s, {})
@@ -190,9 +194,9 @@ def rate_report(run: Any, w: WorkloadRun) -> dict[str, Any]:
 
 
 def config_report(c: ConfigRun, w: WorkloadRun, opts: Options) -> dict[str, Any]:
+    from rapidkv.bench.common.groups import CONFIGS
     from rapidkv.bench.goodput.interval import goodput_interval
     from rapidkv.bench.goodput.slo import goodput, rate_key
-    from rapidkv.bench.serve.configs import CONFIGS
 
     runs = c.rates.get(w.name, {})
     rates: dict[str, Any] = {}
@@ -297,10 +301,10 @@ def _attained(
 
 
 def meta(opts: Options, log_dir: Path, wall_s: float, command: str | None) -> dict[str, Any]:
-    from rapidkv.bench.goodput.run import ARRIVAL_SALT
-    from rapidkv.bench.serve.configs import COMMON_ARGS
-    from rapidkv.bench.serve.report import machine_info
-    from rapidkv.bench.serve.stats import NEAR_TIE_MARGIN
+    from rapidkv.bench.common.groups import COMMON_ARGS
+    from rapidkv.bench.common.provenance import machine_info
+    from rapidkv.bench.common.reference import NEAR_TIE_MARGIN
+    from rapidkv.bench.goodput.options import ARRIVAL_SALT
     from rapidkv.harness.procs import cpu_model
 
     return {
@@ -353,11 +357,11 @@ def print_report(report: dict[str, Any], out: IO[str]) -> None:
             ttft, tpot = (
                 "given"
                 if slo[f"{k}_factor"] is None
-                else f"{slo[f'{k}_factor']:g} x single c1 p50 {_fmt(base[f'{k}_ms']['p50'], 2)}"
+                else f"{slo[f'{k}_factor']:g} x single c1 p50 {fmt(base[f'{k}_ms']['p50'], 2)}"
                 for k in ("ttft", "tpot")
             )
             print(
-                f"SLOs: TTFT {_fmt(slo['ttft_ms'])} ms ({ttft}), TPOT {_fmt(slo['tpot_ms'], 2)} "
+                f"SLOs: TTFT {fmt(slo['ttft_ms'])} ms ({ttft}), TPOT {fmt(slo['tpot_ms'], 2)} "
                 f"ms ({tpot}); goodput: the highest rate before the first with < "
                 f"{slo['attainment_target']:.0%} attaining both",
                 file=out,
@@ -370,13 +374,13 @@ def print_report(report: dict[str, Any], out: IO[str]) -> None:
             if c["error"]:
                 print(f"{key:<18}ERROR {c['error'].splitlines()[0][:110]}", file=out)
             for rk, s in c["rates"].items():
-                line = f"{key:<18}{rk:>6}{_fmt(s['offered_req_s']):>7}"
+                line = f"{key:<18}{rk:>6}{fmt(s['offered_req_s']):>7}"
                 line += f"{_pct(s['attainment']):>8}{_pct(s.get('ttft_attainment')):>6}"
                 line += f"{_pct(s.get('tpot_attainment')):>6}"
-                line += "".join(f"{_fmt(s[m][k]):>9}" for _, m, k in cols)
-                line += f"{_fmt(s['throughput_req_s']):>7}{s['requests']:>4}{s['errors']:>4}"
-                line += f"{_fmt(s['hard_mismatches'], 0):>5}{_fmt(s['near_tie_mismatches'], 0):>4}"
-                line += f"{_fmt(s['other_cpu_cores'], 2):>6}"
+                line += "".join(f"{fmt(s[m][k]):>9}" for _, m, k in cols)
+                line += f"{fmt(s['throughput_req_s']):>7}{s['requests']:>4}{s['errors']:>4}"
+                line += f"{fmt(s['hard_mismatches'], 0):>5}{fmt(s['near_tie_mismatches'], 0):>4}"
+                line += f"{fmt(s['other_cpu_cores'], 2):>6}"
                 if s["placements"]:
                     line += "  " + " ".join(f"{k} {v:.0f}" for k, v in s["placements"].items() if v)
                 print(line, file=out)
@@ -384,27 +388,27 @@ def print_report(report: dict[str, Any], out: IO[str]) -> None:
         for key, c in w["configs"].items():
             extra = "" if c["goodput_bound"] == "within" else f" ({c['goodput_bound']})"
             if not c["attainment_monotonic"]:
-                extra += f" (not monotonic: DistServe's max rule {_fmt(c['goodput_max_req_s'])})"
+                extra += f" (not monotonic: DistServe's max rule {fmt(c['goodput_max_req_s'])})"
             interp = c["goodput_interpolated_req_s"]
             if interp is not None:
-                extra += f", crossing ~{_fmt(interp)}"
+                extra += f", crossing ~{fmt(interp)}"
             iv = c.get("goodput_interval_req_s")
             if iv:
-                extra += f", 95 % [{_fmt(iv[0])}, {_fmt(iv[1])}]"
-            print(f"  {key:<18}{_fmt(c['goodput_req_s']):>7}{extra}", file=out)
+                extra += f", 95 % [{fmt(iv[0])}, {fmt(iv[1])}]"
+            print(f"  {key:<18}{fmt(c['goodput_req_s']):>7}{extra}", file=out)
         a = w["acceptance"]
         why = f" ({a['why_not']})" if a["why_not"] else ""
         iv = a.get("interval")
         ci = (
-            f" [{_fmt(iv['ratio_low'], 2)}, {_fmt(iv['ratio_high'], 2)}], "
+            f" [{fmt(iv['ratio_low'], 2)}, {fmt(iv['ratio_high'], 2)}], "
             f">= {ACCEPTANCE_RATIO:g} in {_pct(iv['p_met'])} of resamples"
             if iv and iv["ratio_low"] is not None
             else ""
         )
         print(
-            f"acceptance: {a['adaptive']} {_fmt(a['adaptive_goodput_req_s'])} vs best baseline "
-            f"{a['best_baseline']} {_fmt(a['best_baseline_goodput_req_s'])}: ratio "
-            f"{_fmt(a['ratio'], 2)}{ci}, met {a['met']}{why}",
+            f"acceptance: {a['adaptive']} {fmt(a['adaptive_goodput_req_s'])} vs best baseline "
+            f"{a['best_baseline']} {fmt(a['best_baseline_goodput_req_s'])}: ratio "
+            f"{fmt(a['ratio'], 2)}{ci}, met {a['met']}{why}",
             file=out,
         )
     if report["noisy"]:
@@ -428,9 +432,3 @@ def _pct(v: Any) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
     return f"{v * 100:.0f}%"
-
-
-def _fmt(v: Any, digits: int = 1) -> str:
-    from rapidkv.bench.serve.report import _fmt as fmt
-
-    return fmt(v, digits)

@@ -1,4 +1,4 @@
-"""`rapidkv bench goodput`: the run: its options, `single` first (references,
+"""`rapidkv bench goodput`: the run: `single` first (references,
 c1, the SLOs), then every other group, each workload swept rate by rate (every
 group up at once, each rate on every configuration in turn, unless
 `--one-group-at-a-time`).
@@ -10,219 +10,51 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
-import sys
-import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-DEFAULT_CONFIGS = ("single", "dp2", "vllm-nixl", "rapidkv", "rapidkv-adaptive")
-BASELINES = ("dp2", "vllm-nixl", "rapidkv")
-"""What `rapidkv-adaptive`'s goodput is compared with (the issue's acceptance)."""
-ADAPTIVE = "rapidkv-adaptive"
-ADAPTIVE_FRONT = "router-adaptive"
-"""The prefix of the adaptive router's fronts (`serve.configs`): started again
-for each workload, with its SLOs."""
-ARRIVAL_SALT = 7919  # a workload's arrivals are drawn from its seed + this
-DTYPES = {"float32": "float32", "bf16": "bfloat16"}
-
-
-@dataclass(frozen=True)
-class Options:
-    workloads: tuple[str, ...]
-    configs: tuple[str, ...]
-    rates: dict[str, tuple[float, ...]]  # workload -> ascending req/s
-    requests: int
-    warmup: int
-    seed: int
-    ttft_slo_factor: float
-    tpot_slo_factor: float
-    ttft_slo_ms: float | None  # given: used instead of the factor's
-    tpot_slo_ms: float | None
-    timeout: float
-    dtype: str
-    server_args: tuple[str, ...]  # --max-model-len first, then --server-args
-    router_args: tuple[str, ...] = ()  # the adaptive router's, after its SLOs
-    together: bool = True  # every group up at once, rates interleaved across them
-    include_usage: bool = True  # stream_options: {"include_usage": true} on every request
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> Options:
-        from rapidkv.bench.goodput.workloads import MAX_MODEL_LEN, WORKLOADS
-        from rapidkv.bench.serve.configs import CONFIGS
-
-        workloads = tuple(w for w in args.workloads.split(",") if w)
-        configs = tuple(c for c in args.configs.split(",") if c)
-        for w in workloads:
-            if w not in WORKLOADS:
-                raise ValueError(f"unknown workload {w!r} (known: {', '.join(WORKLOADS)})")
-        for c in configs:
-            if c not in CONFIGS:
-                raise ValueError(f"unknown configuration {c!r} (known: {', '.join(CONFIGS)})")
-        if not workloads or not configs:
-            raise ValueError("give at least one workload and one configuration")
-        if len(set(configs)) != len(configs) or len(set(workloads)) != len(workloads):
-            raise ValueError("a configuration or workload is named twice")
-        pick = "quick_rates" if args.quick else "default_rates"
-        rates = {w: tuple(sorted(getattr(WORKLOADS[w], pick))) for w in workloads}
-        given = [parse_rates(text) for text in args.rates or ()]
-        for name, values in sorted(given, key=lambda g: g[0] is not None):  # named ones win
-            if name is not None and name not in workloads:
-                raise ValueError(f"--rates {name}=...: {name!r} is not in --workloads")
-            for w in [name] if name is not None else workloads:
-                rates[w] = values
-        requests = args.requests if args.requests is not None else (8 if args.quick else 40)
-        warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
-        if requests < 2:
-            raise ValueError("--requests must be >= 2")
-        if warmup < 0:
-            raise ValueError("--warmup must be >= 0")
-        if args.ttft_slo_factor <= 0 or args.tpot_slo_factor <= 0:
-            raise ValueError("the SLO factors must be > 0")
-        for flag, v in (("--ttft-slo-ms", args.ttft_slo_ms), ("--tpot-slo-ms", args.tpot_slo_ms)):
-            if v is not None and not v > 0:
-                raise ValueError(f"{flag} must be > 0")
-        return cls(
-            workloads=workloads,
-            configs=configs,
-            rates=rates,
-            requests=requests,
-            warmup=warmup,
-            seed=args.seed,
-            ttft_slo_factor=args.ttft_slo_factor,
-            tpot_slo_factor=args.tpot_slo_factor,
-            ttft_slo_ms=args.ttft_slo_ms,
-            tpot_slo_ms=args.tpot_slo_ms,
-            timeout=args.timeout,
-            dtype=DTYPES[args.dtype],
-            server_args=("--max-model-len", str(MAX_MODEL_LEN), *shlex.split(args.server_args)),
-            router_args=tuple(shlex.split(args.router_args)),
-            together=not args.one_group_at_a_time,
-            include_usage=getattr(args, "include_usage", True),
-        )
-
-    def units(self) -> int:
-        """Progress units: one per request (references, `single`'s warm-up and
-        c1, every configuration's warm-ups and sweeps)."""
-        per_workload = self.requests + self.warmup + self.requests  # reference, warm-up, c1
-        total = per_workload * len(self.workloads)
-        for c in self.configs:
-            for w in self.workloads:
-                total += (0 if c == "single" else self.warmup) + self.requests * len(self.rates[w])
-        return total
-
-
-def fixed_fronts(members: list[str]) -> set[str]:
-    """The fronts of `members` started with their group (the adaptive router's
-    wait for a workload's SLOs)."""
-    from rapidkv.bench.serve.configs import CONFIGS
-
-    return {CONFIGS[m].front for m in members if not is_adaptive(CONFIGS[m].front)}
-
-
-def is_adaptive(front: str | None) -> bool:
-    """Whether `front` is one of the adaptive router's (None: no front, served directly)."""
-    return front is not None and front.startswith(ADAPTIVE_FRONT)
-
-
-def parse_rates(text: str) -> tuple[str | None, tuple[float, ...]]:
-    """`2,4,8` (every workload) or `chat=1,2,3` (one): the workload named, if
-    any, and the rates, ascending."""
-    name, sep, values = text.rpartition("=")
-    try:
-        rates = tuple(float(t) for t in values.split(",") if t.strip())
-    except ValueError:
-        raise ValueError(f"--rates {text!r}: give req/s, comma-separated") from None
-    if not rates or any(r <= 0 for r in rates) or len(set(rates)) != len(rates):
-        raise ValueError(f"--rates {text!r}: distinct positive req/s, comma-separated")
-    return (name.strip() if sep else None), tuple(sorted(rates))
+from rapidkv.bench.common.options import log_dir as make_log_dir
+from rapidkv.bench.common.progress import Progress
+from rapidkv.bench.common.provenance import git_describe
+from rapidkv.bench.common.run import command_line, finish, parse_options
+from rapidkv.bench.goodput.options import (
+    ARRIVAL_SALT,
+    Options,
+    fixed_fronts,
+    is_adaptive,
+)
+from rapidkv.bench.goodput.results import ConfigRun, RateRun, SweepResult, WorkloadRun
 
 
 def run(args: argparse.Namespace) -> int:
     from rapidkv.bench.goodput.report import build_report, print_report
-    from rapidkv.bench.serve.report import git_describe, to_json
-    from rapidkv.bench.serve.run import Progress
 
-    try:
-        opts = Options.from_args(args)
-    except ValueError as e:
-        print(f"rapidkv bench goodput: error: {e}", file=sys.stderr)
+    opts = parse_options(Options.from_args, args, "goodput")
+    if opts is None:
         return 2
     git_describe()  # the checkout measured: as it is now (cached)
-    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="rapidkv-bench-goodput-"))
+    log_dir = make_log_dir(args, "goodput")
     progress = Progress(opts.units())
     t0 = time.monotonic()
     try:
         sweep = Sweep(opts, log_dir, progress).run()
     finally:
         progress.close()
-    command = None
-    if sys.argv[1:3] == ["bench", "goodput"]:
-        command = shlex.join(["rapidkv", "bench", "goodput", *sys.argv[3:]])
-    report = build_report(sweep, opts, log_dir, time.monotonic() - t0, command)
-    print_report(report, sys.stderr if args.json == "-" else sys.stdout)
-    if args.json == "-":
-        print(to_json(report, indent=1))
-    elif args.json:
-        Path(args.json).write_text(to_json(report, indent=1) + "\n")
-    if args.plot:
+    report = build_report(sweep, opts, log_dir, time.monotonic() - t0, command_line("goodput"))
+
+    def draw(path: Path) -> None:
         from rapidkv.bench.goodput.plot import plot
 
-        plot(report, args.plot)
-        print(f"plot: {args.plot}", file=sys.stderr)
-    print(f"server logs: {log_dir}", file=sys.stderr)
-    return 0 if report["ok"] else 1
+        plot(report, path)
+
+    return finish(report, args, print_report, log_dir, draw)
 
 
 # ------------------------------------------------------------------ running
 
 
-@dataclass
-class RateRun:
-    """One configuration at one rate of one workload."""
-
-    rate: float
-    arrivals: list[float]
-    results: list[Any]  # serve.stats.RequestResult, in prompt order
-    wall_s: float
-    placements: dict[str, float] | None = None  # a rapidkv router's, by kind
-    reasons: dict[str, float] | None = None  # ... and by the policy's reason (or "fixed")
-    learned: dict[str, Any] | None = None  # an adaptive router's models after the rate
-    server_cpu_s: dict[str, float] = field(default_factory=dict)  # per process tree
-    client_cpu_s: float = 0.0  # this process: the load generator
-    other_cpu_s: float = 0.0  # everything else on the machine (noise: should be ~0)
-
-
-@dataclass
-class ConfigRun:
-    name: str
-    error: str | None = None
-    startup_s: float | None = None
-    affinity: dict[str, list[str]] = field(default_factory=dict)
-    warmup_errors: list[str] = field(default_factory=list)
-    router_args: dict[str, list[str]] = field(default_factory=dict)  # workload -> appended
-    rates: dict[str, dict[float, RateRun]] = field(default_factory=dict)  # workload -> rate ->
-
-
-@dataclass
-class WorkloadRun:
-    """One workload: its requests, `single`'s reference outputs and c1, its SLOs."""
-
-    name: str
-    max_tokens: tuple[int, ...]
-    prompts: list[list[int]]
-    arrival_seed: int
-    references: list[Any] | None = None  # serve.stats.Reference per prompt
-    error: str | None = None  # why there is no reference or no SLO
-    single_c1: list[Any] | None = None  # RequestResult
-    single_c1_wall_s: float = 0.0
-    single_c1_other_cpu_s: float = 0.0  # noise while the SLOs' base was measured
-    slo: Any = None  # slo.SLO
-
-
-class Sweep:
+class Sweep(SweepResult):
     """`single` first (references, c1, SLOs), then the other groups: by default
     all started together and swept rate by rate, each rate on every
     configuration in turn (`run_groups_together`); with `together` off, each
@@ -230,7 +62,7 @@ class Sweep:
     (`serve.configs.GROUPS` order)."""
 
     def __init__(self, opts: Options, log_dir: Path, progress: Any) -> None:
-        from rapidkv.bench.goodput.workloads import WORKLOADS
+        from rapidkv.bench.common.workloads import WORKLOADS
         from rapidkv.harness import random_prompts
         from rapidkv.models import ensure_model
 
@@ -249,7 +81,7 @@ class Sweep:
         self.configs = {name: ConfigRun(name) for name in opts.configs}
 
     def run(self) -> Sweep:
-        from rapidkv.bench.serve.configs import CONFIGS, GROUPS
+        from rapidkv.bench.common.groups import CONFIGS, GROUPS
 
         wanted = {CONFIGS[c].group for c in self.opts.configs} | {"single"}
         groups = {
@@ -282,7 +114,7 @@ class Sweep:
 
     def start(self, group_name: str, members: list[str], fronts: set[str | None]) -> Any:
         """The started group, or the reason it did not start (its members fail)."""
-        from rapidkv.bench.serve.configs import start_group
+        from rapidkv.bench.common.groups import start_group
 
         self.progress.stage(f"starting {group_name}")
         try:
@@ -313,7 +145,7 @@ class Sweep:
     def run_single(self, members: list[str]) -> None:
         """`single`: every workload's reference, warm-up and c1 (the SLOs), then
         its own sweep when it is a configuration of the run."""
-        from rapidkv.bench.serve.configs import CONFIGS
+        from rapidkv.bench.common.groups import CONFIGS
 
         n = self.opts.requests
         group = self.start("single", members, set())
@@ -383,7 +215,7 @@ class Sweep:
         configuration -> its running group), rates ascending, the configurations'
         order reversed at every other rate. A group that fails (a server died,
         /metrics failed...) fails its configurations; the others go on."""
-        from rapidkv.bench.serve.configs import CONFIGS
+        from rapidkv.bench.common.groups import CONFIGS
 
         def guarded(m: str, action: Any, *args: Any) -> None:
             try:
@@ -422,7 +254,7 @@ class Sweep:
 
     def start_adaptive(self, name: str, group: Any, w: WorkloadRun) -> None:
         """(Re)start `name`'s adaptive router with workload `w`'s SLOs."""
-        from rapidkv.bench.serve.configs import CONFIGS
+        from rapidkv.bench.common.groups import CONFIGS
 
         extra = ["--ttft-slo-ms", f"{w.slo.ttft_ms:.3f}"]
         extra += ["--tpot-slo-ms", f"{w.slo.tpot_ms:.3f}", *self.opts.router_args]
@@ -437,7 +269,7 @@ class Sweep:
     def reference(self, w: WorkloadRun, url: str) -> None:
         """`single`'s greedy outputs with top-2 margins, at the workload's longest
         `max_tokens`; each request's reference is its prefix of that."""
-        from rapidkv.bench.serve.run import take_references
+        from rapidkv.bench.common.reference import take_references
 
         self.progress.stage(f"{w.name}: reference (single, logprobs=2)")
         try:
@@ -450,23 +282,21 @@ class Sweep:
         self.progress.advance(len(w.prompts))
 
     def warm_up(self, name: str, w: WorkloadRun, url: str, config: Any) -> None:
-        from rapidkv.bench.serve.configs import helper_cpus
-        from rapidkv.bench.serve.loads import Load, run_load
+        from rapidkv.bench.common.loads import warm_up
 
         k = min(self.opts.warmup, len(w.prompts))
         if k == 0:
             return
         self.progress.stage(f"{w.name}: warm-up {name}")
-        results, _ = run_load(
+        o = self.opts
+        results = warm_up(
             url,
             w.prompts[:k],
             w.max_tokens[:k],
-            Load("warmup", concurrency=1),
-            params=config.params,
-            timeout_s=self.opts.timeout,
-            on_done=self.progress.advance,
-            cpus=helper_cpus(config.group),
-            include_usage=self.opts.include_usage,
+            config,
+            o.timeout,
+            self.progress.advance,
+            o.include_usage,
         )
         for r in results:
             if r.error:
@@ -476,11 +306,10 @@ class Sweep:
 
     def single_c1(self, w: WorkloadRun, url: str, group: Any) -> None:
         """Every request once on `single`, one at a time: the SLOs' base."""
+        from rapidkv.bench.common.groups import CONFIGS, PAIR_PAUSE_S, helper_cpus
+        from rapidkv.bench.common.loads import Load, run_load
+        from rapidkv.bench.common.stats import summarize
         from rapidkv.bench.goodput.slo import derive, given
-        from rapidkv.bench.serve.configs import CONFIGS, helper_cpus
-        from rapidkv.bench.serve.loads import Load, run_load
-        from rapidkv.bench.serve.run import PAIR_PAUSE_S
-        from rapidkv.bench.serve.stats import summarize
 
         self.progress.stage(f"{w.name}: single c1 (the SLOs)")
         time.sleep(PAIR_PAUSE_S)  # vLLM spins on its queues for 1 s after a step
@@ -515,11 +344,10 @@ class Sweep:
 
     def measure(self, name: str, group: Any, w: WorkloadRun, rate: float) -> None:
         """All the workload's requests on `name`, open loop at `rate`."""
-        from rapidkv.bench.goodput.arrivals import poisson_arrivals
+        from rapidkv.bench.common.arrivals import poisson_arrivals
+        from rapidkv.bench.common.groups import CONFIGS, PAIR_PAUSE_S, helper_cpus
+        from rapidkv.bench.common.loads import TIMEOUT, Load, run_load
         from rapidkv.bench.goodput.slo import rate_key
-        from rapidkv.bench.serve.configs import CONFIGS, helper_cpus
-        from rapidkv.bench.serve.loads import TIMEOUT, Load, run_load
-        from rapidkv.bench.serve.run import PAIR_PAUSE_S
 
         config = CONFIGS[name]
         self.progress.stage(f"{w.name}: {name} at {rate_key(rate)} req/s")

@@ -44,12 +44,12 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from pathlib import Path
 
 DEFAULT_LENGTHS = "128,512,2048"
 
 
 def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
+    from rapidkv.bench.common.options import add_dtype, add_output, add_server_args
     from rapidkv.bench.migrate.run import MODES, run
 
     parser.description = (__doc__ or "").split("\n\n")[0]
@@ -88,12 +88,8 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     )
     add("--seed", type=int, default=0, help="prompts (%(default)s)")
     add("--timeout", type=float, default=120.0, help="per request, seconds (%(default)s)")
-    add("--dtype", choices=("float32", "bf16"), default="float32", help="tiny model's dtype")
-    add(
-        "--server-args",
-        default="",
-        help="extra vLLM arguments for both servers, one string: --server-args='--flag value'",
-    )
+    add_dtype(parser)
+    add_server_args(parser, "both servers")
     add(
         "--netns-link",
         default=None,
@@ -102,7 +98,5 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         "tbf, e.g. 1gbit): the migrations' KV crosses it, as between two hosts (root)",
     )
     add("--quick", action="store_true", help="one length (128), one round: a smoke run")
-    add("--json", default=None, metavar="PATH", help="write the JSON here (- = stdout)")
-    add("--plot", type=Path, default=None, metavar="PATH", help="write a PNG here")
-    add("--log-dir", type=Path, default=None, help="server logs (default: a tmp dir)")
+    add_output(parser)
     return run

@@ -22,7 +22,7 @@ def plot(report: dict[str, Any], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from rapidkv.bench.serve.plot import save_figure
+    from rapidkv.bench.common.output import save_figure
 
     lengths = report["lengths"]
     xs = [int(n) for n in lengths]

@@ -171,7 +171,7 @@ def migration_rows(
 
 
 def summarize(values: Sequence[float | None]) -> dict[str, float]:
-    from rapidkv.bench.serve.stats import summarize as stats
+    from rapidkv.bench.common.stats import summarize as stats
 
     return stats([v for v in values if v is not None])
 
@@ -230,7 +230,7 @@ def paired_downtime_ratio(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     `rounds`; None figures without a round that has both."""
     import statistics
 
-    from rapidkv.bench.serve.stats import paired_ratio_interval
+    from rapidkv.bench.common.stats import paired_ratio_interval
 
     by_round: dict[int, tuple[list[float], list[float]]] = {}
     for r in rows:

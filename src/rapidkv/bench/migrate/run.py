@@ -14,13 +14,14 @@ import os
 import secrets
 import shlex
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rapidkv.bench.serve.loads import PLACEMENT_HEADER, XFER_HEADER
+from rapidkv.bench.common.loads import PLACEMENT_HEADER, XFER_HEADER
+from rapidkv.bench.common.options import DTYPES
+from rapidkv.bench.common.options import log_dir as make_log_dir
 
 MODES = ("precopy", "stop-and-copy")
 MODE_KEYS = {"precopy": "precopy", "stop-and-copy": "stop_and_copy"}  # CLI -> JSON
@@ -95,7 +96,7 @@ class Options:
             gap_tokens=args.gap_tokens,
             seed=args.seed,
             timeout_s=args.timeout,
-            dtype={"float32": "float32", "bf16": "bfloat16"}[args.dtype],
+            dtype=DTYPES[args.dtype],
             server_args=tuple(shlex.split(args.server_args)),
             max_model_len=max_model_len,
             netns_link=netns or None,
@@ -103,15 +104,16 @@ class Options:
 
 
 def run(args: argparse.Namespace) -> int:
+    from rapidkv.bench.common.groups import HELPER_CPU
+    from rapidkv.bench.common.progress import Progress
+    from rapidkv.bench.common.provenance import git_describe
+    from rapidkv.bench.common.run import command_line, finish, open_link
     from rapidkv.bench.migrate.report import build_report, print_report
-    from rapidkv.bench.serve.configs import HELPER_CPU
-    from rapidkv.bench.serve.report import git_describe, to_json
-    from rapidkv.bench.serve.run import Progress
     from rapidkv.harness.procs import cpu_model
     from rapidkv.harness.server import kv_bytes_per_token, model_max_len
     from rapidkv.models import ensure_model
 
-    dtype = {"float32": "float32", "bf16": "bfloat16"}[args.dtype]
+    dtype = DTYPES[args.dtype]
     model = ensure_model("tiny", dtype=dtype)
     try:
         opts = Options.from_args(args, model_max_len(model) or 1024)
@@ -119,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"rapidkv bench migrate: error: {e}", file=sys.stderr)
         return 2
     git_describe()  # the checkout measured: as it is now (cached)
-    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="rapidkv-bench-migrate-"))
+    log_dir = make_log_dir(args, "migrate")
     log_dir.mkdir(parents=True, exist_ok=True)
     progress = Progress(
         (opts.warmup_rounds + opts.rounds * len(opts.lengths)) * (1 + len(opts.modes))
@@ -128,13 +130,10 @@ def run(args: argparse.Namespace) -> int:
     link_info: dict[str, Any] | None = None
     try:
         with contextlib.ExitStack() as stack:
-            from rapidkv.harness.netns import NetnsUnavailable, bench_link
-
-            try:
-                link, link_info = bench_link(stack, opts.netns_link, progress)
-            except NetnsUnavailable as e:
-                print(f"rapidkv bench migrate: --netns-link: {e}", file=sys.stderr)
+            opened = open_link(stack, opts.netns_link, progress, "migrate")
+            if opened is None:
                 return 2
+            link, link_info = opened
             result = Bench(opts, model, log_dir, progress, link).run()
     except SetupError as e:
         progress.close()
@@ -143,15 +142,12 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         progress.close()
-    command = None
-    if sys.argv[1:3] == ["bench", "migrate"]:
-        command = shlex.join(["rapidkv", "bench", "migrate", *sys.argv[3:]])
     meta = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "git": git_describe(),
-        "command": command,
+        "command": command_line("migrate"),
         "model": str(model),
         "dtype": opts.dtype,
         "kv_bytes_per_token": kv_bytes_per_token(model, opts.dtype),
@@ -174,19 +170,13 @@ def run(args: argparse.Namespace) -> int:
         "netns_link": link_info,
     }
     report = build_report(result, meta)
-    print_report(report, sys.stderr if args.json == "-" else sys.stdout)
-    text = to_json(report, indent=1)
-    if args.json == "-":
-        print(text)
-    elif args.json:
-        Path(args.json).write_text(text + "\n")
-    if args.plot:
+
+    def draw(path: Path) -> None:
         from rapidkv.bench.migrate.plot import plot
 
-        plot(report, args.plot)
-        print(f"plot: {args.plot}", file=sys.stderr)
-    print(f"server logs: {log_dir}", file=sys.stderr)
-    return 0 if report["ok"] else 1
+        plot(report, path)
+
+    return finish(report, args, print_report, log_dir, draw)
 
 
 class SetupError(RuntimeError):
@@ -405,7 +395,7 @@ class Bench:
     # ------------------------------------------------------------ setup
 
     def start_servers(self) -> tuple[list[Any], list[str]]:
-        from rapidkv.bench.serve.configs import rapidkv_control
+        from rapidkv.bench.common.groups import rapidkv_control
         from rapidkv.connector.config import kv_transfer_config
         from rapidkv.harness import ServerSpec, free_port, start_servers
 
@@ -434,21 +424,21 @@ class Bench:
         return servers, [rapidkv_control(s.kv_transfer_config) for s in specs]
 
     def start_router(self, servers: list[Any], controls: list[str], token_file: Path) -> Any:
-        from rapidkv.bench.serve.configs import HELPER_CPU, _router_argv, _start_front
+        from rapidkv.bench.common.groups import HELPER_CPU, router_argv, start_front
 
         instances = [f"{s.base_url}={c}" for s, c in zip(servers, controls, strict=True)]
         argv = [
-            *_router_argv("local", [], [], instances=instances),
+            *router_argv("local", [], [], instances=instances),
             "--admin-token-file",
             str(token_file),
         ]
         try:
-            return _start_front("migrate.router", argv, self.log_dir, {HELPER_CPU})
+            return start_front("migrate.router", argv, self.log_dir, {HELPER_CPU})
         except Exception as e:
             raise SetupError(f"the router did not start: {type(e).__name__}: {e}") from e
 
     def run(self) -> dict[str, Any]:
-        from rapidkv.bench.serve.configs import HELPER_CPU
+        from rapidkv.bench.common.groups import HELPER_CPU
         from rapidkv.control.client import RpcClient
 
         token = secrets.token_hex(16)

@@ -54,20 +54,24 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from pathlib import Path
 
 
 def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
-    from rapidkv.bench.serve.configs import CONFIGS
-    from rapidkv.bench.serve.dataset import DATASETS, SHAREGPT_MAX_TOKENS
-    from rapidkv.bench.serve.run import (
+    from rapidkv.bench.common.dataset import DATASETS, SHAREGPT_MAX_TOKENS
+    from rapidkv.bench.common.groups import CONFIGS
+    from rapidkv.bench.common.options import (
+        add_dtype,
+        add_include_usage,
+        add_output,
+        add_server_args,
+    )
+    from rapidkv.bench.serve.options import (
         DEFAULT_LOADS,
-        DTYPES,
         MODELS,
         NETNS_DEFAULT_CONFIGS,
         QUICK_LOADS,
-        run,
     )
+    from rapidkv.bench.serve.run import run
 
     parser.description = (__doc__ or "").split("\n\n")[0]
     parser.add_argument(
@@ -77,9 +81,7 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         "test models, SmolLM2-135M-Instruct from its package) or a checkpoint's directory "
         "(served with --dtype as given)",
     )
-    parser.add_argument(
-        "--dtype", choices=sorted(DTYPES), default="float32", help="model dtype (%(default)s)"
-    )
+    add_dtype(parser)
     parser.add_argument(
         "--configs",
         default=None,
@@ -134,29 +136,10 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     parser.add_argument("--warmup", type=int, default=None, help="unmeasured requests (2; 1 quick)")
     parser.add_argument("--quick", action="store_true", help="8 prompts, loads c1,c4, 1 warm-up")
     parser.add_argument("--seed", type=int, default=0, help="prompts and Poisson arrivals")
-    parser.add_argument(
-        "--no-include-usage",
-        dest="include_usage",
-        action="store_false",
-        help="stream without stream_options (default: every request asks for "
-        '{"include_usage": true}, as vLLM\'s benchmark client and the OpenAI SDK do)',
-    )
+    add_include_usage(parser)
     parser.add_argument(
         "--timeout", type=float, default=60.0, help="per request, seconds (%(default)s)"
     )
-    parser.add_argument(
-        "--server-args",
-        default="",
-        help="extra vLLM arguments for every server, one string: --server-args='--flag value'",
-    )
-    parser.add_argument(
-        "--json", default=None, metavar="PATH", help="write the JSON here (- = stdout)"
-    )
-    parser.add_argument("--plot", type=Path, default=None, metavar="PATH", help="write a PNG here")
-    parser.add_argument(
-        "--trace", type=Path, default=None, metavar="PATH", help="per-request JSONL"
-    )
-    parser.add_argument(
-        "--log-dir", type=Path, default=None, help="server logs (default: a tmp dir)"
-    )
+    add_server_args(parser)
+    add_output(parser, trace="per-request JSONL")
     return run

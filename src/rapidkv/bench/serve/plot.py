@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+
+from rapidkv.bench.common.output import save_figure
 
 # samples[model][config][load] = {"ttft_ms": [...], "tpot_ms": [...]}
 Samples = Mapping[str, Mapping[str, Mapping[str, Mapping[str, Sequence[float]]]]]
@@ -61,16 +62,3 @@ def plot(samples: Samples, loads: Sequence[str], path: Path, title: str = "") ->
             ax.grid(axis="y", alpha=0.3)
             ax.set_title(f"{model} · {load} · {label}", fontsize=9)
     return save_figure(fig, path, title)
-
-
-def save_figure(fig: Any, path: Path, title: str | None) -> Path:
-    """Title, lay out, write (creating the folder) and close a benchmark figure."""
-    import matplotlib.pyplot as plt
-
-    if title:
-        fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path

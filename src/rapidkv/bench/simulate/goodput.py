@@ -22,7 +22,6 @@ requests with the same arrival pattern, scaled (`workload.poisson_arrivals`).
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -65,13 +64,10 @@ def goodput_of(attained: dict[float, float], target: float = TARGET) -> float:
 
 def quantile(values: Sequence[float], q: float) -> float | None:
     """Linear-interpolated quantile `q` of `values` (None for none)."""
+    from rapidkv.bench.common.stats import percentile
+
     xs = sorted(v for v in values if v is not None)
-    if not xs:
-        return None
-    k = (len(xs) - 1) * q
-    lo = math.floor(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+    return percentile(xs, q * 100) if xs else None
 
 
 def reference_slo(fit: Fit, workload: Workload, seed: int = 0) -> tuple[SLO, dict[str, float]]:

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rapidkv.bench.serve.report import git_describe
+from rapidkv.bench.common.provenance import git_describe
 
 
 def build(

@@ -1,34 +1,20 @@
-"""The simulated requests: `bench goodput`'s workloads and seeded Poisson arrivals.
+"""The simulated requests: `common.workloads`' plans as `Spec`s, and their arrivals.
 
-- ``prefill-heavy``: prompts uniform in [128, 900] tokens, 16 output tokens;
-- ``chat``: prompts uniform in [100, 900], outputs uniform in [32, 256].
-
-`requests(workload, count, seed)` draws the prompts and outputs once
-(`spread`: prompts evenly spread instead, for the SLOs' reference and the fit
-check);
-`poisson_arrivals(count, rate, seed)` scales one seeded pattern of unit-rate
-gaps by the rate, so every rate of a sweep sees the same requests in the same
-order, only closer together (as `bench goodput` sends them).
+`requests(workload, count, seed)` draws the prompts and outputs once, as
+`bench goodput` draws them (`Workload.plan`); `spread` spreads the prompts
+evenly instead, for the SLOs' reference and the fit check;
+`poisson_arrivals(count, rate, seed)` is `common.arrivals`' in ms: every rate
+of a sweep sees the same requests in the same order, only closer together.
 """
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 
+from rapidkv.bench.common import arrivals
+from rapidkv.bench.common.workloads import WORKLOADS, Plan, Workload
 
-@dataclass(frozen=True)
-class Workload:
-    name: str
-    min_prompt: int
-    max_prompt: int
-    min_output: int
-    max_output: int
-
-    def __post_init__(self) -> None:
-        prompts = 1 <= self.min_prompt <= self.max_prompt
-        if not (prompts and 1 <= self.min_output <= self.max_output):
-            raise ValueError(f"need 1 <= min <= max for prompts and outputs: {self}")
+__all__ = ["WORKLOADS", "Spec", "Workload", "poisson_arrivals", "requests", "spread"]
 
 
 @dataclass(frozen=True)
@@ -39,52 +25,21 @@ class Spec:
     output: int
 
 
-WORKLOADS: dict[str, Workload] = {
-    w.name: w
-    for w in (
-        Workload("prefill-heavy", 128, 900, 16, 16),
-        Workload("chat", 100, 900, 32, 256),
-    )
-}
+def _specs(plan: Plan) -> list[Spec]:
+    return [Spec(p, o) for p, o in zip(plan.prompt_lens, plan.max_tokens, strict=True)]
 
 
 def requests(workload: Workload, count: int, seed: int) -> list[Spec]:
     """`count` requests of `workload`, seeded."""
-    rng = random.Random(f"{workload.name}:{seed}")
-    return [
-        Spec(
-            rng.randint(workload.min_prompt, workload.max_prompt),
-            rng.randint(workload.min_output, workload.max_output),
-        )
-        for _ in range(count)
-    ]
+    return _specs(workload.plan(count, seed))
 
 
 def spread(workload: Workload, count: int, seed: int) -> list[Spec]:
-    """`count` requests whose prompts are evenly spread over the workload's
-    range (the k-th at quantile (k + 1/2) / count) and outputs drawn, in a
-    seeded order: a sample without a sample's noise in its median."""
-    rng = random.Random(f"{workload.name}:spread:{seed}")
-    width = workload.max_prompt - workload.min_prompt
-    specs = [
-        Spec(
-            workload.min_prompt + round(width * (k + 0.5) / count),
-            rng.randint(workload.min_output, workload.max_output),
-        )
-        for k in range(count)
-    ]
-    rng.shuffle(specs)
-    return specs
+    """`count` requests with evenly spread prompts (`Workload.spread`)."""
+    return _specs(workload.spread(count, seed))
 
 
 def poisson_arrivals(count: int, rate: float, seed: int) -> list[float]:
-    """`count` arrival times (ms from 0, the first at 0) of a Poisson process
-    of `rate` requests per second, seeded; the same gaps for every rate."""
-    if rate <= 0:
-        raise ValueError(f"rate must be > 0, not {rate}")
-    rng = random.Random(f"arrivals:{seed}")
-    out, t = [], 0.0
-    for _ in range(count):
-        out.append(t * 1000.0 / rate)
-        t += rng.expovariate(1.0)
-    return out
+    """`count` arrival times, ms from 0 (the first at 0), of a Poisson process
+    of `rate` requests per second, seeded (`common.arrivals.poisson_arrivals`)."""
+    return [t * 1000.0 for t in arrivals.poisson_arrivals(count, rate, seed)]

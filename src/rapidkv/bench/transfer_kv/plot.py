@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from rapidkv.bench.serve.plot import save_figure
+from rapidkv.bench.common.output import save_figure
 from rapidkv.bench.transfer_kv.stats import METRICS, MODES, STATES
 
 LABELS = {

@@ -8,21 +8,23 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
-import math
 import os
 import shlex
 import signal
 import sys
-import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from rapidkv.bench.common.options import DTYPES
+from rapidkv.bench.common.options import log_dir as make_log_dir
+from rapidkv.bench.common.output import to_json, write_json
+from rapidkv.bench.common.progress import Progress
+from rapidkv.bench.common.run import parse_options
+
 MODELS = ("small", "tiny")
-DTYPES = {"float32": "float32", "bf16": "bfloat16"}
 PHASES = ("uncapped", "capped")
 
 
@@ -84,10 +86,8 @@ class Options:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        opts = Options.from_args(args)
-    except ValueError as e:
-        print(f"rapidkv bench transfer-kv: error: {e}", file=sys.stderr)
+    opts = parse_options(Options.from_args, args, "transfer-kv")
+    if opts is None:
         return 2
     os.sched_setaffinity(0, {opts.d_cpu})  # before any thread starts: they inherit it
     # SIGTERM unwinds like Ctrl-C: every `with` stops what it started (P included)
@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     # the memory watcher must not wait the default 5 ms for the GIL behind a
     # busy thread of ours
     sys.setswitchinterval(0.0005)
-    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="rapidkv-bench-transfer-kv-"))
+    log_dir = make_log_dir(args, "transfer-kv")
     progress = Progress()
     trace = open(args.trace, "w") if args.trace else None  # noqa: SIM115 - closed below
     try:
@@ -111,11 +111,7 @@ def run(args: argparse.Namespace) -> int:
     # with `--json -` stdout carries the JSON only; the table goes to stderr
     shown = table(report, [p for p in PHASES if p in report])
     print(shown, file=sys.stderr if args.json == "-" else sys.stdout)
-    text = json.dumps(clean(report), indent=1)
-    if args.json == "-":
-        print(text)
-    elif args.json:
-        Path(args.json).write_text(text + "\n")
+    write_json(report, args.json)
     if args.plot:
         steps = {p: report[p]["step_ms"]["p50"] for p in values}
         title = (
@@ -130,29 +126,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _exit_on_signal(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
-
-
-class Progress:
-    """Progress lines on stderr, with the elapsed time."""
-
-    def __init__(self, stream: IO[str] = sys.stderr) -> None:
-        self.stream = stream
-        self.t0 = time.monotonic()
-
-    def say(self, message: str) -> None:
-        s = int(time.monotonic() - self.t0)
-        print(f"[{s // 60}:{s % 60:02d}] {message}", file=self.stream, flush=True)
-
-
-def clean(obj: Any) -> Any:
-    """NaN and inf -> None, recursively (strict JSON)."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: clean(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [clean(v) for v in obj]
-    return obj
 
 
 # ------------------------------------------------------------------ the run
@@ -360,7 +333,7 @@ class Phase:
             s.noisy = self.monitor.noisy(s.t_request, s.t_end)  # so far; final at the end
             samples.append(s)
             if self.bench.trace is not None:
-                self.bench.trace.write(json.dumps(clean({"phase": self.name, **s.to_json()})))
+                self.bench.trace.write(to_json({"phase": self.name, **s.to_json()}))
                 self.bench.trace.write("\n")
             if s.ok:
                 failures_in_a_row = 0

@@ -143,17 +143,16 @@ def last_chunk_end(events: Mapping[str, float], steps: Sequence[Step]) -> float 
 
 def percentiles(values: Iterable[float], digits: int = 3) -> dict[str, float | int]:
     """p50/p99 (linear interpolation, as numpy's default) and n; NaN when empty."""
+    from rapidkv.bench.common.stats import percentile
+
     xs = sorted(v for v in values if not math.isnan(v))
     if not xs:
         return {"p50": math.nan, "p99": math.nan, "n": 0}
-
-    def q(p: float) -> float:
-        pos = (len(xs) - 1) * p
-        lo = math.floor(pos)
-        hi = min(lo + 1, len(xs) - 1)
-        return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-    return {"p50": round(q(0.5), digits), "p99": round(q(0.99), digits), "n": len(xs)}
+    return {
+        "p50": round(percentile(xs, 50), digits),
+        "p99": round(percentile(xs, 99), digits),
+        "n": len(xs),
+    }
 
 
 # ------------------------------------------------------------------ steps

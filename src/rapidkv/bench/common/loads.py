@@ -1,4 +1,4 @@
-"""`rapidkv bench serve`: the loads, and the client that sends them.
+"""The loads every served benchmark sends, and the client that sends them.
 
 A load sends every prompt of the set once, as a streaming completion (greedy,
 `ignore_eos`, so each request yields exactly `max_tokens` tokens) that asks for
@@ -7,7 +7,7 @@ OpenAI SDK do (`include_usage=False`: without `stream_options`):
 
 - `cN`: closed loop, at most N requests in flight (`c1`: one after another);
 - `poissonR`: open loop, requests sent at Poisson arrival times of R per second
-  (seeded), whatever is still in flight.
+  (`arrivals.poisson_arrivals`, seeded), whatever is still in flight.
 
 `run_load` also takes one `max_tokens` per prompt, and an open loop's arrival
 times given outright (`bench goodput`: its own seeded arrivals, the same
@@ -26,14 +26,14 @@ from __future__ import annotations
 import asyncio
 import math
 import os
-import random
 import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rapidkv.bench.serve.stats import RequestResult
+from rapidkv.bench.common.arrivals import poisson_arrivals
+from rapidkv.bench.common.stats import RequestResult
 
 XFER_HEADER = "x-rapidkv-xfer-id"
 PLACEMENT_HEADER = "x-rapidkv-placement"
@@ -175,11 +175,7 @@ async def _run(
                 arrivals = list(given_arrivals)
             else:
                 assert load.rate is not None
-                rng = random.Random(seed)
-                arrivals, t = [], 0.0
-                for _ in prompts:
-                    arrivals.append(t)
-                    t += rng.expovariate(load.rate)
+                arrivals = poisson_arrivals(len(prompts), load.rate, seed)
 
             async def timed(i: int) -> RequestResult:
                 await asyncio.sleep(max(0.0, t_start + arrivals[i] - time.monotonic()))
@@ -187,3 +183,29 @@ async def _run(
 
             results = await asyncio.gather(*(timed(i) for i in range(len(prompts))))
         return list(results), time.monotonic() - t_start
+
+
+def warm_up(
+    url: str,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: Sequence[int],
+    config: Any,  # groups.Config
+    timeout_s: float,
+    on_done: Callable[[int], None] | None = None,
+    include_usage: bool = True,
+) -> list[RequestResult]:
+    """`prompts` once each on `config`'s front at `url`, one at a time, unmeasured."""
+    from rapidkv.bench.common.groups import helper_cpus
+
+    results, _ = run_load(
+        url,
+        prompts,
+        max_tokens,
+        Load("warmup", concurrency=1),
+        params=config.params,
+        timeout_s=timeout_s,
+        on_done=on_done,
+        cpus=helper_cpus(config.group),
+        include_usage=include_usage,
+    )
+    return results

@@ -41,7 +41,7 @@ from typing import Any
 CPUS_ENV = "RAPIDKV_INSTANCE_CPUS"
 NIXL_API_MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api", "nixl_rocm._api")
 
-SITECUSTOMIZE = "from rapidkv.bench.serve.nixl_tuning import install\n\ninstall()\n"
+SITECUSTOMIZE = "from rapidkv.bench.common.nixl_tuning import install\n\ninstall()\n"
 
 
 def write_sitecustomize(directory: Path) -> Path:

@@ -1,6 +1,6 @@
 """The conventional serial P/D proxy for vLLM's NixlConnector (pull and push).
 
-    python -m rapidkv.bench.serve.proxy --prefill http://127.0.0.1:8100 \\
+    python -m rapidkv.bench.common.proxy --prefill http://127.0.0.1:8100 \\
         --decode http://127.0.0.1:8200 --port 8000
 
 What vLLM's own toy proxy (`tests/v1/kv_connector/nixl_integration/
@@ -119,7 +119,7 @@ def build_app(prefill_url: str, decode_url: str) -> Any:
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
-    parser = argparse.ArgumentParser(prog="python -m rapidkv.bench.serve.proxy")
+    parser = argparse.ArgumentParser(prog="python -m rapidkv.bench.common.proxy")
     parser.add_argument("--prefill", required=True, help="P's base URL")
     parser.add_argument("--decode", required=True, help="D's base URL")
     parser.add_argument("--host", default="127.0.0.1")

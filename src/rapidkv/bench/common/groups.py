@@ -42,7 +42,7 @@ TUNING = (
     "os.sched_setaffinity cannot move a thread off the instance's core, and on an AMX "
     "CPU every process asks for AMX tile data at start as rapidkv's connector does "
     "(else vLLM's bf16 attention kills the worker with SIGILL) "
-    "(rapidkv.bench.serve.nixl_tuning, loaded by sitecustomize)"
+    "(rapidkv.bench.common.nixl_tuning, loaded by sitecustomize)"
 )
 
 SIGILL_CRASH = "a vLLM worker of {server} died of SIGILL (exit code -4)"
@@ -231,7 +231,7 @@ class RunningGroup:
         argv = dict(self.plan(self))[front]
         self.stop_front(front)
         name = f"{self.name}.{label or front}"
-        started = _start_front(name, [*argv, *extra], self.log_dir, helper_cpus(self.name))
+        started = start_front(name, [*argv, *extra], self.log_dir, helper_cpus(self.name))
         self.fronts[front] = started
         return started
 
@@ -310,7 +310,7 @@ class RunningGroup:
     def ttft_histograms(self, scraped: dict[str, Any] | None = None) -> dict[str, Any]:
         """Per server, vLLM's histogram of its engine's TTFT so far (or in
         `scraped`), a `stats.Histogram` in seconds."""
-        from rapidkv.bench.serve.stats import TTFT_METRIC, histogram
+        from rapidkv.bench.common.stats import TTFT_METRIC, histogram
 
         scraped = scraped if scraped is not None else self.scrape()
         return {key: histogram(m, TTFT_METRIC) for key, m in scraped.items()}
@@ -363,7 +363,7 @@ def start_group(
     try:
         for front, argv in plan(group):
             if fronts is None or front in fronts:
-                group.fronts[front] = _start_front(f"{name}.{front}", argv, log_dir, cpus)
+                group.fronts[front] = start_front(f"{name}.{front}", argv, log_dir, cpus)
     except BaseException:
         group.stop()
         raise
@@ -379,6 +379,11 @@ def rapidkv_control(kv_transfer_config: Any) -> str:
     config = ConnectorConfig.from_extra(kv_transfer_config["kv_connector_extra_config"])
     return format_address(config.control_advertised_host, config.control_port)
 
+
+PAIR_PAUSE_S = 1.2
+"""Before every block of a paired measurement: vLLM's engine and worker busy-wait
+(sched_yield) on their shared-memory queues for 1 s after their last step, and
+`single` shares the decoding core with the group."""
 
 COMMON_ARGS = ("--no-enable-prefix-caching",)
 SINGLE_CPU = 1  # D's core: `single`'s decode and D's run on the same core
@@ -426,7 +431,7 @@ def _group_plan(
 
         def dp2_front(g: RunningGroup) -> list[tuple[str, list[str]]]:
             urls = [s.base_url for s in g.servers.values()]
-            return [("router-local", _router_argv("local", [], urls))]
+            return [("router-local", router_argv("local", [], urls))]
 
         return specs, dp2_front
     if name == "rapidkv":
@@ -453,14 +458,14 @@ def _group_plan(
             urls = [g.servers["prefill"].base_url, g.servers["decode"].base_url]
             p = [f"{urls[0]}={rapidkv_control(p_cfg)}"]
             d = [f"{urls[1]}={rapidkv_control(d_cfg)}"]
-            adaptive = _router_argv("dual", [], [], instances=p + d)
+            adaptive = router_argv("dual", [], [], instances=p + d)
             return [
-                ("router-dual", _router_argv("dual", p, d)),
-                ("router-serial", _router_argv("serial", p, d)),
-                ("router-dual-whole", [*_router_argv("dual", p, d), "--no-split-prefill"]),
+                ("router-dual", router_argv("dual", p, d)),
+                ("router-serial", router_argv("serial", p, d)),
+                ("router-dual-whole", [*router_argv("dual", p, d), "--no-split-prefill"]),
                 (
                     "router-dual-d-first",
-                    [*_router_argv("dual", p, d), "--no-split-prefill", "--no-prefill-first-token"],
+                    [*router_argv("dual", p, d), "--no-split-prefill", "--no-prefill-first-token"],
                 ),
                 ("router-adaptive", [*adaptive, "--placement", "adaptive"]),
                 (
@@ -471,7 +476,7 @@ def _group_plan(
                     "router-adaptive-busy-crossings",
                     [*adaptive, "--placement", "adaptive", "--busy-crossings"],
                 ),
-                ("router-local", _router_argv("local", [], urls)),
+                ("router-local", router_argv("local", [], urls)),
             ]
 
         return specs, rapidkv_fronts
@@ -496,7 +501,7 @@ def _group_plan(
 
         def proxy_front(g: RunningGroup) -> list[tuple[str, list[str]]]:
             p, d = g.servers["prefill"].base_url, g.servers["decode"].base_url
-            argv = [sys.executable, "-m", "rapidkv.bench.serve.proxy", "--prefill", p]
+            argv = [sys.executable, "-m", "rapidkv.bench.common.proxy", "--prefill", p]
             return [("proxy", [*argv, "--decode", d, "--port", str(free_port())])]
 
         return specs, proxy_front
@@ -504,14 +509,14 @@ def _group_plan(
 
 
 def _tuning_env(directory: Path, cpu: int) -> dict[str, str]:
-    from rapidkv.bench.serve.nixl_tuning import CPUS_ENV, write_sitecustomize
+    from rapidkv.bench.common.nixl_tuning import CPUS_ENV, write_sitecustomize
     from rapidkv.harness.server import SRC_DIR
 
     path = [str(write_sitecustomize(directory)), str(SRC_DIR), os.environ.get("PYTHONPATH", "")]
     return {"PYTHONPATH": os.pathsep.join(filter(None, path)), CPUS_ENV: str(cpu)}
 
 
-def _router_argv(
+def router_argv(
     dispatch: str, prefill: list[str], decode: list[str], instances: Sequence[str] = ()
 ) -> list[str]:
     from rapidkv.harness import free_port
@@ -526,7 +531,7 @@ def _router_argv(
     return [*argv, "--port", str(free_port()), "--log-level", "warning"]
 
 
-def _start_front(
+def start_front(
     name: str,
     argv: list[str],
     log_dir: Path,

@@ -1,4 +1,4 @@
-"""`rapidkv bench goodput`: the two workloads, as seeded request plans.
+"""The request length workloads of `bench goodput` and `bench simulate`, as seeded plans.
 
 Each request has a prompt length (uniform in [min_len, max_len]) and its own
 `max_tokens` (uniform in [min_tokens, max_tokens]); requests are greedy with
@@ -44,9 +44,14 @@ class Workload:
     max_len: int
     min_tokens: int
     max_tokens: int
-    default_rates: tuple[float, ...]
-    quick_rates: tuple[float, ...]
-    salt: int  # keeps the workloads' draws apart under one --seed (0: serve's draws)
+    default_rates: tuple[float, ...] = ()  # `bench goodput`'s sweep
+    quick_rates: tuple[float, ...] = ()
+    salt: int = 0  # keeps the workloads' draws apart under one --seed (0: serve's draws)
+
+    def __post_init__(self) -> None:
+        prompts = 1 <= self.min_len <= self.max_len
+        if not (prompts and 1 <= self.min_tokens <= self.max_tokens):
+            raise ValueError(f"need 1 <= min <= max for prompts and outputs: {self}")
 
     def seed(self, seed: int) -> int:
         """The seed of this workload's draws (prompt lengths, max_tokens, prompts)."""
@@ -66,6 +71,22 @@ class Workload:
             else:
                 tokens.append(rng.randint(self.min_tokens, self.max_tokens))
         return Plan(tuple(lens), tuple(tokens))
+
+    def spread(self, n: int, seed: int) -> Plan:
+        """`n` requests whose prompts are evenly spread over the workload's range
+        (the k-th at quantile (k + 1/2) / n) and `max_tokens` drawn, in a seeded
+        order: a sample without a sample's noise in its median."""
+        rng = random.Random(f"{self.name}:spread:{seed}")
+        width = self.max_len - self.min_len
+        pairs = [
+            (
+                self.min_len + round(width * (k + 0.5) / n),
+                rng.randint(self.min_tokens, self.max_tokens),
+            )
+            for k in range(n)
+        ]
+        rng.shuffle(pairs)
+        return Plan(tuple(p for p, _ in pairs), tuple(t for _, t in pairs))
 
     def summary(self) -> dict[str, object]:
         return {

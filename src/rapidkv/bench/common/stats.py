@@ -1,15 +1,10 @@
-"""`rapidkv bench serve`: summaries of measured samples and the correctness check.
+"""Summaries of measured samples: percentiles, paired intervals, histograms,
+one load's summary.
 
 Pure functions, no I/O: they turn what one load produced (per-request token
 ids and arrival times, and the engines' TTFT histograms read before and after
-it) into the numbers the benchmark reports.
-
-Correctness: every output is compared token for token with the reference (the
-`single` instance, greedy). A mismatch is a *near-tie* when, at the first
-position where the two differ, the reference's top-2 logprob margin is at most
-`NEAR_TIE_MARGIN` (two candidates so close that a different batch shape or
-summation order may legitimately pick the other one); any other difference,
-including a missing or extra token, is *hard*.
+it) into the numbers the benchmarks report; each output's verdict against its
+reference is `reference.classify`'s.
 """
 
 from __future__ import annotations
@@ -18,10 +13,9 @@ import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-NEAR_TIE_MARGIN = 0.05
-"""Largest top-2 logprob margin at the first divergence that makes a mismatch a near-tie."""
+from rapidkv.bench.common.reference import Reference, classify
 
 SLOW_TTFT_MS = 1000.0
 """A request whose first token took longer than this is counted (`ttft_over_1s`):
@@ -43,48 +37,6 @@ ENGINE_TTFT_FACTOR = 1.5
 ENGINE_TTFT_SLACK_MS = 50.0
 """The client's TTFT p90 is within the engines' when <= FACTOR x theirs + SLACK:
 the rest is time a request spent outside the engines (client, router, relays)."""
-
-Verdict = Literal["match", "near_tie", "hard"]
-
-
-@dataclass(frozen=True)
-class Reference:
-    """The reference output of one prompt: its tokens and, per position, the
-    margin between the reference's two most likely tokens (nan where unknown)."""
-
-    token_ids: tuple[int, ...]
-    margins: tuple[float, ...]
-
-    def prefix(self, n: int) -> Reference:
-        """The reference of the same prompt for `max_tokens=n` (greedy with
-        `ignore_eos`: the first n tokens of a longer output)."""
-        return Reference(self.token_ids[:n], self.margins[:n])
-
-
-def classify(
-    reference: Reference, token_ids: Sequence[int], tie: float = NEAR_TIE_MARGIN
-) -> Verdict:
-    """Compare one output with its reference (see module docstring)."""
-    ref = reference.token_ids
-    got = tuple(token_ids)
-    if got == ref:
-        return "match"
-    for i, (a, b) in enumerate(zip(ref, got, strict=False)):
-        if a != b:
-            margin = reference.margins[i] if i < len(reference.margins) else math.nan
-            return "near_tie" if margin <= tie else "hard"  # nan compares False: hard
-    return "hard"  # one is a strict prefix of the other: a length difference
-
-
-def margins_from_logprobs(top_logprobs: Sequence[Mapping[str, float] | None]) -> tuple[float, ...]:
-    """Per position, top-1 minus top-2 logprob, from an OpenAI completions
-    `logprobs.top_logprobs` list (requested with `logprobs >= 2`); nan where a
-    position lists fewer than two candidates."""
-    out = []
-    for entry in top_logprobs:
-        values = sorted((entry or {}).values(), reverse=True)
-        out.append(values[0] - values[1] if len(values) >= 2 else math.nan)
-    return tuple(out)
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
