@@ -184,3 +184,50 @@ def multi_turn(
         if len(users) >= min_turns:
             out.append(users)
     return out
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One turn of a conversation: the user's message and the length of the
+    answer it got, in tokens."""
+
+    question: str
+    answer_tokens: int
+
+
+def exchanges(
+    conversations: Sequence[Conversation],
+    count: int,
+    seed: int,
+    turns: int,
+    text_tokens: Callable[[str], int],
+    *,
+    min_len: int = 4,
+    fits: Callable[[list[Exchange]], bool] = lambda _: True,
+) -> list[list[Exchange]]:
+    """`count` conversations for a chat client, shuffled with `seed`: of each,
+    its first `turns` user messages, each answered (the assistant turn right
+    after it), the question and the answer at least `min_len` tokens
+    (`text_tokens`), kept when `fits` accepts them (a length bound). The same
+    `seed` gives the same conversations."""
+    order = list(range(len(conversations)))
+    random.Random(seed).shuffle(order)
+    out: list[list[Exchange]] = []
+    for k in order:
+        if len(out) == count:
+            break
+        said = [t for t in conversations[k].turns if t.role != "system"]
+        pairs = [
+            (a.text, b.text)
+            for a, b in itertools.pairwise(said)
+            if a.role == "user" and b.role == "assistant"
+        ][:turns]
+        if len(pairs) < turns:
+            continue
+        chosen = [Exchange(q, text_tokens(a)) for q, a in pairs]
+        long_enough = all(
+            text_tokens(e.question) >= min_len and e.answer_tokens >= min_len for e in chosen
+        )
+        if long_enough and fits(chosen):
+            out.append(chosen)
+    return out

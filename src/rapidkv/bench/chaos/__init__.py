@@ -31,6 +31,7 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     from rapidkv.bench.common.options import (
         add_dtype,
         add_include_usage,
+        add_model,
         add_output,
         add_server_args,
     )
@@ -83,6 +84,7 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     )
     add("--seed", type=int, default=0, help="prompts and plans (%(default)s)")
     add_include_usage(parser)
+    add_model(parser)
     add_dtype(parser)
     add_server_args(parser)
     add(

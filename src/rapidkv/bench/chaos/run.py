@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rapidkv.bench.common.options import DTYPES
+from rapidkv.bench.common.options import DTYPES, check_model
 
 WARMUP_LENGTHS = (64, 300, 600, 900)
 
@@ -57,6 +57,8 @@ class Options:
     dtype: str
     server_args: tuple[str, ...]
     include_usage: bool = True  # streams ask for stream_options: {"include_usage": true}
+    model: str = "tiny"  # options.MODELS, or a checkpoint's directory
+    dataset: str = "random"  # the prompts of the plans' lengths
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Options:
@@ -72,6 +74,7 @@ class Options:
             restarts.append(roles[name])
         if len(set(restarts)) != len(restarts):
             raise ValueError("--restarts: each instance at most once")
+        check_model(getattr(args, "model", "tiny"))
         if args.requests < 1 or args.concurrency < 1:
             raise ValueError("--requests and --concurrency must be >= 1")
         if restarts and args.requests < 3 * args.concurrency:
@@ -104,6 +107,8 @@ class Options:
             dtype=DTYPES[args.dtype],
             server_args=tuple(shlex.split(args.server_args)),
             include_usage=getattr(args, "include_usage", True),
+            model=getattr(args, "model", "tiny"),
+            dataset=getattr(args, "dataset", "random"),
         )
 
 
@@ -172,12 +177,12 @@ class SetupError(RuntimeError):
 class Chaos:
     def __init__(self, opts: Options, log_dir: Path) -> None:
         from rapidkv.bench.chaos.workload import make_plans
-        from rapidkv.harness import random_prompts
-        from rapidkv.models import ensure_model
+        from rapidkv.bench.common.dataset import prompts_of_lengths
+        from rapidkv.bench.common.options import model_dir
 
         self.opts = opts
         self.log_dir = log_dir
-        self.model = ensure_model("tiny", dtype=opts.dtype)
+        self.model = model_dir(opts.model, opts.dtype)
         self.plans = make_plans(
             opts.requests,
             seed=opts.seed,
@@ -189,7 +194,7 @@ class Chaos:
             abort_share=opts.abort_share,
         )
         lengths = [p.prompt_len for p in self.plans] + list(WARMUP_LENGTHS)
-        self.prompts = random_prompts(self.model, lengths, seed=opts.seed)
+        self.prompts = prompts_of_lengths(self.model, lengths, opts.seed, opts.dataset)
 
     # ---------------------------------------------------------------- steps
 

@@ -1,4 +1,4 @@
-"""`rapidkv bench serve`: the configurations compared, and the server groups behind them.
+"""The configurations the served benchmarks compare, and the server groups behind them.
 
 A *group* is what is started together: vLLM servers (pinned: P or the first
 instance on core 0, D or the second on core 1, `single` on core 1, where every
@@ -20,10 +20,12 @@ Groups run one at a time, except `single`: when a configuration is `paired`
 with it, `single` stays up through the round beside the others (`rapidkv.bench.serve`,
 "Pairing"), idle but for the blocks it serves.
 
-Every group starts with prefix caching off (the same prompts are sent once per
-load, and a cache hit would measure nothing) and `extra_args` appended to every
-server's command line. `RunningGroup.stop` stops the fronts and the servers,
-by process group; the harness's watchdog stops them if this process dies.
+Every group starts with prefix caching off (`COMMON_ARGS`: a benchmark that
+sends the same prompts again would measure its cache) unless it is started
+with `prefix_caching` (`bench serve`, which empties the caches before each
+load), and `extra_args` appended to every server's command line.
+`RunningGroup.stop` stops the fronts and the servers, by process group; the
+harness's watchdog stops them if this process dies.
 """
 
 from __future__ import annotations
@@ -185,6 +187,13 @@ CONFIGS: dict[str, Config] = {
             "borrowing only idle instances does)",
             default=False,
         ),
+        Config(
+            "endpoint",
+            "endpoint",
+            None,
+            "an endpoint already running (bench serve --base-url), started by its user",
+            default=False,
+        ),
     )
 }
 
@@ -292,18 +301,14 @@ class RunningGroup:
 
     def prompt_tokens(self, scraped: dict[str, Any] | None = None) -> dict[str, dict[str, float]]:
         """Per server, vLLM's prompt-token counters by source so far (or in
-        `scraped`, a `scrape()`): `external` (KV received through a connector)
-        and `local` (computed by the instance)."""
+        `scraped`, a `scrape()`), as `PROMPT_TOKEN_SOURCES` names them."""
         from rapidkv.harness import metric_sum
 
         out = {}
         for key, m in (scraped if scraped is not None else self.scrape()).items():
             out[key] = {
                 short: metric_sum(m, PROMPT_TOKENS_METRIC, source=source)
-                for short, source in (
-                    ("external", "external_kv_transfer"),
-                    ("local", "local_compute"),
-                )
+                for short, source in PROMPT_TOKEN_SOURCES
             }
         return out
 
@@ -314,6 +319,20 @@ class RunningGroup:
 
         scraped = scraped if scraped is not None else self.scrape()
         return {key: histogram(m, TTFT_METRIC) for key, m in scraped.items()}
+
+    def reset_prefix_cache(self) -> list[str]:
+        """Empty every server's prefix cache (servers started with prefix
+        caching); what failed, one line each (vLLM refuses while blocks are in use)."""
+        import httpx
+
+        failed = []
+        for key, server in self.servers.items():
+            try:
+                r = httpx.post(f"{server.base_url}/reset_prefix_cache", timeout=30)
+                r.raise_for_status()
+            except httpx.HTTPError as e:
+                failed.append(f"{self.name}.{key}: /reset_prefix_cache: {type(e).__name__}: {e}")
+        return failed
 
     def affinity(self) -> dict[str, list[str]]:
         """Per server and front, the distinct CPU lists its threads may run on."""
@@ -333,6 +352,58 @@ class RunningGroup:
             raise errors[0]
 
 
+@dataclass
+class Endpoint:
+    """An endpoint already running (`bench serve --base-url`): measured as a
+    group is, with nothing started or stopped. Its `/metrics`, when it has
+    vLLM's (a vLLM instance; a rapidkv router has its own), give the prompt
+    tokens by source and the engine's TTFT; no process of it is known here, so
+    no CPU time, affinity or crash is."""
+
+    base_url: str
+    name: str = "endpoint"
+    servers: dict[str, Any] = field(default_factory=dict)
+    startup_s: float = 0.0
+
+    def url(self, config: Config) -> str:
+        return self.base_url
+
+    def scrape(self) -> dict[str, Any]:
+        """`{"endpoint": its /metrics}` when it has vLLM's counters, else `{}`."""
+        from rapidkv.harness import get_metrics
+
+        try:
+            metrics = get_metrics(self.base_url)
+        except Exception:  # no /metrics: nothing to count
+            return {}
+        has_vllm = any(name == PROMPT_TOKENS_METRIC for name, _ in metrics)
+        return {"endpoint": metrics} if has_vllm else {}
+
+    def prompt_tokens(self, scraped: dict[str, Any] | None = None) -> dict[str, dict[str, float]]:
+        return RunningGroup.prompt_tokens(self, scraped)  # type: ignore[arg-type]
+
+    def ttft_histograms(self, scraped: dict[str, Any] | None = None) -> dict[str, Any]:
+        return RunningGroup.ttft_histograms(self, scraped)  # type: ignore[arg-type]
+
+    def cpu_seconds(self) -> dict[str, float]:
+        return {}
+
+    def timelines(self, xfer_ids: Sequence[str]) -> dict[str, dict[str, dict[str, float]]]:
+        return {}
+
+    def crashes(self) -> list[str]:
+        return []
+
+    def affinity(self) -> dict[str, list[str]]:
+        return {}
+
+    def reset_prefix_cache(self) -> list[str]:
+        return []  # not ours to reset
+
+    def stop(self) -> None:
+        pass
+
+
 # --------------------------------------------------------------------- starting
 
 
@@ -343,14 +414,20 @@ def start_group(
     extra_args: Sequence[str] = (),
     fronts: set[str | None] | None = None,
     link: Any = None,
+    prefix_caching: bool = False,
 ) -> RunningGroup:
     """Start group `name` and wait until everything in it is healthy; of its
     HTTP fronts, only those named in `fronts` (all when None). With `link`
-    (`harness.netns.NetnsLink`), rapidkv's P runs in its namespace A, D in B."""
+    (`harness.netns.NetnsLink`), rapidkv's P runs in its namespace A, D in B.
+    With `prefix_caching`, the servers keep vLLM's default (prefix caching on)
+    and serve `/reset_prefix_cache` (`RunningGroup.reset_prefix_cache`)."""
     from rapidkv.harness import start_servers
 
     t0 = time.monotonic()
-    keyed, plan = _group_plan(name, model, log_dir, tuple(extra_args), link)
+    args = tuple(extra_args) if prefix_caching else (*COMMON_ARGS, *extra_args)
+    keyed, plan = _group_plan(name, model, log_dir, args, link)
+    if prefix_caching:
+        keyed = [(k, s.replace(env={**s.env, **RESET_ENV})) for k, s in keyed]
     cpus = helper_cpus(name)
     servers = start_servers([spec for _, spec in keyed], log_dir)
     group = RunningGroup(name, {key: s for (key, _), s in zip(keyed, servers, strict=True)})
@@ -386,6 +463,9 @@ PAIR_PAUSE_S = 1.2
 `single` shares the decoding core with the group."""
 
 COMMON_ARGS = ("--no-enable-prefix-caching",)
+"""Every server's arguments unless a group is started with prefix caching."""
+RESET_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
+"""What makes vLLM's API server serve `POST /reset_prefix_cache`."""
 SINGLE_CPU = 1  # D's core: `single`'s decode and D's run on the same core
 HELPER_CPU = 0  # P's core: fronts and the client stay off the decoding core
 
@@ -399,6 +479,11 @@ def helper_cpus(group: str) -> set[int] | None:
 
 
 PROMPT_TOKENS_METRIC = "vllm:prompt_tokens_by_source_total"
+PROMPT_TOKEN_SOURCES = (
+    ("external", "external_kv_transfer"),  # KV received through a connector
+    ("local", "local_compute"),  # computed by the instance
+    ("cached", "local_cache_hit"),  # found in the instance's prefix cache
+)
 
 FrontPlan = Callable[[RunningGroup], list[tuple[str, list[str]]]]
 
@@ -411,7 +496,7 @@ def _group_plan(
     from rapidkv.harness import ServerSpec, free_port
     from rapidkv.harness.server import pd_specs
 
-    args = COMMON_ARGS + extra
+    args = extra
 
     def spec(name: str, role: str, cpu: int, **kw: Any) -> ServerSpec:
         return ServerSpec(model=model, name=name, role=role, cpus=(cpu,), extra_args=args, **kw)  # type: ignore[arg-type]

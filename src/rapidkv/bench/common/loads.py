@@ -75,6 +75,7 @@ def run_load(
     cpus: set[int] | None = None,
     arrivals: Sequence[float] | None = None,
     include_usage: bool = True,
+    follows: Sequence[bool] | None = None,
 ) -> tuple[list[RequestResult], float]:
     """Send every prompt under `load`; results in prompt order and the wall time
     from the first request sent to the last response complete. With `cpus`, the
@@ -83,14 +84,24 @@ def run_load(
     `max_tokens` is one for all prompts or one per prompt; `arrivals` (an open
     loop only: seconds after the start, one per prompt) replaces the arrival
     times drawn from `load.rate` and `seed`. `include_usage`: each request asks
-    for `stream_options: {"include_usage": true}`."""
+    for `stream_options: {"include_usage": true}`.
+
+    `follows` (one per prompt; a conversation's later turns): a prompt that
+    follows is sent once the request before it has its whole answer, and only
+    then waits for a place in a closed loop; in an open loop only the others
+    arrive at Poisson times."""
     if not isinstance(max_tokens, int) and len(max_tokens) != len(prompts):
         raise ValueError("give one max_tokens per prompt")
     if arrivals is not None and (load.concurrency is not None or len(arrivals) != len(prompts)):
         raise ValueError("arrivals: an open loop's, one per prompt")
+    if follows is not None and (len(follows) != len(prompts) or (follows and follows[0])):
+        raise ValueError("follows: one per prompt, the first following none")
+    if follows is not None and arrivals is not None:
+        raise ValueError("follows: with arrivals drawn here only")
     run = _run(
-        url, prompts, max_tokens, load, params, seed, timeout_s, on_done, arrivals, include_usage
-    )
+        url, prompts, max_tokens, load, params, seed, timeout_s, on_done, arrivals, include_usage,
+        follows,
+    )  # fmt: skip
     if cpus is None:
         return asyncio.run(run)
     previous = os.sched_getaffinity(0)
@@ -112,6 +123,7 @@ async def _run(
     on_done: Callable[[], None],
     given_arrivals: Sequence[float] | None = None,
     include_usage: bool = True,
+    follows: Sequence[bool] | None = None,
 ) -> tuple[list[RequestResult], float]:
     import httpx
 
@@ -161,13 +173,27 @@ async def _run(
                 placement=s.headers.get(PLACEMENT_HEADER),
             )
 
+        answered = [asyncio.Event() for _ in prompts]
+        chained = follows or [False] * len(prompts)
+
+        async def after_previous(i: int) -> None:
+            if chained[i]:
+                await answered[i - 1].wait()
+
+        async def sent(i: int) -> RequestResult:
+            try:
+                return await one(i)
+            finally:
+                answered[i].set()
+
         t_start = time.monotonic()
         if load.concurrency is not None:
             sem = asyncio.Semaphore(load.concurrency)
 
             async def gated(i: int) -> RequestResult:
+                await after_previous(i)
                 async with sem:
-                    return await one(i)
+                    return await sent(i)
 
             results = await asyncio.gather(*(gated(i) for i in range(len(prompts))))
         else:
@@ -175,11 +201,15 @@ async def _run(
                 arrivals = list(given_arrivals)
             else:
                 assert load.rate is not None
-                arrivals = poisson_arrivals(len(prompts), load.rate, seed)
+                starts = iter(poisson_arrivals(chained.count(False), load.rate, seed))
+                arrivals = [math.nan if c else next(starts) for c in chained]
 
             async def timed(i: int) -> RequestResult:
-                await asyncio.sleep(max(0.0, t_start + arrivals[i] - time.monotonic()))
-                return await one(i)
+                if chained[i]:
+                    await after_previous(i)
+                else:
+                    await asyncio.sleep(max(0.0, t_start + arrivals[i] - time.monotonic()))
+                return await sent(i)
 
             results = await asyncio.gather(*(timed(i) for i in range(len(prompts))))
         return list(results), time.monotonic() - t_start
@@ -191,8 +221,9 @@ def warm_up(
     max_tokens: Sequence[int],
     config: Any,  # groups.Config
     timeout_s: float,
-    on_done: Callable[[int], None] | None = None,
+    on_done: Callable[[], None] = lambda: None,
     include_usage: bool = True,
+    follows: Sequence[bool] | None = None,
 ) -> list[RequestResult]:
     """`prompts` once each on `config`'s front at `url`, one at a time, unmeasured."""
     from rapidkv.bench.common.groups import helper_cpus
@@ -207,5 +238,6 @@ def warm_up(
         on_done=on_done,
         cpus=helper_cpus(config.group),
         include_usage=include_usage,
+        follows=follows,
     )
     return results

@@ -8,6 +8,47 @@ from pathlib import Path
 
 DTYPES = {"float32": "float32", "bf16": "bfloat16"}
 """`--dtype` choices, as vLLM spells them."""
+MODELS = ("tiny", "small", "smollm2-135m")
+"""Models by name: the random-weight test models and the real one, built on first use."""
+
+
+def check_model(model: str) -> None:
+    """ValueError unless `model` is a model by name or a checkpoint's directory."""
+    if model not in MODELS and not (Path(model) / "config.json").is_file():
+        raise ValueError(
+            f"unknown model {model!r} (known: {', '.join(MODELS)}, or a checkpoint's "
+            "directory, holding its config.json)"
+        )
+
+
+def model_dir(model: str, dtype: str) -> Path:
+    """The checkpoint of `model` (by name: built on first use; else the directory given)."""
+    from rapidkv.models import ensure_model
+    from rapidkv.models.smollm2 import NAME as SMOLLM2
+    from rapidkv.models.smollm2 import ensure_smollm2
+
+    if model == SMOLLM2:
+        return ensure_smollm2(dtype)
+    if model in MODELS:
+        return ensure_model(model, dtype=dtype)
+    return Path(model)
+
+
+def add_model(parser: argparse.ArgumentParser, default: str = "tiny") -> None:
+    """`--model` and `--dataset` (prompts of the lengths the benchmark draws)."""
+    parser.add_argument(
+        "--model",
+        default=default,
+        help=f"{', '.join(MODELS)} (built on first use: the random-weight test models, "
+        "SmolLM2-135M-Instruct from its package) or a checkpoint's directory (%(default)s)",
+    )
+    parser.add_argument(
+        "--dataset",
+        choices=("random", "sharegpt"),
+        default="random",
+        help="the prompts, of the lengths the benchmark draws: random token ids, or "
+        "ShareGPT's conversations as text, cut to each length (%(default)s)",
+    )
 
 
 def add_dtype(parser: argparse.ArgumentParser, what: str = "model dtype") -> None:

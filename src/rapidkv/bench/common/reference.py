@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 NEAR_TIE_MARGIN = 0.05
 """Largest top-2 logprob margin at the first divergence that makes a mismatch a near-tie."""
@@ -67,6 +67,34 @@ def take_references(
 ) -> list[Reference]:
     """Every prompt once on `url` (`single`), greedy with `logprobs: 2`, 4 at a
     time: each output's tokens and top-2 margins."""
+    return [ref for ref, _ in _answers(url, prompts, max_tokens, timeout)]
+
+
+def take_conversation_references(
+    url: str, conversations: Any, timeout: float
+) -> tuple[list[list[int]], list[Reference]]:
+    """`dataset.Conversations` turn after turn on `url` (`single`), as
+    `take_references` does: turn k's prompts are made from the answers of
+    turns before it (their text, as a chat client keeps it). The prompts and
+    references, conversation by conversation, turn by turn."""
+    n, turns = len(conversations.exchanges), conversations.turns
+    answers: list[list[str]] = [[] for _ in range(n)]
+    prompts: list[list[int]] = [[] for _ in range(n * turns)]
+    refs: list[Reference | None] = [None] * (n * turns)
+    for turn in range(turns):
+        index = [c * turns + turn for c in range(n)]
+        asked = [conversations.prompt(c, turn, answers[c]) for c in range(n)]
+        caps = [conversations.max_tokens[i] for i in index]
+        for c, (ref, text) in enumerate(_answers(url, asked, caps, timeout)):
+            prompts[index[c]], refs[index[c]] = asked[c], ref
+            answers[c].append(text)
+    assert all(r is not None for r in refs)
+    return prompts, refs  # type: ignore[return-value]
+
+
+def _answers(
+    url: str, prompts: Sequence[Sequence[int]], max_tokens: int | Sequence[int], timeout: float
+) -> list[tuple[Reference, str]]:
     from rapidkv.harness import complete_many_full
 
     done = complete_many_full(
@@ -78,8 +106,9 @@ def take_references(
         logprobs=2,
         return_tokens_as_token_ids=True,
     )
-    refs = []
+    out = []
     for c in done:
-        top = (c.raw["choices"][0].get("logprobs") or {}).get("top_logprobs") or []
-        refs.append(Reference(tuple(c.token_ids), margins_from_logprobs(top)))
-    return refs
+        choice = c.raw["choices"][0]
+        top = (choice.get("logprobs") or {}).get("top_logprobs") or []
+        out.append((Reference(tuple(c.token_ids), margins_from_logprobs(top)), choice["text"]))
+    return out

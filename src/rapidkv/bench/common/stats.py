@@ -283,7 +283,7 @@ def load_summary(
         "throughput_req_s": len(ok) / wall_s if wall_s > 0 else math.nan,
         "output_tok_s": out_tokens / wall_s if wall_s > 0 else math.nan,
         "server_cpu_s": dict(cpu_s),
-        "server_cpu_s_per_req": cpu_total / n if n else math.nan,
+        "server_cpu_s_per_req": cpu_total / n if n and cpu_s else math.nan,  # none known: nan
         "matches": verdicts["match"] if references is not None else None,
         "near_tie_mismatches": verdicts["near_tie"] if references is not None else None,
         "hard_mismatches": verdicts["hard"] if references is not None else None,

@@ -59,6 +59,7 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     from rapidkv.bench.common.options import (
         add_dtype,
         add_include_usage,
+        add_model,
         add_output,
         add_server_args,
     )
@@ -130,6 +131,7 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     add("--quick", action="store_true", help="8 requests per rate, 2 rates, 1 warm-up")
     add("--timeout", type=float, default=60.0, help="per request, seconds (%(default)s)")
     add_include_usage(parser)
+    add_model(parser)
     add_dtype(parser)
     add(
         "--router-args",

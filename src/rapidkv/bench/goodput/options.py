@@ -6,7 +6,7 @@ import argparse
 import shlex
 from dataclasses import dataclass
 
-from rapidkv.bench.common.options import DTYPES
+from rapidkv.bench.common.options import DTYPES, check_model
 
 DEFAULT_CONFIGS = ("single", "dp2", "vllm-nixl", "rapidkv", "rapidkv-adaptive")
 BASELINES = ("dp2", "vllm-nixl", "rapidkv")
@@ -36,6 +36,8 @@ class Options:
     router_args: tuple[str, ...] = ()  # the adaptive router's, after its SLOs
     together: bool = True  # every group up at once, rates interleaved across them
     include_usage: bool = True  # stream_options: {"include_usage": true} on every request
+    model: str = "tiny"  # options.MODELS, or a checkpoint's directory
+    dataset: str = "random"  # the prompts of the workloads' lengths
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Options:
@@ -50,6 +52,7 @@ class Options:
         for c in configs:
             if c not in CONFIGS:
                 raise ValueError(f"unknown configuration {c!r} (known: {', '.join(CONFIGS)})")
+        check_model(getattr(args, "model", "tiny"))
         if not workloads or not configs:
             raise ValueError("give at least one workload and one configuration")
         if len(set(configs)) != len(configs) or len(set(workloads)) != len(workloads):
@@ -90,6 +93,8 @@ class Options:
             router_args=tuple(shlex.split(args.router_args)),
             together=not args.one_group_at_a_time,
             include_usage=getattr(args, "include_usage", True),
+            model=getattr(args, "model", "tiny"),
+            dataset=getattr(args, "dataset", "random"),
         )
 
     def units(self) -> int:

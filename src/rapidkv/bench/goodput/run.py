@@ -62,19 +62,21 @@ class Sweep(SweepResult):
     (`serve.configs.GROUPS` order)."""
 
     def __init__(self, opts: Options, log_dir: Path, progress: Any) -> None:
+        from rapidkv.bench.common.dataset import prompts_of_lengths
+        from rapidkv.bench.common.options import model_dir
         from rapidkv.bench.common.workloads import WORKLOADS
-        from rapidkv.harness import random_prompts
-        from rapidkv.models import ensure_model
 
         self.opts = opts
         self.log_dir = log_dir
         self.progress = progress
-        self.model_dir = ensure_model("tiny", dtype=opts.dtype)
+        self.model_dir = model_dir(opts.model, opts.dtype)
         self.workloads: dict[str, WorkloadRun] = {}
         for name in opts.workloads:
             w = WORKLOADS[name]
             plan = w.plan(opts.requests, opts.seed)
-            prompts = random_prompts(self.model_dir, plan.prompt_lens, seed=w.seed(opts.seed))
+            prompts = prompts_of_lengths(
+                self.model_dir, plan.prompt_lens, w.seed(opts.seed), opts.dataset
+            )
             self.workloads[name] = WorkloadRun(
                 name, plan.max_tokens, prompts, w.seed(opts.seed) + ARRIVAL_SALT
             )

@@ -49,7 +49,7 @@ DEFAULT_LENGTHS = "128,512,2048"
 
 
 def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
-    from rapidkv.bench.common.options import add_dtype, add_output, add_server_args
+    from rapidkv.bench.common.options import add_dtype, add_model, add_output, add_server_args
     from rapidkv.bench.migrate.run import MODES, run
 
     parser.description = (__doc__ or "").split("\n\n")[0]
@@ -88,6 +88,7 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     )
     add("--seed", type=int, default=0, help="prompts (%(default)s)")
     add("--timeout", type=float, default=120.0, help="per request, seconds (%(default)s)")
+    add_model(parser)
     add_dtype(parser)
     add_server_args(parser, "both servers")
     add(

@@ -48,6 +48,7 @@ class Options:
     server_args: tuple[str, ...]
     max_model_len: int
     netns_link: str | None = None  # tc rate: A and B in two namespaces across it
+    dataset: str = "random"  # the prompts of each length
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, max_model_len: int) -> Options:
@@ -100,21 +101,26 @@ class Options:
             server_args=tuple(shlex.split(args.server_args)),
             max_model_len=max_model_len,
             netns_link=netns or None,
+            dataset=getattr(args, "dataset", "random"),
         )
 
 
 def run(args: argparse.Namespace) -> int:
     from rapidkv.bench.common.groups import HELPER_CPU
+    from rapidkv.bench.common.options import check_model, model_dir
     from rapidkv.bench.common.progress import Progress
     from rapidkv.bench.common.provenance import git_describe
     from rapidkv.bench.common.run import command_line, finish, open_link
     from rapidkv.bench.migrate.report import build_report, print_report
     from rapidkv.harness.procs import cpu_model
     from rapidkv.harness.server import kv_bytes_per_token, model_max_len
-    from rapidkv.models import ensure_model
 
-    dtype = DTYPES[args.dtype]
-    model = ensure_model("tiny", dtype=dtype)
+    try:
+        check_model(args.model)
+    except ValueError as e:
+        print(f"rapidkv bench migrate: error: {e}", file=sys.stderr)
+        return 2
+    model = model_dir(args.model, DTYPES[args.dtype])
     try:
         opts = Options.from_args(args, model_max_len(model) or 1024)
     except ValueError as e:
@@ -149,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         "git": git_describe(),
         "command": command_line("migrate"),
         "model": str(model),
+        "dataset": opts.dataset,
         "dtype": opts.dtype,
         "kv_bytes_per_token": kv_bytes_per_token(model, opts.dtype),
         "block_size": BLOCK,
@@ -371,7 +378,7 @@ class Bench:
         """`link` (`harness.netns.NetnsLink`): A runs in its namespace A, B in
         B, the migrations' KV crosses it (the router and the client reach both
         over uncapped veths of their own)."""
-        from rapidkv.harness import random_prompts
+        from rapidkv.bench.common.dataset import prompts_of_lengths
         from rapidkv.harness.server import kv_bytes_per_token
 
         self.opts = opts
@@ -381,12 +388,14 @@ class Bench:
         self.link = link
         self.bytes_per_token = kv_bytes_per_token(model, opts.dtype)
         self.prompts = {
-            n: random_prompts(model, [n] * opts.rounds, seed=opts.seed + LENGTH_SALT * n)
+            n: prompts_of_lengths(
+                model, [n] * opts.rounds, opts.seed + LENGTH_SALT * n, opts.dataset
+            )
             for n in opts.lengths
         }
         shortest = opts.lengths[0]
-        self.warmup_prompts = random_prompts(
-            model, [shortest] * opts.warmup_rounds, seed=opts.seed + 1
+        self.warmup_prompts = prompts_of_lengths(
+            model, [shortest] * opts.warmup_rounds, opts.seed + 1, opts.dataset
         )
         self.runs: list[dict[str, Any]] = []
         self.rows: list[dict[str, Any]] = []

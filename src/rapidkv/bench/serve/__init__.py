@@ -5,8 +5,18 @@ server group after another (never two groups serving at once: 2 cores), each
 group started, warmed up, measured under every load (`loads`) and stopped;
 only `single` may stay up beside the others, idle between its blocks (Pairing).
 All of them get the same seeded requests (`dataset`: random token ids of
-lengths uniform in [--min-len, --max-len], or ShareGPT's first questions);
-prefix caching is off everywhere.
+lengths uniform in [--min-len, --max-len], or ShareGPT's first questions).
+Prefix caching is on, as vLLM's default, and every server's cache is emptied
+(`/reset_prefix_cache`) before each load, so that a load measures what its
+own requests share (a chat template's system prompt) and not an earlier
+load's prompts; `--no-prefix-caching` turns it off everywhere.
+
+An endpoint already running (`--base-url URL`): nothing is started; the loads
+run against it as against a configuration (named `endpoint`, or the one
+`--configs` names), with the same statistics, table and JSON; `--reference-url`
+names a plain vLLM instance for the correctness check. CPU time, engine TTFT
+and prompt-token counts need the servers' processes or vLLM's `/metrics`, so
+they are shown where the endpoint is itself a vLLM instance, and `-` elsewhere.
 
 Correctness: before anything is measured, the `single` instance serves every
 prompt once with `logprobs: 2` (the reference: greedy tokens and the
@@ -137,6 +147,28 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     parser.add_argument("--quick", action="store_true", help="8 prompts, loads c1,c4, 1 warm-up")
     parser.add_argument("--seed", type=int, default=0, help="prompts and Poisson arrivals")
     add_include_usage(parser)
+    parser.add_argument(
+        "--no-prefix-caching",
+        dest="prefix_caching",
+        action="store_false",
+        help="start every server with --no-enable-prefix-caching (default: vLLM's default, "
+        "prefix caching on, every cache emptied before each load)",
+    )
+    parser.add_argument(
+        "--base-url",
+        metavar="URL",
+        default=None,
+        help="measure this endpoint, already running (your router or vLLM), with the same "
+        "loads, statistics and JSON; nothing is started. --models names what it serves "
+        "(tokenizer and prompts), --configs at most one name for its rows",
+    )
+    parser.add_argument(
+        "--reference-url",
+        metavar="URL",
+        default=None,
+        help="with --base-url: one plain vLLM instance of the same model whose greedy outputs "
+        "every answer is checked against (else not checked)",
+    )
     parser.add_argument(
         "--timeout", type=float, default=60.0, help="per request, seconds (%(default)s)"
     )

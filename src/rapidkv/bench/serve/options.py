@@ -5,16 +5,19 @@ from __future__ import annotations
 import argparse
 import shlex
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from rapidkv.bench.common.dataset import SHAREGPT_MAX_TOKENS
-from rapidkv.bench.common.options import DTYPES
+from rapidkv.bench.common.dataset import SHAREGPT_MAX_TOKENS, TURNS
+from rapidkv.bench.common.options import DTYPES, MODELS, check_model
 
-MODELS = ("tiny", "small", "smollm2-135m")  # test models, and the real one (built on first use)
+__all__ = ["MODELS", "Options"]
+
 DEFAULT_LOADS = "c1,c4,poisson8"
 QUICK_LOADS = "c1,c4"
 NETNS_DEFAULT_CONFIGS = ("single", "rapidkv")
+MULTITURN = "sharegpt-multiturn"
+ENDPOINT = "endpoint"
+"""The configuration `--base-url` measures unless `--configs` names it."""
 NETNS_GROUPS = ("single", "single-noop-connector", "dp2", "rapidkv")
 """The groups `--netns-link` runs: rapidkv across the link, the others on one host."""
 
@@ -38,12 +41,16 @@ class Options:
     netns_link: str | None = None  # tc rate: rapidkv's P and D in two namespaces
     include_usage: bool = True  # stream_options: {"include_usage": true} on every request
     dataset: str = "random"  # dataset.DATASETS
+    prefix_caching: bool = True  # vLLM's default; each load starts with empty caches
+    base_url: str | None = None  # measure this running endpoint; start nothing
+    reference_url: str | None = None  # with base_url: the reference instance
 
     def paired(self, name: str) -> bool:
-        """Whether configuration `name` is measured in blocks paired with `single`."""
+        """Whether configuration `name` is measured in blocks paired with `single`
+        (never an endpoint's: `single` is not started)."""
         from rapidkv.bench.common.groups import CONFIGS
 
-        return self.pair_block > 0 and CONFIGS[name].paired
+        return self.pair_block > 0 and not self.base_url and CONFIGS[name].paired
 
     @property
     def pairing(self) -> bool:
@@ -76,23 +83,39 @@ class Options:
 
         models = tuple(m for m in args.models.split(",") if m)
         netns = getattr(args, "netns_link", None)
+        base_url = getattr(args, "base_url", None)
+        reference_url = getattr(args, "reference_url", None)
         if args.configs is not None:
             configs = tuple(c for c in args.configs.split(",") if c)
+        elif base_url:
+            configs = (ENDPOINT,)
         elif netns:
             configs = NETNS_DEFAULT_CONFIGS
         else:
             configs = tuple(name for name, c in CONFIGS.items() if c.default)
         for m in models:
-            if m not in MODELS and not (Path(m) / "config.json").is_file():
-                raise ValueError(
-                    f"unknown model {m!r} (known: {', '.join(MODELS)}, or a checkpoint's "
-                    "directory, holding its config.json)"
-                )
+            check_model(m)
         for c in configs:
             if c not in CONFIGS:
                 raise ValueError(f"unknown configuration {c!r} (known: {', '.join(CONFIGS)})")
         if not models or not configs:
             raise ValueError("give at least one model and one configuration")
+        if base_url:
+            if len(configs) != 1 or len(models) != 1 or netns:
+                raise ValueError(
+                    "--base-url measures one endpoint: one --models (what it serves, for its "
+                    "tokenizer and prompts), at most one --configs (the name its rows get, and "
+                    "its per-request parameters), no --netns-link"
+                )
+            for flag, url in (("--base-url", base_url), ("--reference-url", reference_url)):
+                if url is not None and not url.startswith(("http://", "https://")):
+                    raise ValueError(f"{flag} {url!r}: give an http:// or https:// URL")
+        elif reference_url:
+            raise ValueError(
+                "--reference-url goes with --base-url (else `single` is the reference)"
+            )
+        elif ENDPOINT in configs:
+            raise ValueError(f"configuration {ENDPOINT!r} is --base-url's")
         if netns:
             from rapidkv.harness.netns import rate_bits
 
@@ -109,7 +132,18 @@ class Options:
         dataset = getattr(args, "dataset", "random")
         max_tokens = args.max_tokens
         if max_tokens is None:
-            max_tokens = SHAREGPT_MAX_TOKENS if dataset == "sharegpt" else 16
+            max_tokens = 16 if dataset == "random" else SHAREGPT_MAX_TOKENS
+        pair_block = args.pair_block
+        if dataset == MULTITURN:  # whole conversations: in requests and in paired blocks
+            if requests < TURNS:
+                raise ValueError(f"{MULTITURN}: --requests counts turns, {TURNS} a conversation")
+            requests -= requests % TURNS
+            pair_block = -(-pair_block // TURNS) * TURNS
+            if base_url and not reference_url:
+                raise ValueError(
+                    f"{MULTITURN} with --base-url needs --reference-url: a conversation's "
+                    "later prompts are made from the reference's answers"
+                )
         if requests < 1 or args.rounds < 1 or max_tokens < 1:
             raise ValueError("--requests, --rounds and --max-tokens must be >= 1")
         if warmup < 0 or args.pair_block < 0:
@@ -127,13 +161,16 @@ class Options:
             max_tokens=max_tokens,
             rounds=args.rounds,
             warmup=warmup,
-            pair_block=args.pair_block,
+            pair_block=pair_block,
             seed=args.seed,
             timeout=args.timeout,
             server_args=tuple(shlex.split(args.server_args)),
             netns_link=netns,
             include_usage=getattr(args, "include_usage", True),
             dataset=dataset,
+            prefix_caching=getattr(args, "prefix_caching", True),
+            base_url=base_url.rstrip("/") if base_url else None,
+            reference_url=reference_url.rstrip("/") if reference_url else None,
         )
 
 

@@ -85,6 +85,9 @@ def config_report(mr: ModelResult, c: ConfigRun) -> dict[str, Any]:
         sent = sum(len(mr.prompts[r.prompt_index]) for run in runs for r in run.results)
         external = sum(v["external"] for v in pooled["prompt_tokens"].values())
         pooled["kv_transferred_fraction"] = external / sent if sent else math.nan
+        counted = sum(sum(v.values()) for v in pooled["prompt_tokens"].values())
+        cached = sum(v.get("cached", 0.0) for v in pooled["prompt_tokens"].values())
+        pooled["prefix_cache_hit_fraction"] = cached / counted if counted else math.nan
         pooled["client_cpu_s"] = sum(run.client_cpu_s for run in runs)
         pooled["other_cpu_s"] = sum(run.other_cpu_s for run in runs)
         wall = pooled["duration_s"]
@@ -295,11 +298,13 @@ def stall_report(configs: dict[str, Any]) -> dict[str, Any]:
 
 
 def meta(runs: list[ModelResult], opts: Options, log_dir: Path) -> dict[str, Any]:
+    from rapidkv.bench.common.dataset import TURNS
     from rapidkv.bench.common.groups import PAIR_PAUSE_S
     from rapidkv.bench.common.reference import NEAR_TIE_MARGIN
+    from rapidkv.bench.serve.options import MULTITURN
     from rapidkv.connector.config import ConnectorConfig
 
-    lengths = [len(p) for p in runs[0].prompts]
+    lengths = [len(p) for p in runs[0].prompts] or [0]  # multiturn: none without a reference
     return {
         **machine_info(),
         "models": {mr.model: str(mr.model_dir) for mr in runs},
@@ -311,6 +316,7 @@ def meta(runs: list[ModelResult], opts: Options, log_dir: Path) -> dict[str, Any
             "mean": sum(lengths) / len(lengths),
         },
         "dataset": opts.dataset,
+        "turns": TURNS if opts.dataset == MULTITURN else 1,  # per conversation
         "max_tokens": opts.max_tokens,  # sharegpt: the cap on each answer's length
         "output_len": {
             "min": min(runs[0].max_tokens),
@@ -325,7 +331,13 @@ def meta(runs: list[ModelResult], opts: Options, log_dir: Path) -> dict[str, Any
         "pair_capped_loads": opts.capped_loads(),
         "pair_pause_s": PAIR_PAUSE_S,
         "seed": opts.seed,
-        "server_args": ["--no-enable-prefix-caching", *opts.server_args],
+        "prefix_caching": opts.prefix_caching,
+        "server_args": [
+            *(() if opts.prefix_caching else ("--no-enable-prefix-caching",)),
+            *opts.server_args,
+        ],
+        "base_url": opts.base_url,
+        "reference_url": opts.reference_url,
         "rapidkv_default_transfer_kv_mode": ConnectorConfig().transfer_kv_mode,
         "near_tie_margin": NEAR_TIE_MARGIN,
         "log_dir": str(log_dir),
@@ -361,7 +373,8 @@ def print_report(report: dict[str, Any], out: IO[str]) -> None:
 
     head = f"{'config':<22}{'load':<11}" + "".join(f"{h:>9}" for h, _, _ in cols)
     head += f"{'gap max':>9}{'>250':>6}{'lump%':>6}"
-    head += f"{'>1s':>4}{'req/s':>7}{'tok/s':>7}{'cpu s/rq':>9}{'xfer':>6}{'hard':>5}{'tie':>4}"
+    head += f"{'>1s':>4}{'req/s':>7}{'tok/s':>7}{'cpu s/rq':>9}{'xfer':>6}{'hit':>5}"
+    head += f"{'hard':>5}{'tie':>4}"
     head += f"{'err':>4}"
     print(f"\n{head}\n{'-' * len(head)}", file=out)
     for key, c in report["configs"].items():
@@ -374,6 +387,7 @@ def print_report(report: dict[str, Any], out: IO[str]) -> None:
             line += f"{fmt(s['output_tok_s'], 0):>7}"
             line += f"{fmt(s['server_cpu_s_per_req'], 3):>9}"
             line += f"{fmt(s['kv_transferred_fraction'] * 100, 0):>5}%"
+            line += f"{fmt(s['prefix_cache_hit_fraction'] * 100, 0):>4}%"
             line += f"{fmt(s['hard_mismatches'], 0):>5}{fmt(s['near_tie_mismatches'], 0):>4}"
             line += f"{s['errors']:>4}"
             print(line, file=out)

@@ -20,7 +20,7 @@ from rapidkv.bench.common.output import table_stream, to_json
 from rapidkv.bench.common.progress import Progress
 from rapidkv.bench.common.provenance import git_describe
 from rapidkv.bench.common.run import finish, open_link, parse_options
-from rapidkv.bench.serve.options import MODELS, PAIR_SEED_STRIDE, Options
+from rapidkv.bench.serve.options import MULTITURN, PAIR_SEED_STRIDE, Options
 from rapidkv.bench.serve.results import ConfigRun, LoadRun, ModelResult
 
 
@@ -92,10 +92,12 @@ class ModelRun(ModelResult):
         trace: IO[str] | None,
         link: Any = None,  # harness.netns.NetnsLink: rapidkv's P and D across it
     ) -> None:
-        from rapidkv.bench.common.dataset import random_workload, sharegpt_workload
-        from rapidkv.models import ensure_model
-        from rapidkv.models.smollm2 import NAME as SMOLLM2
-        from rapidkv.models.smollm2 import ensure_smollm2
+        from rapidkv.bench.common.dataset import (
+            multiturn_workload,
+            random_workload,
+            sharegpt_workload,
+        )
+        from rapidkv.bench.common.options import model_dir
 
         self.model = model
         self.opts = opts
@@ -103,28 +105,32 @@ class ModelRun(ModelResult):
         self.progress = progress
         self.trace = trace
         self.link = link
-        # a model by name (built on first use), or a checkpoint's directory
-        if model == SMOLLM2:
-            self.model_dir = ensure_smollm2(opts.dtype)
-        elif model in MODELS:
-            self.model_dir = ensure_model(model, dtype=opts.dtype)
-        else:
-            self.model_dir = Path(model)
-        if opts.dataset == "sharegpt":
-            workload = sharegpt_workload(
+        self.model_dir = model_dir(model, opts.dtype)
+        self.conversations: Any = None  # dataset.Conversations (sharegpt-multiturn)
+        self.follows: list[bool] | None = None  # per prompt: sent after the one before
+        if opts.dataset == MULTITURN:  # prompts made by the reference pass, turn by turn
+            self.conversations = multiturn_workload(
                 self.model_dir, opts.requests, opts.max_len, opts.max_tokens, opts.seed
             )
+            self.prompts: list[Any] = []
+            self.max_tokens = self.conversations.max_tokens
+            self.follows = self.conversations.follows()
         else:
-            workload = random_workload(
-                self.model_dir,
-                opts.requests,
-                opts.min_len,
-                opts.max_len,
-                opts.max_tokens,
-                opts.seed,
-            )
-        self.prompts = workload.prompts
-        self.max_tokens = workload.max_tokens  # one per prompt
+            if opts.dataset == "sharegpt":
+                workload = sharegpt_workload(
+                    self.model_dir, opts.requests, opts.max_len, opts.max_tokens, opts.seed
+                )
+            else:
+                workload = random_workload(
+                    self.model_dir,
+                    opts.requests,
+                    opts.min_len,
+                    opts.max_len,
+                    opts.max_tokens,
+                    opts.seed,
+                )
+            self.prompts = workload.prompts
+            self.max_tokens = workload.max_tokens  # one per prompt
         self.references: list[Any] | None = None  # stats.Reference per prompt
         self.reference_error: str | None = None
         self.configs = {name: ConfigRun(name) for name in opts.configs}
@@ -132,6 +138,10 @@ class ModelRun(ModelResult):
 
     def run(self) -> ModelRun:
         from rapidkv.bench.common.groups import CONFIGS, GROUPS
+
+        if self.opts.base_url:
+            self.run_endpoint(self.opts.base_url)
+            return self
 
         wanted = {CONFIGS[c].group for c in self.opts.configs} | {"single"}
         order = [g for g in GROUPS if g in wanted]
@@ -155,6 +165,22 @@ class ModelRun(ModelResult):
                     self.single.stop()
                     self.single = None
         return self
+
+    def run_endpoint(self, base_url: str) -> None:
+        """`--base-url`: the reference on `--reference-url` if given, then every
+        round's warm-up and loads on the endpoint, which nothing here starts or stops."""
+        from rapidkv.bench.common.groups import Endpoint
+
+        (name,) = self.opts.configs
+        endpoint = Endpoint(base_url, name=name)
+        if self.opts.reference_url:
+            self.take_reference(self.opts.reference_url)
+        else:
+            self.reference_error = "no --reference-url given: outputs not checked"
+            self.progress.advance(len(self.prompts))
+        for r in range(1, self.opts.rounds + 1):
+            self.warm_up(name, base_url)
+            self.measure_group(endpoint, [name], r)
 
     def skip_failed(self, group: str) -> list[str]:
         """The group's configurations but those that failed earlier (not measured
@@ -192,6 +218,7 @@ class ModelRun(ModelResult):
                 self.opts.server_args,
                 fronts={CONFIGS[name].front for name in members},
                 link=self.link,
+                prefix_caching=self.opts.prefix_caching,
             )
         except Exception as e:
             why = f"{group_name} did not start: {type(e).__name__}: {e}"
@@ -259,18 +286,24 @@ class ModelRun(ModelResult):
             self.configs[name].error = why[:4000]
 
     def take_reference(self, url: str) -> None:
-        from rapidkv.bench.common.reference import take_references
+        from rapidkv.bench.common.reference import take_conversation_references, take_references
 
         self.progress.stage(f"{self.model}: reference (single, logprobs=2)")
+        n = len(self.max_tokens)
         try:
-            refs = take_references(url, self.prompts, self.max_tokens, self.opts.timeout)
+            if self.conversations is not None:
+                self.prompts, refs = take_conversation_references(
+                    url, self.conversations, self.opts.timeout
+                )
+            else:
+                refs = take_references(url, self.prompts, self.max_tokens, self.opts.timeout)
         except Exception as e:
             self.reference_error = f"reference pass failed: {type(e).__name__}: {e}"[:4000]
             self.progress.say(self.reference_error)
-            self.progress.advance(len(self.prompts))
+            self.progress.advance(n)
             return
         self.references = refs
-        self.progress.advance(len(self.prompts))
+        self.progress.advance(n)
 
     def warm_up(self, name: str, url: str) -> None:
         from rapidkv.bench.common.groups import CONFIGS
@@ -298,6 +331,11 @@ class ModelRun(ModelResult):
             self.configs[name].first_request_ms.append(results[0].e2e_ms)
             self.check_timeouts(name, "warm-up", results)
 
+    def need_prompts(self) -> None:
+        """sharegpt-multiturn: no prompts without the reference pass that makes them."""
+        if not self.prompts:
+            raise RuntimeError(f"no prompts: {self.reference_error or 'no reference pass'}")
+
     def check_timeouts(self, name: str, load: str, results: list[Any]) -> None:
         """After a timed-out request, the configuration is not measured further."""
         from rapidkv.bench.common.loads import TIMEOUT
@@ -318,11 +356,16 @@ class ModelRun(ModelResult):
         from rapidkv.bench.common.stats import histogram_delta
 
         self.progress.stage(f"{self.model} r{rnd}: {name} {load.name}")
+        self.need_prompts()
         pair = self.single if self.opts.paired(name) else None
         n = len(self.prompts)
         if self.opts.paired(name) and pair is None:  # `single` did not start this round
             self.progress.advance(n)  # its blocks, counted in `load_units`, are not run
         size = self.opts.pair_block if pair is not None else n
+        if self.opts.prefix_caching:  # every load starts cold, on both sides if paired
+            for side in [group] if pair is None else [group, pair]:
+                for why in side.reset_prefix_cache():
+                    self.progress.say(f"{name} {load.name}: {why}")
         before = group.scrape()
         run = LoadRun(rnd, paired_single=None if pair is None else [])
         for b, lo in enumerate(range(0, n, size)):
@@ -400,6 +443,7 @@ class ModelRun(ModelResult):
             on_done=self.progress.advance,
             cpus=helper_cpus(config.group),
             include_usage=self.opts.include_usage,
+            follows=self.follows[lo:hi] if self.follows else None,
         )
         return [dataclasses.replace(r, prompt_index=r.prompt_index + lo) for r in results], wall
 

@@ -1,151 +1,19 @@
-"""`rapidkv bench kvt`: the data plane measured between two processes.
-
-(a) full-send throughput of 1 GiB in 64 KiB blocks (32 layers x 512 blocks),
-    contiguous (coalesced runs) and scattered (every block to a random
-    destination slot), per transport, next to a memcpy of the same bytes in the
-    same run (all buffers torch-allocated, then backed by huge pages as
-    `KvtWorker` does with registered memory: see `kvt.memory`);
-(b) `layer_done(i)` -> that layer's first byte handed to the transport, and
-(c) `attach_substep` -> the first send of the layers already done,
-    both inside busy synthetic steps: 32 layers of torch compute on the sender's
-    own pinned core, a little Python between layers, a second thread attaching
-    substeps at random moments.
-
-The sender runs in this process, pinned to `--sender-cpu`; the receiver in a
-spawned process pinned to `--receiver-cpu`. Results: JSON on stdout.
-
-With `--netns-link RATE` (e.g. ``1gbit``) the two run as on two hosts: the
-sender in one network namespace, the receiver in another, joined by a veth
-pair capped at RATE (`harness.netns`); each transport is given its side's
-address on that link, as the connector's ``kvt_host`` does (NIXL: UCX over TCP
-on that interface). This process creates the link, measures one plain TCP
-stream across it (`link.tcp`), runs the measurement in namespace A (the same
-command, `--netns-peer`), and removes the link. Needs root; says why not
-otherwise.
-"""
+"""`rapidkv bench kvt`: the buffers, the receiving process and the sender measured."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import os
 import random
-import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 LAYERS = 32
 BLOCKS = 512
 BLOCK_BYTES = 64 * 1024
 TOKENS_PER_BLOCK = 16
-
-
-def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
-    parser.add_argument("--transports", default="nixl,tcp", help="comma-separated (nixl,tcp)")
-    parser.add_argument("--repeats", type=int, default=3, help="throughput runs (best counts)")
-    parser.add_argument("--steps", type=int, default=60, help="busy steps per transport")
-    parser.add_argument("--layer-ms", type=float, default=0.5, help="compute per layer")
-    parser.add_argument("--sender-cpu", type=int, default=0)
-    parser.add_argument("--receiver-cpu", type=int, default=1)
-    parser.add_argument("--json", action="store_true", help="print only the JSON result")
-    parser.add_argument(
-        "--netns-link",
-        metavar="RATE",
-        default=None,
-        help="sender and receiver in two network namespaces joined by a veth capped at "
-        "RATE (tc rate: 1gbit, 500mbit, ...); needs root",
-    )
-    parser.add_argument("--netns-peer", default=None, help=argparse.SUPPRESS)
-    return run
-
-
-def run(args: argparse.Namespace) -> int:
-    if args.netns_link is not None:
-        return run_across_link(args)
-    peer = json.loads(args.netns_peer) if args.netns_peer else None
-    result = measure(
-        transports=[t for t in args.transports.split(",") if t],
-        repeats=args.repeats,
-        steps=args.steps,
-        layer_ms=args.layer_ms,
-        sender_cpu=args.sender_cpu,
-        receiver_cpu=args.receiver_cpu,
-        progress=None if args.json else lambda msg: print(msg, file=sys.stderr),
-        peer=peer,
-    )
-    print(json.dumps(result, indent=None if args.json else 2))
-    return 0
-
-
-def run_across_link(args: argparse.Namespace) -> int:
-    """`--netns-link`: the link, a plain TCP stream across it, then this very
-    command in namespace A with the receiver's side named (`--netns-peer`)."""
-    import subprocess
-
-    from rapidkv.harness.netns import (
-        NetnsUnavailable,
-        netns_exec_prefix,
-        netns_link,
-        rate_bits,
-        tcp_throughput,
-    )
-    from rapidkv.harness.server import SRC_DIR
-
-    say = (lambda msg: None) if args.json else (lambda msg: print(msg, file=sys.stderr))
-    # SIGTERM (a `timeout`) unwinds like Ctrl-C: the link is removed, the run in A stopped
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    try:
-        link_cm = netns_link(rate=args.netns_link)
-        link = link_cm.__enter__()
-    except (NetnsUnavailable, ValueError) as e:
-        print(f"rapidkv bench kvt: --netns-link: {e}", file=sys.stderr)
-        return 2
-    child: subprocess.Popen | None = None
-    try:
-        say(f"link {link.a.name} <-> {link.b.name}: {' '.join(link.tbf) or 'no cap'}")
-        say("one TCP stream across the link ...")
-        tcp = tcp_throughput(link)
-        # a full send is one write of 1 GiB: it must be confirmed within the
-        # worker's write timeout, 10 s by default, ~9 s at 1 Gbit/s
-        link_s = LAYERS * BLOCKS * BLOCK_BYTES * 8 / rate_bits(args.netns_link)
-        peer = {
-            "a_host": link.a.host,
-            "b_host": link.b.host,
-            "b_netns": link.b.name,
-            "write_timeout_s": max(10.0, 4 * link_s),
-        }
-        argv = [sys.executable, "-m", "rapidkv.cli", "bench", "kvt", "--json"]
-        argv += ["--transports", args.transports, "--repeats", str(args.repeats)]
-        argv += ["--steps", str(args.steps), "--layer-ms", str(args.layer_ms)]
-        argv += ["--sender-cpu", str(args.sender_cpu), "--receiver-cpu", str(args.receiver_cpu)]
-        argv += ["--netns-peer", json.dumps(peer)]
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC_DIR), env.get("PYTHONPATH")]))
-        say(f"measuring in {link.a.name} ...")
-        child = subprocess.Popen(
-            [*netns_exec_prefix(link.a.name), *argv], env=env, stdout=subprocess.PIPE, text=True
-        )
-        out, _ = child.communicate()
-        if child.returncode != 0:
-            print(f"rapidkv bench kvt: the run in {link.a.name} failed", file=sys.stderr)
-            return child.returncode or 1
-        # the JSON is the last line (NIXL logs to stdout too)
-        result = json.loads(next(x for x in reversed(out.splitlines()) if x.startswith("{")))
-        result["link"] = {**link.describe(), "tcp": tcp}
-        for entry in result["transports"].values():
-            for key in ("contiguous", "scattered"):
-                entry[f"{key}_vs_link_tcp"] = round(entry[f"{key}_gbps"] / tcp["gbps"], 3)
-    finally:
-        if child is not None and child.poll() is None:
-            child.kill()
-            child.wait(30)
-        link_cm.__exit__(None, None, None)
-    print(json.dumps(result, indent=None if args.json else 2))
-    return 0
 
 
 # -- memory -------------------------------------------------------------------
@@ -455,39 +323,3 @@ def netns_python(netns: str) -> str:
         f.write(f'#!/bin/sh\nexec {cmd} "$@"\n')
     os.chmod(path, 0o755)
     return path
-
-
-def measure(
-    transports: list[str],
-    repeats: int,
-    steps: int,
-    layer_ms: float,
-    sender_cpu: int,
-    receiver_cpu: int,
-    progress: Callable[[str], None] | None,
-    peer: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    say = progress or (lambda msg: None)
-    os.sched_setaffinity(0, {sender_cpu})
-    say("memcpy of 1 GiB ...")
-    result: dict[str, Any] = {"memcpy_gbps": round(memcpy_gbps(repeats), 2), "transports": {}}
-    for kind in transports:
-        say(f"{kind}: full sends ...")
-        sender = Sender(kind, receiver_cpu, peer)
-        try:
-            entry: dict[str, Any] = {
-                "contiguous_gbps": round(sender.full_send_gbps(False, repeats), 2),
-                "scattered_gbps": round(sender.full_send_gbps(True, repeats), 2),
-            }
-            say(f"{kind}: busy steps ...")
-            entry.update(sender.busy_steps(steps, layer_ms))
-        finally:
-            sender.close()
-        for key in ("contiguous", "scattered"):
-            entry[f"{key}_vs_memcpy"] = round(entry[f"{key}_gbps"] / result["memcpy_gbps"], 3)
-        result["transports"][kind] = entry
-    default = "nixl" if "nixl" in result["transports"] else transports[0]
-    result["latency_transport"] = default
-    for key in ("layer_to_send_us", "attach_to_send_us", "step_ms"):
-        result[key] = result["transports"][default][key]
-    return result
