@@ -15,6 +15,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "model": ("build the locally generated test models", "rapidkv.models.cli:register"),
     "bench": ("run a benchmark and print JSON", "rapidkv.bench.cli:register"),
+    "data": ("write a packaged data set for other tools", "rapidkv.data.cli:register"),
     "router": ("OpenAI-compatible router for PD disaggregation", "rapidkv.router.cli:register"),
     "demo": ("P + D + router on this machine: a small workload, checked", "rapidkv.demo:register"),
 }

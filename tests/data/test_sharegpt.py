@@ -84,3 +84,19 @@ def test_multi_turn_conversations_keep_their_user_turns_in_order() -> None:
     chosen = multi_turn(pool, 5, 1, min_turns=3)
     assert len(chosen) == 5 and all(len(c) >= 3 for c in chosen)
     assert chosen == multi_turn(pool, 5, 1, min_turns=3)
+
+
+def test_the_repaired_file_is_valid_json_with_every_complete_record(tmp_path: Path) -> None:
+    """`rapidkv data sharegpt --out`: what `vllm bench serve --dataset-name
+    sharegpt` reads: a JSON array of the complete records, as they were."""
+    import json
+
+    from rapidkv.data.sharegpt import repair
+
+    source = tmp_path / "cut.json"
+    records = [{"id": "a", "conversations": [{"from": "human", "value": "hi"}]}, {"id": "b"}]
+    source.write_text(json.dumps(records)[:-1] + ', {"id": "c", "conv')
+    out = tmp_path / "fixed.json"
+    assert repair(out, source) == (2, True)
+    assert json.loads(out.read_text()) == records
+    assert [c.id for c in load(out).conversations] == ["a"]

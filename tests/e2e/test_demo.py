@@ -13,6 +13,7 @@ import pytest
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 
+@pytest.mark.slow
 def test_demo_answers_questions_through_p_and_d_as_a_single_instance_does(tmp_path) -> None:
     proc = subprocess.run(
         [

@@ -20,7 +20,7 @@ import importlib.util
 import itertools
 import json
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,30 +63,55 @@ def packaged_path() -> Path:
 def load(path: Path | None = None, limit: int | None = None) -> Loaded:
     """The complete conversations of the file (the packaged one by default), in
     file order, at most `limit` of them."""
-    text = Path(path or packaged_path()).read_text(encoding="utf-8")
-    decoder = json.JSONDecoder()
-    i = _skip(text, 0)
-    if text[i : i + 1] != "[":
-        raise ValueError("not a JSON array of records")
-    i += 1
     out: list[Conversation] = []
     skipped = 0
-    truncated = False
-    while limit is None or len(out) < limit:
-        i = _skip(text, i, ",")
-        if i >= len(text) or text[i] == "]":
-            break
-        try:
-            record, i = decoder.raw_decode(text, i)
-        except json.JSONDecodeError:
-            truncated = True  # the cut: nothing complete after it
+    records = _Records(Path(path or packaged_path()))
+    for record in records:
+        if limit is not None and len(out) == limit:
             break
         conversation = _conversation(record)
         if conversation is None:
             skipped += 1
         else:
             out.append(conversation)
-    return Loaded(tuple(out), skipped, truncated)
+    return Loaded(tuple(out), skipped, records.truncated)
+
+
+class _Records:
+    """The file's complete records, in order; `truncated` once the file ended inside one."""
+
+    def __init__(self, path: Path) -> None:
+        self.text = path.read_text(encoding="utf-8")
+        self.truncated = False
+
+    def __iter__(self) -> Iterator[object]:
+        text, decoder = self.text, json.JSONDecoder()
+        i = _skip(text, 0)
+        if text[i : i + 1] != "[":
+            raise ValueError("not a JSON array of records")
+        i += 1
+        while True:
+            i = _skip(text, i, ",")
+            if i >= len(text) or text[i] == "]":
+                return
+            try:
+                record, i = decoder.raw_decode(text, i)
+            except json.JSONDecodeError:
+                self.truncated = True  # the cut: nothing complete after it
+                return
+            yield record
+
+
+def repair(out: Path, path: Path | None = None) -> tuple[int, bool]:
+    """Write the file's complete records (the packaged file by default), as
+    they are, as one JSON array that `vllm bench serve --dataset-name sharegpt
+    --dataset-path OUT` reads; how many, and whether the source was cut."""
+    records = _Records(Path(path or packaged_path()))
+    kept = list(records)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(kept, ensure_ascii=False), encoding="utf-8")
+    tmp.replace(out)
+    return len(kept), records.truncated
 
 
 def _skip(text: str, i: int, extra: str = "") -> int:

@@ -19,3 +19,8 @@ def test_to_json_is_strict_json() -> None:
 def test_fmt() -> None:
     assert fmt(None) == fmt(math.nan) == "-"
     assert fmt(3) == "3" and fmt(2.345) == "2.3" and fmt(2.345, 2) == "2.35"
+
+
+def test_the_json_output_is_strict_json_with_null_for_missing_figures() -> None:
+    text = to_json({"p50": math.nan, "n": 3, "ids": (1, 2), "inf": math.inf, "dir": Path("/x")})
+    assert json.loads(text) == {"p50": None, "n": 3, "ids": [1, 2], "inf": None, "dir": "/x"}

@@ -11,6 +11,7 @@ from bench_cli import run_bench
 
 
 @pytest.mark.e2e
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bench_goodput_sweeps_single_and_rapidkv_adaptive_and_matches(tmp_path: Path) -> None:
     """`--quick` on one workload, `single` and `rapidkv-adaptive` only: the

@@ -1,7 +1,7 @@
 """`rapidkv bench migrate`: its pure parts: what a migration loads, the rows
 built from the client's token times and the router's answers, the report's
 keys and acceptance, the options (the command itself:
-test_bench_migrate_smoke.py)."""
+test_migrate_smoke.py)."""
 
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ from bench_cli import run_bench
 
 
 @pytest.mark.e2e
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bench_migrate_quick_moves_requests_there_and_back_in_both_modes_and_matches(
     tmp_path: Path,
