@@ -28,13 +28,7 @@ from collections.abc import Callable
 
 def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
     from rapidkv.bench.chaos.run import run
-    from rapidkv.bench.common.options import (
-        add_dtype,
-        add_include_usage,
-        add_model,
-        add_output,
-        add_server_args,
-    )
+    from rapidkv.bench.common.options import add_served_options
 
     parser.description = (__doc__ or "").split("\n\n")[0]
     add = parser.add_argument
@@ -83,14 +77,10 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         help="after a restart, wait this long at most for a request with a transfer, s",
     )
     add("--seed", type=int, default=0, help="prompts and plans (%(default)s)")
-    add_include_usage(parser)
-    add_model(parser)
-    add_dtype(parser)
-    add_server_args(parser)
     add(
         "--strict-recovery",
         action="store_true",
         help="also fail when a recovery took over 5 s",
     )
-    add_output(parser, plot=False, trace="one JSON line per request")
+    add_served_options(parser, plot=False, trace="one JSON line per request")
     return run

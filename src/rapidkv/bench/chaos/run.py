@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rapidkv.bench.common.options import DTYPES, check_model
+from rapidkv.bench.common.options import check_model, served_fields
 
 WARMUP_LENGTHS = (64, 300, 600, 900)
 
@@ -62,7 +62,6 @@ class Options:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Options:
-        import shlex
 
         roles = {"p": "prefill", "d": "decode", "prefill": "prefill", "decode": "decode"}
         restarts = []
@@ -104,11 +103,8 @@ class Options:
             quiesce_timeout_s=args.quiesce_timeout,
             recovery_timeout_s=args.recovery_timeout,
             seed=args.seed,
-            dtype=DTYPES[args.dtype],
-            server_args=tuple(shlex.split(args.server_args)),
             include_usage=getattr(args, "include_usage", True),
-            model=getattr(args, "model", "tiny"),
-            dataset=getattr(args, "dataset", "random"),
+            **served_fields(args),
         )
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import tempfile
 from pathlib import Path
+from typing import Any
 
 DTYPES = {"float32": "float32", "bf16": "bfloat16"}
 """`--dtype` choices, as vLLM spells them."""
@@ -93,3 +95,39 @@ def log_dir(args: argparse.Namespace, benchmark: str) -> Path:
     """`--log-dir`, or a fresh temporary folder named after the benchmark."""
     given: Path | None = getattr(args, "log_dir", None)
     return given or Path(tempfile.mkdtemp(prefix=f"rapidkv-bench-{benchmark}-"))
+
+
+def add_served_options(
+    parser: argparse.ArgumentParser,
+    *,
+    model: bool = True,
+    include_usage: bool = True,
+    plot: bool = True,
+    trace: str | None = None,
+    servers: str = "every server",
+) -> None:
+    """The options of a benchmark that serves a model: `--model` and
+    `--dataset` (unless the benchmark has its own), `--dtype`, `--server-args`
+    (helped as extra arguments for `servers`), `--no-include-usage`, and the
+    outputs (`add_output`)."""
+    if model:
+        add_model(parser)
+    add_dtype(parser)
+    add_server_args(parser, servers)
+    if include_usage:
+        add_include_usage(parser)
+    add_output(parser, plot=plot, trace=trace)
+
+
+def served_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """What `add_served_options` parsed, as an options class's fields: `dtype`
+    (vLLM's spelling), `server_args` (split as a shell does), `model` and
+    `dataset` where given."""
+    out: dict[str, Any] = {
+        "dtype": DTYPES[args.dtype],
+        "server_args": tuple(shlex.split(args.server_args)),
+    }
+    for key in ("model", "dataset"):
+        if hasattr(args, key):
+            out[key] = getattr(args, key)
+    return out

@@ -56,13 +56,7 @@ from collections.abc import Callable
 
 def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
     from rapidkv.bench.common.groups import CONFIGS
-    from rapidkv.bench.common.options import (
-        add_dtype,
-        add_include_usage,
-        add_model,
-        add_output,
-        add_server_args,
-    )
+    from rapidkv.bench.common.options import add_served_options
     from rapidkv.bench.common.workloads import WORKLOADS
     from rapidkv.bench.goodput.options import DEFAULT_CONFIGS
     from rapidkv.bench.goodput.run import run
@@ -130,20 +124,16 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     )
     add("--quick", action="store_true", help="8 requests per rate, 2 rates, 1 warm-up")
     add("--timeout", type=float, default=60.0, help="per request, seconds (%(default)s)")
-    add_include_usage(parser)
-    add_model(parser)
-    add_dtype(parser)
     add(
         "--router-args",
         default="",
         help="extra arguments for the adaptive router, one string: --router-args='--flag value'",
     )
-    add_server_args(parser)
     add(
         "--one-group-at-a-time",
         action="store_true",
         help="start, sweep and stop each group in turn (default: every group up at once, each "
         "rate run on every configuration in turn, so that the machine's drift falls on all)",
     )
-    add_output(parser)
+    add_served_options(parser)
     return run

@@ -6,7 +6,7 @@ import argparse
 import shlex
 from dataclasses import dataclass
 
-from rapidkv.bench.common.options import DTYPES, check_model
+from rapidkv.bench.common.options import check_model, served_fields
 
 DEFAULT_CONFIGS = ("single", "dp2", "vllm-nixl", "rapidkv", "rapidkv-adaptive")
 BASELINES = ("dp2", "vllm-nixl", "rapidkv")
@@ -76,6 +76,8 @@ class Options:
         for flag, v in (("--ttft-slo-ms", args.ttft_slo_ms), ("--tpot-slo-ms", args.tpot_slo_ms)):
             if v is not None and not v > 0:
                 raise ValueError(f"{flag} must be > 0")
+        served = served_fields(args)
+        max_len = ("--max-model-len", str(MAX_MODEL_LEN))
         return cls(
             workloads=workloads,
             configs=configs,
@@ -88,13 +90,10 @@ class Options:
             ttft_slo_ms=args.ttft_slo_ms,
             tpot_slo_ms=args.tpot_slo_ms,
             timeout=args.timeout,
-            dtype=DTYPES[args.dtype],
-            server_args=("--max-model-len", str(MAX_MODEL_LEN), *shlex.split(args.server_args)),
             router_args=tuple(shlex.split(args.router_args)),
             together=not args.one_group_at_a_time,
             include_usage=getattr(args, "include_usage", True),
-            model=getattr(args, "model", "tiny"),
-            dataset=getattr(args, "dataset", "random"),
+            **{**served, "server_args": (*max_len, *served["server_args"])},
         )
 
     def units(self) -> int:

@@ -45,12 +45,10 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-DEFAULT_LENGTHS = "128,512,2048"
-
 
 def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
-    from rapidkv.bench.common.options import add_dtype, add_model, add_output, add_server_args
-    from rapidkv.bench.migrate.run import MODES, run
+    from rapidkv.bench.common.options import add_served_options
+    from rapidkv.bench.migrate.run import DEFAULT_LENGTHS, MODES, run
 
     parser.description = (__doc__ or "").split("\n\n")[0]
     add = parser.add_argument
@@ -88,9 +86,6 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     )
     add("--seed", type=int, default=0, help="prompts (%(default)s)")
     add("--timeout", type=float, default=120.0, help="per request, seconds (%(default)s)")
-    add_model(parser)
-    add_dtype(parser)
-    add_server_args(parser, "both servers")
     add(
         "--netns-link",
         default=None,
@@ -99,5 +94,5 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         "tbf, e.g. 1gbit): the migrations' KV crosses it, as between two hosts (root)",
     )
     add("--quick", action="store_true", help="one length (128), one round: a smoke run")
-    add_output(parser)
+    add_served_options(parser, include_usage=False, servers="both servers")
     return run

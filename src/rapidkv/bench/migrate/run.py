@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import secrets
-import shlex
 import sys
 import time
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from rapidkv.bench.common.loads import PLACEMENT_HEADER, XFER_HEADER
-from rapidkv.bench.common.options import DTYPES
+from rapidkv.bench.common.options import DTYPES, served_fields
 from rapidkv.bench.common.options import log_dir as make_log_dir
 
 MODES = ("precopy", "stop-and-copy")
@@ -29,6 +28,7 @@ LABELS = ("A", "B")  # instance 0 on core 0, instance 1 on core 1
 BLOCK = 128  # --block-size of both instances (vLLM's CPU default, given explicitly)
 EXTERNAL = "vllm:prompt_tokens_by_source_total"
 RESET_TIMEOUT_S = 10.0  # a prefix cache reset retried while the connector holds blocks
+DEFAULT_LENGTHS = "128,512,2048"  # --lengths
 LENGTH_SALT = 7907  # a length's prompts are drawn from seed + this x length
 
 
@@ -52,8 +52,6 @@ class Options:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, max_model_len: int) -> Options:
-        from rapidkv.bench.migrate import DEFAULT_LENGTHS
-
         text = args.lengths or ("128" if args.quick else DEFAULT_LENGTHS)
         try:
             asked = [int(t) for t in text.split(",") if t.strip()]
@@ -97,11 +95,9 @@ class Options:
             gap_tokens=args.gap_tokens,
             seed=args.seed,
             timeout_s=args.timeout,
-            dtype=DTYPES[args.dtype],
-            server_args=tuple(shlex.split(args.server_args)),
             max_model_len=max_model_len,
             netns_link=netns or None,
-            dataset=getattr(args, "dataset", "random"),
+            **{k: v for k, v in served_fields(args).items() if k != "model"},
         )
 
 

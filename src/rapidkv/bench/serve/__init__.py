@@ -69,12 +69,7 @@ from collections.abc import Callable
 def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
     from rapidkv.bench.common.dataset import DATASETS, SHAREGPT_MAX_TOKENS
     from rapidkv.bench.common.groups import CONFIGS
-    from rapidkv.bench.common.options import (
-        add_dtype,
-        add_include_usage,
-        add_output,
-        add_server_args,
-    )
+    from rapidkv.bench.common.options import add_served_options
     from rapidkv.bench.serve.options import (
         DEFAULT_LOADS,
         MODELS,
@@ -91,7 +86,6 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         "test models, SmolLM2-135M-Instruct from its package) or a checkpoint's directory "
         "(served with --dtype as given)",
     )
-    add_dtype(parser)
     parser.add_argument(
         "--configs",
         default=None,
@@ -146,7 +140,6 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     parser.add_argument("--warmup", type=int, default=None, help="unmeasured requests (2; 1 quick)")
     parser.add_argument("--quick", action="store_true", help="8 prompts, loads c1,c4, 1 warm-up")
     parser.add_argument("--seed", type=int, default=0, help="prompts and Poisson arrivals")
-    add_include_usage(parser)
     parser.add_argument(
         "--no-prefix-caching",
         dest="prefix_caching",
@@ -172,6 +165,5 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     parser.add_argument(
         "--timeout", type=float, default=60.0, help="per request, seconds (%(default)s)"
     )
-    add_server_args(parser)
-    add_output(parser, trace="per-request JSONL")
+    add_served_options(parser, model=False, trace="per-request JSONL")
     return run

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rapidkv.bench.simulate import check, compare, report
+import rapidkv.bench.simulate.check as check
+import rapidkv.bench.simulate.compare as compare
+import rapidkv.bench.simulate.report as report
 from rapidkv.bench.simulate.fit import DEFAULT_FIT, Fit, load_fit
 from rapidkv.bench.simulate.goodput import reference_slo, run_point, sweep
 from rapidkv.bench.simulate.routers import POLICIES
