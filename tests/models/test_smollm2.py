@@ -57,3 +57,21 @@ def test_the_cli_prints_the_directory(smollm2: Path) -> None:
         capture_output=True, text=True, timeout=120, check=True,
     )  # fmt: skip
     assert Path(run.stdout.strip()) == smollm2
+
+
+def test_random_token_prompts_decode_to_printable_text(smollm2: Path) -> None:
+    """`--dataset random` on the real model: ids its tokenizer decodes alone to
+    printable text, none special, none part of a UTF-8 character."""
+    from transformers import AutoTokenizer
+
+    from rapidkv.harness import random_prompts
+
+    prompts = random_prompts(smollm2, [64, 64], seed=3)
+    assert [len(p) for p in prompts] == [64, 64] and prompts == random_prompts(
+        smollm2, [64, 64], seed=3
+    )
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    special = set(tokenizer.all_special_ids)
+    for p in prompts:
+        assert not special & set(p)
+        assert all("\ufffd" not in tokenizer.decode([i]) for i in p)

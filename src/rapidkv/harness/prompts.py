@@ -2,9 +2,10 @@
 
 Invariant: every id returned is a regular (non-special) token that both the
 model's embedding (`config.json` `vocab_size`) and its tokenizer know, so vLLM
-accepts the prompt and no id ends or restarts a sequence by accident; for a
-model built by `rapidkv.models`, only its `text_token_ids` (ids that decode
-alone to printable text) are used. The same (model, seed, lengths) always gives
+accepts the prompt and no id ends or restarts a sequence by accident, and that
+decodes alone to printable text (a random-weight test model's `text_token_ids`;
+for any other model, what its tokenizer decodes without a replacement
+character), so that a prompt of them decodes cleanly. The same (model, seed, lengths) always gives
 the same prompts.
 """
 
@@ -32,11 +33,14 @@ def prompt_vocab(model_dir: Path) -> tuple[int, ...]:
         special |= {t["id"] for t in tok.get("added_tokens", []) if t.get("special")}
     else:
         ids = set(range(limit))
-    if (model_dir / "rapidkv_model.json").exists():
-        # A rapidkv test model also knows which ids decode cleanly on their own.
+    stamp = model_dir / "rapidkv_model.json"
+    if stamp.exists() and "suppressed_token_ids" in json.loads(stamp.read_text()):
+        # A random-weight test model knows which ids decode cleanly on their own.
         from rapidkv.models import text_token_ids
 
         ids &= set(text_token_ids(model_dir))
+    elif tok_file.exists():
+        ids &= _printable_ids(model_dir, ids)
     usable = tuple(sorted(i for i in ids if 0 <= i < limit and i not in special))
     if len(usable) < 2:
         raise ValueError(f"{model_dir}: fewer than 2 usable prompt token ids")
@@ -48,3 +52,18 @@ def random_prompts(model_dir: Path, lengths: Sequence[int], *, seed: int = 0) ->
     vocab = prompt_vocab(Path(model_dir))
     rng = random.Random(seed)
     return [[rng.choice(vocab) for _ in range(n)] for n in lengths]
+
+
+def _printable_ids(model_dir: Path, ids: set[int]) -> set[int]:
+    """The ids the model's tokenizer decodes, alone, to printable text (no
+    replacement character: a byte-level BPE token holding part of a UTF-8
+    character decodes to one)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    out = set()
+    for i in ids:
+        text = tokenizer.decode([i])
+        if text and "\ufffd" not in text and text.isprintable():
+            out.add(i)
+    return out
