@@ -52,3 +52,14 @@ def test_margins_are_top1_minus_top2_from_openai_top_logprobs() -> None:
     assert math.isnan(m[1]) and math.isnan(m[2])
     # order of the dict does not matter
     assert margins_from_logprobs([{"a": -3.0, "b": -1.0}])[0] == pytest.approx(2.0)
+
+
+@pytest.mark.unit
+def test_divergence_is_where_the_output_first_differs_with_the_margin_there() -> None:
+    from rapidkv.bench.common.reference import divergence
+
+    assert divergence(REF, [5, 6, 7, 8]) is None
+    assert divergence(REF, [5, 9, 7, 8]) == (1, 0.03)
+    assert divergence(REF, [5, 6, 7, 1]) == (3, pytest.approx(math.nan, nan_ok=True))
+    at, margin = divergence(REF, [5, 6])  # a length difference
+    assert at == 2 and math.isnan(margin)

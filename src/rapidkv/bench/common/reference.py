@@ -40,15 +40,24 @@ def classify(
     reference: Reference, token_ids: Sequence[int], tie: float = NEAR_TIE_MARGIN
 ) -> Verdict:
     """Compare one output with its reference (see module docstring)."""
-    ref = reference.token_ids
-    got = tuple(token_ids)
-    if got == ref:
+    found = divergence(reference, token_ids)
+    if found is None:
         return "match"
+    _, margin = found
+    return "near_tie" if margin <= tie else "hard"  # nan compares False: hard
+
+
+def divergence(reference: Reference, token_ids: Sequence[int]) -> tuple[int, float] | None:
+    """Where an output first differs from its reference, and the reference's
+    top-2 margin there (nan where unknown, and for a length difference: one is
+    a strict prefix of the other); None when they are equal."""
+    ref, got = reference.token_ids, tuple(token_ids)
+    if got == ref:
+        return None
     for i, (a, b) in enumerate(zip(ref, got, strict=False)):
         if a != b:
-            margin = reference.margins[i] if i < len(reference.margins) else math.nan
-            return "near_tie" if margin <= tie else "hard"  # nan compares False: hard
-    return "hard"  # one is a strict prefix of the other: a length difference
+            return i, reference.margins[i] if i < len(reference.margins) else math.nan
+    return min(len(ref), len(got)), math.nan
 
 
 def margins_from_logprobs(top_logprobs: Sequence[Mapping[str, float] | None]) -> tuple[float, ...]:

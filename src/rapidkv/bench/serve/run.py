@@ -456,13 +456,14 @@ class ModelRun(ModelResult):
         timelines: dict[str, dict[str, dict[str, float]]],
         paired_with: str | None = None,
     ) -> None:
-        from rapidkv.bench.common.reference import classify
+        from rapidkv.bench.common.reference import classify, divergence
 
         assert self.trace is not None
         for r in results:
-            verdict = None
+            verdict, where = None, None
             if self.references is not None and r.error is None:
                 verdict = classify(self.references[r.prompt_index], r.token_ids)
+                where = divergence(self.references[r.prompt_index], r.token_ids)
             row = {
                 "model": self.model,
                 "config": name,
@@ -475,6 +476,8 @@ class ModelRun(ModelResult):
                 "token_ms": [round(t, 3) for t in r.token_ms],
                 "e2e_ms": r.e2e_ms,
                 "verdict": verdict,
+                # first differing position and the reference's top-2 margin there
+                "divergence": None if where is None else {"at": where[0], "margin": where[1]},
                 "error": r.error,
             }
             if paired_with is not None:
