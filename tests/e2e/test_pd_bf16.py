@@ -1,9 +1,9 @@
 """bf16, what users run: a P/D pair and the router on the tiny bf16 model.
 
 Outputs are compared with a single bf16 instance's, greedy, and each mismatch is
-classified as `rapidkv bench serve` does (`bench.serve.stats.classify`): a near-tie
-(the reference's top-2 logprob margin at the first divergence is at most
-`NEAR_TIE_MARGIN`) is reported, a hard mismatch fails the test.
+classified as `rapidkv bench serve` does (`bench.common.reference.classify`): a
+near-tie (the reference's top-2 logprob margin at the first divergence is at
+most bf16's `near_tie_margin`) is reported, a hard mismatch fails the test.
 
 On a CPU with AMX this is also the crash's regression test: vLLM's bf16
 attention runs AMX tile instructions without asking the kernel, and P's first
@@ -19,7 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from rapidkv.bench.common.reference import Reference, classify, margins_from_logprobs
+from rapidkv.bench.common.reference import (
+    Reference,
+    classify,
+    margins_from_logprobs,
+    near_tie_margin,
+)
 from rapidkv.connector.config import kv_transfer_config
 from rapidkv.control.client import RpcClient
 from rapidkv.control.messages import StatsRequest
@@ -111,7 +116,8 @@ def test_bf16_pd_through_the_router_equals_a_single_bf16_instance(
 
     assert p.running and d.running, "a vLLM server of the bf16 pair died"
     assert not p.died_of_sigill() and not d.died_of_sigill()
-    verdicts = [classify(ref, o.token_ids) for ref, o in zip(refs, outs, strict=True)]
+    tie = near_tie_margin("bfloat16")
+    verdicts = [classify(ref, o.token_ids, tie) for ref, o in zip(refs, outs, strict=True)]
     hard = [i for i, v in enumerate(verdicts) if v == "hard"]
     near = [i for i, v in enumerate(verdicts) if v == "near_tie"]
     assert hard == [], f"hard mismatches at prompts {hard} (near-ties: {near}): " + "; ".join(

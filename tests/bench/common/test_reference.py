@@ -63,3 +63,17 @@ def test_divergence_is_where_the_output_first_differs_with_the_margin_there() ->
     assert divergence(REF, [5, 6, 7, 1]) == (3, pytest.approx(math.nan, nan_ok=True))
     at, margin = divergence(REF, [5, 6])  # a length difference
     assert at == 2 and math.isnan(margin)
+
+
+@pytest.mark.unit
+def test_a_bf16_tie_is_one_or_two_representable_logits_apart() -> None:
+    """bf16 logits of 16-64 are 0.125-0.25 apart: a divergence at such a margin
+    is a near-tie in bf16, a hard mismatch in float32 (the token-exact oracle)."""
+    from rapidkv.bench.common.reference import NEAR_TIE_MARGIN, near_tie_margin
+
+    assert near_tie_margin("float32") == near_tie_margin("float16") == NEAR_TIE_MARGIN
+    bf16 = near_tie_margin("bfloat16")
+    ref = Reference(token_ids=(5, 6, 7), margins=(2.0, 0.25, 0.375))
+    assert classify(ref, [5, 9, 9], bf16) == "near_tie"
+    assert classify(ref, [5, 9, 9]) == "hard"
+    assert classify(ref, [5, 6, 9], bf16) == "hard"  # three spacings apart: not a tie

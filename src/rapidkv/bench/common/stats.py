@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rapidkv.bench.common.reference import Reference, classify
+from rapidkv.bench.common.reference import NEAR_TIE_MARGIN, Reference, classify
 
 SLOW_TTFT_MS = 1000.0
 """A request whose first token took longer than this is counted (`ttft_over_1s`):
@@ -242,8 +242,10 @@ def load_summary(
     wall_s: float,
     cpu_s: Mapping[str, float],
     engine_ttft: Mapping[str, Histogram] | None = None,
+    tie: float = NEAR_TIE_MARGIN,
 ) -> dict[str, Any]:
-    """The report of one load on one configuration.
+    """The report of one load on one configuration (mismatches classified with
+    near-tie margin `tie`).
 
     `wall_s` is first request sent -> last response complete; `cpu_s` the CPU
     seconds each server-side process tree ("prefill", "router", ...) used over
@@ -262,7 +264,7 @@ def load_summary(
     ttft = summarize([r.ttft_ms for r in ok])
     verdicts = {"match": 0, "near_tie": 0, "hard": 0}
     for r in ok if references is not None else ():
-        verdicts[classify(references[r.prompt_index], r.token_ids)] += 1
+        verdicts[classify(references[r.prompt_index], r.token_ids, tie)] += 1
     out_tokens = sum(len(r.token_ids) for r in ok)
     n = len(results)
     cpu_total = sum(cpu_s.values())

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from rapidkv.bench.common.output import fmt
+from rapidkv.bench.common.reference import NEAR_TIE_MARGIN, near_tie_margin
 
 if TYPE_CHECKING:
     from rapidkv.bench.goodput.options import Options
@@ -57,7 +58,7 @@ def build_report(
                 failed_baselines.add(c)
             elif failed:
                 ok = False
-        c1 = single_c1_report(w)
+        c1 = single_c1_report(w, near_tie_margin(opts.dtype))
         hard += (c1 or {}).get("hard_mismatches") or 0
         if w.error is not None or w.slo is None:
             ok = False
@@ -119,13 +120,13 @@ def _brief(summary: dict[str, float]) -> dict[str, float]:
     return {k: summary[k] for k in SUMMARY_KEYS}
 
 
-def single_c1_report(w: WorkloadRun) -> dict[str, Any] | None:
+def single_c1_report(w: WorkloadRun, tie: float = NEAR_TIE_MARGIN) -> dict[str, Any] | None:
     """`single`'s c1 on the workload: what the SLOs were derived from."""
     from rapidkv.bench.common.stats import load_summary
 
     if w.single_c1 is None:
         return None
-    s = load_summary(w.single_c1, w.references, w.single_c1_wall_s, {})
+    s = load_summary(w.single_c1, w.references, w.single_c1_wall_s, {}, tie=tie)
     return {
         "requests": s["requests"],
         "errors": s["errors"],
@@ -139,7 +140,7 @@ def single_c1_report(w: WorkloadRun) -> dict[str, Any] | None:
     }
 
 
-def rate_report(run: Any, w: WorkloadRun) -> dict[str, Any]:
+def rate_report(run: Any, w: WorkloadRun, tie: float = NEAR_TIE_MARGIN) -> dict[str, Any]:
     """One configuration at one rate: attainment and what it was made of."""
     from rapidkv.bench.common.arrivals import offered_rate
     from rapidkv.bench.common.reference import classify
@@ -148,7 +149,7 @@ def rate_report(run: Any, w: WorkloadRun) -> dict[str, Any]:
     from rapidkv.bench.goodput.slo import Outcome, attainment, attains
 
     refs = w.references
-    s = load_summary(run.results, refs, run.wall_s, {})
+    s = load_summary(run.results, refs, run.wall_s, {}, tie=tie)
     outcomes = [
         Outcome(
             r.ttft_ms,
@@ -156,7 +157,7 @@ def rate_report(run: Any, w: WorkloadRun) -> dict[str, Any]:
             error=r.error is not None,
             hard_mismatch=refs is not None
             and r.error is None
-            and classify(refs[r.prompt_index], r.token_ids) == "hard",
+            and classify(refs[r.prompt_index], r.token_ids, tie) == "hard",
         )
         for r in run.results
     ]
@@ -202,7 +203,7 @@ def config_report(c: ConfigRun, w: WorkloadRun, opts: Options) -> dict[str, Any]
     rates: dict[str, Any] = {}
     for rate in opts.rates[w.name]:
         if rate in runs:
-            rates[rate_key(rate)] = rate_report(runs[rate], w)
+            rates[rate_key(rate)] = rate_report(runs[rate], w, near_tie_margin(opts.dtype))
     by_rate = {
         rate: (rates[rate_key(rate)]["attainment"] if rate_key(rate) in rates else None)
         for rate in opts.rates[w.name]
@@ -303,7 +304,6 @@ def _attained(
 def meta(opts: Options, log_dir: Path, wall_s: float, command: str | None) -> dict[str, Any]:
     from rapidkv.bench.common.groups import COMMON_ARGS
     from rapidkv.bench.common.provenance import machine_info
-    from rapidkv.bench.common.reference import NEAR_TIE_MARGIN
     from rapidkv.bench.goodput.options import ARRIVAL_SALT
     from rapidkv.harness.procs import cpu_model
 
@@ -328,7 +328,7 @@ def meta(opts: Options, log_dir: Path, wall_s: float, command: str | None) -> di
         "timeout_s": opts.timeout,
         "include_usage": opts.include_usage,
         "server_args": [*COMMON_ARGS, *opts.server_args],
-        "near_tie_margin": NEAR_TIE_MARGIN,
+        "near_tie_margin": near_tie_margin(opts.dtype),
         "wall_s": wall_s,
         "finished": time.strftime("%Y-%m-%d %H:%M:%S %z"),
         "log_dir": str(log_dir),

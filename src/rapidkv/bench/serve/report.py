@@ -77,6 +77,7 @@ def config_report(mr: ModelResult, c: ConfigRun) -> dict[str, Any]:
                 )
                 for server in servers
             },
+            mr.tie,
         )
         pooled["prompt_tokens"] = {
             server: _sum_dicts([run.prompt_tokens[server] for run in runs])
@@ -98,7 +99,9 @@ def config_report(mr: ModelResult, c: ConfigRun) -> dict[str, Any]:
         if len(runs) > 1:
             per_round = []
             for run in runs:
-                s = load_summary(run.results, mr.references, run.wall_s, run.cpu_s, run.engine_ttft)
+                s = load_summary(
+                    run.results, mr.references, run.wall_s, run.cpu_s, run.engine_ttft, mr.tie
+                )
                 row = {
                     "round": run.round,
                     "ttft_ms_p50": s["ttft_ms"]["p50"],
@@ -148,7 +151,8 @@ def paired_summary(mr: ModelResult, runs: list[LoadRun]) -> dict[str, Any]:
     from rapidkv.bench.common.stats import load_summary, paired_ratio_interval, summarize
 
     single = [r for run in runs for r in run.paired_single or []]
-    s = load_summary(single, mr.references, sum(run.paired_single_wall_s for run in runs), {})
+    wall = sum(run.paired_single_wall_s for run in runs)
+    s = load_summary(single, mr.references, wall, {}, tie=mr.tie)
     out = {k: s[k] for k in PAIRED_KEYS}
     own = summarize([r.tpot_ms for run in runs for r in run.results if r.error is None])
     out["tpot_p50_over_paired_single"] = own["p50"] / s["tpot_ms"]["p50"]
@@ -300,7 +304,7 @@ def stall_report(configs: dict[str, Any]) -> dict[str, Any]:
 def meta(runs: list[ModelResult], opts: Options, log_dir: Path) -> dict[str, Any]:
     from rapidkv.bench.common.dataset import TURNS
     from rapidkv.bench.common.groups import PAIR_PAUSE_S
-    from rapidkv.bench.common.reference import NEAR_TIE_MARGIN
+    from rapidkv.bench.common.reference import near_tie_margin
     from rapidkv.bench.serve.options import MULTITURN
     from rapidkv.connector.config import ConnectorConfig
 
@@ -339,7 +343,7 @@ def meta(runs: list[ModelResult], opts: Options, log_dir: Path) -> dict[str, Any
         "base_url": opts.base_url,
         "reference_url": opts.reference_url,
         "rapidkv_default_transfer_kv_mode": ConnectorConfig().transfer_kv_mode,
-        "near_tie_margin": NEAR_TIE_MARGIN,
+        "near_tie_margin": near_tie_margin(opts.dtype),
         "log_dir": str(log_dir),
     }
 

@@ -48,6 +48,7 @@ class ModelResult:
     configs: dict[str, ConfigRun]
     references: list[Any] | None = None  # reference.Reference per prompt
     reference_error: str | None = None
+    tie: float = 0.05  # the near-tie margin of the model's dtype (reference.near_tie_margin)
 
     def samples(self) -> dict[str, dict[str, dict[str, list[float]]]]:
         """Per config and load, the pooled TTFT and TPOT samples (for the plot)."""

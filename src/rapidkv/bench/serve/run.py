@@ -98,6 +98,7 @@ class ModelRun(ModelResult):
             sharegpt_workload,
         )
         from rapidkv.bench.common.options import model_dir
+        from rapidkv.bench.common.reference import near_tie_margin
 
         self.model = model
         self.opts = opts
@@ -106,6 +107,7 @@ class ModelRun(ModelResult):
         self.trace = trace
         self.link = link
         self.model_dir = model_dir(model, opts.dtype)
+        self.tie = near_tie_margin(opts.dtype)
         self.conversations: Any = None  # dataset.Conversations (sharegpt-multiturn)
         self.follows: list[bool] | None = None  # per prompt: sent after the one before
         if opts.dataset == MULTITURN:  # prompts made by the reference pass, turn by turn
@@ -462,7 +464,7 @@ class ModelRun(ModelResult):
         for r in results:
             verdict, where = None, None
             if self.references is not None and r.error is None:
-                verdict = classify(self.references[r.prompt_index], r.token_ids)
+                verdict = classify(self.references[r.prompt_index], r.token_ids, self.tie)
                 where = divergence(self.references[r.prompt_index], r.token_ids)
             row = {
                 "model": self.model,
