@@ -51,6 +51,35 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
 
 
+def tail_summary(
+    values: Iterable[float], digits: int = 3, with_max: bool = False
+) -> dict[str, float | int]:
+    """p50 and p99 (`percentile`, rounded to `digits`), the max when asked, and
+    n, of the values that are not nan; nan figures and n 0 for none."""
+    xs = sorted(v for v in values if not math.isnan(v))
+    if not xs:
+        return {"p50": math.nan, "p99": math.nan, "n": 0}
+    out: dict[str, float | int] = {
+        "p50": round(percentile(xs, 50), digits),
+        "p99": round(percentile(xs, 99), digits),
+    }
+    if with_max:
+        out["max"] = round(xs[-1], digits)
+    out["n"] = len(xs)
+    return out
+
+
+def outer_quantile(values: Sequence[float], q: float) -> float | None:
+    """The `q` quantile (0..1) by the outer rank (below the median the lower,
+    above it the higher): the values are sweep steps, so an interval of them,
+    not between them, and an infinite ratio stays inf."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q
+    return ordered[math.floor(pos) if q < 0.5 else math.ceil(pos)]
+
+
 def paired_ratio_interval(
     blocks: Sequence[tuple[Sequence[float], Sequence[float]]],
     level: float = 0.95,

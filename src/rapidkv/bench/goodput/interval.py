@@ -28,6 +28,7 @@ import math
 import random
 from collections.abc import Mapping, Sequence
 
+from rapidkv.bench.common.stats import outer_quantile
 from rapidkv.bench.goodput.slo import TARGET, goodput
 
 BLOCK = 6
@@ -82,11 +83,11 @@ def ratio_interval(
         "block": max(1, block),
         "resamples": resamples,
         "resamples_used": len(ratios),
-        "ratio_low": _quantile(ratios, tail),
-        "ratio_high": _quantile(ratios, 1 - tail),
+        "ratio_low": outer_quantile(ratios, tail),
+        "ratio_high": outer_quantile(ratios, 1 - tail),
         "p_met": sum(r >= threshold for r in ratios) / len(ratios) if ratios else None,
         "goodput_interval": {
-            c: [_quantile(g, tail), _quantile(g, 1 - tail)] for c, g in goodputs.items()
+            c: [outer_quantile(g, tail), outer_quantile(g, 1 - tail)] for c, g in goodputs.items()
         },
     }
 
@@ -107,7 +108,7 @@ def goodput_interval(
         return None
     got = [_goodput(attained, drawn) for drawn in draws]
     tail = (1 - level) / 2
-    return [_quantile(got, tail), _quantile(got, 1 - tail)]
+    return [outer_quantile(got, tail), outer_quantile(got, 1 - tail)]
 
 
 def _draws(
@@ -130,17 +131,6 @@ def _draws(
         picks = [starts[rng.randrange(len(starts))] for _ in starts]
         out.append([i for s in picks for i in range(s, min(s + block, n))])
     return out
-
-
-def _quantile(values: Sequence[float], q: float) -> float | None:
-    """The `q` quantile (0..1) by the outer rank (below the median the lower,
-    above it the higher): the values are sweep steps, so an interval of them,
-    not between them, and an infinite ratio stays inf."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q
-    return ordered[math.floor(pos) if q < 0.5 else math.ceil(pos)]
 
 
 def _goodput(by_rate: Attained, drawn: Sequence[int]) -> float:

@@ -72,19 +72,11 @@ def receiver_main(kind: str, cpu: int, conn: Any, host: str | None = None) -> No
 # -- measurements -------------------------------------------------------------
 
 
-def percentiles(samples: list[float]) -> dict[str, float]:
+def percentiles(samples: list[float]) -> dict[str, float | int]:
     """p50, p99 and max (rounded to 0.1) and n; nan for no samples."""
-    from rapidkv.bench.common.stats import percentile
+    from rapidkv.bench.common.stats import tail_summary
 
-    if not samples:
-        return {"p50": float("nan"), "p99": float("nan"), "n": 0}
-    xs = sorted(samples)
-    return {
-        "p50": round(percentile(xs, 50), 1),
-        "p99": round(percentile(xs, 99), 1),
-        "max": round(xs[-1], 1),
-        "n": len(samples),
-    }
+    return tail_summary(samples, 1, with_max=True)
 
 
 def memcpy_gbps(repeats: int) -> float:

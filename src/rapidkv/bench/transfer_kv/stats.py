@@ -143,16 +143,9 @@ def last_chunk_end(events: Mapping[str, float], steps: Sequence[Step]) -> float 
 
 def percentiles(values: Iterable[float], digits: int = 3) -> dict[str, float | int]:
     """p50/p99 (linear interpolation, as numpy's default) and n; NaN when empty."""
-    from rapidkv.bench.common.stats import percentile
+    from rapidkv.bench.common.stats import tail_summary
 
-    xs = sorted(v for v in values if not math.isnan(v))
-    if not xs:
-        return {"p50": math.nan, "p99": math.nan, "n": 0}
-    return {
-        "p50": round(percentile(xs, 50), digits),
-        "p99": round(percentile(xs, 99), digits),
-        "n": len(xs),
-    }
+    return tail_summary(values, digits)
 
 
 # ------------------------------------------------------------------ steps
