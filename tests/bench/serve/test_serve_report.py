@@ -201,9 +201,12 @@ def test_deep_closed_loops_are_accepted_and_reported() -> None:
         "reference": {"tiny": {"error": None}},
         "failed_baselines": [],
         "ok": True,
+        "meta": {"models": {"tiny": "/m"}, "dtype": "float32", "dataset": "random", "cpu": "X"},
     }
+    report["meta"]["cpus"] = 2
     out = io.StringIO()
     print_report(report, out)
     rows = [line.split()[:2] for line in out.getvalue().splitlines()]
     assert ["rapidkv", "c16"] in rows and ["rapidkv", "c32"] in rows
     assert "rapidkv c32" in out.getvalue()
+    assert "rapidkv bench serve: tiny (float32), random prompts; CPU X (2 cpus)" in out.getvalue()

@@ -380,7 +380,12 @@ def print_report(report: dict[str, Any], out: IO[str]) -> None:
     head += f"{'>1s':>4}{'req/s':>7}{'tok/s':>7}{'cpu s/rq':>9}{'xfer':>6}{'hit':>5}"
     head += f"{'hard':>5}{'tie':>4}"
     head += f"{'err':>4}"
-    print(f"\n{head}\n{'-' * len(head)}", file=out)
+    m = report["meta"]
+    what = f"{', '.join(m['models'])} ({m['dtype']}), {m['dataset']} prompts"
+    if m.get("base_url"):
+        what += f", endpoint {m['base_url']}"
+    print(f"\nrapidkv bench serve: {what}; CPU {m['cpu']} ({m['cpus']} cpus)", file=out)
+    print(f"{head}\n{'-' * len(head)}", file=out)
     for key, c in report["configs"].items():
         if c["error"]:
             print(f"{key:<22}{'ERROR':<11}{c['error'].splitlines()[0][:110]}", file=out)
