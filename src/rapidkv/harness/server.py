@@ -453,11 +453,18 @@ def running(specs: Sequence[ServerSpec], log_dir: Path) -> Iterator[list[VLLMSer
     try:
         yield servers
     finally:
-        errors = []
-        for server in servers:
-            try:
-                server.stop()
-            except Exception as e:  # keep stopping the others
-                errors.append(e)
+        errors = stop_servers(servers)
         if errors:
-            raise errors[0]
+            raise errors[0][1]
+
+
+def stop_servers(servers: Sequence[VLLMServer]) -> list[tuple[str, Exception]]:
+    """Stop every server, each tried whatever the others did; the name of each
+    that failed to stop, with why."""
+    errors: list[tuple[str, Exception]] = []
+    for server in servers:
+        try:
+            server.stop()
+        except Exception as e:  # keep stopping the others
+            errors.append((server.spec.name, e))
+    return errors

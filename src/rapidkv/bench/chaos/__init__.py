@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
     from rapidkv.bench.chaos.run import run
-    from rapidkv.bench.common.options import add_served_options
+    from rapidkv.bench.common.options import add_numbers, add_served_options
 
     parser.description = (__doc__ or "").split("\n\n")[0]
     add = parser.add_argument
@@ -39,23 +39,23 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     add("--min-tokens", type=int, default=4, help="fewest max_tokens (%(default)s)")
     add("--max-tokens", type=int, default=48, help="most max_tokens (%(default)s)")
     add("--stream-share", type=float, default=0.5, help="share streamed (%(default)s)")
-    add(
-        "--abort-share",
-        type=float,
-        default=0.2,
-        help="share the client aborts, at a random phase (%(default)s)",
-    )
-    add(
-        "--fail-rate",
-        type=float,
-        default=0.05,
-        help="share of transfers P fails on purpose (debug_fail_transfer_rate, %(default)s)",
-    )
-    add(
-        "--send-delay",
-        type=float,
-        default=0.1,
-        help="P holds each transfer's sends up to this long, s (debug_send_delay_s, %(default)s)",
+    add_numbers(
+        parser,
+        float,
+        (
+            ("--abort-share", 0.2, "share the client aborts, at a random phase (%(default)s)"),
+            (
+                "--fail-rate",
+                0.05,
+                "share of transfers P fails on purpose (debug_fail_transfer_rate, %(default)s)",
+            ),
+            (
+                "--send-delay",
+                0.1,
+                "P holds each transfer's sends up to this long, s "
+                "(debug_send_delay_s, %(default)s)",
+            ),
+        ),
     )
     add(
         "--restarts",
@@ -63,18 +63,22 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         help="instances killed and restarted during the run, in this order: p at ~1/3, "
         "d at ~2/3 ('' = none; default %(default)s)",
     )
-    add("--timeout", type=float, default=120.0, help="a request with no end by then hung, s")
-    add(
-        "--quiesce-timeout",
-        type=float,
-        default=90.0,
-        help="after the run, wait this long at most for P and D to hold nothing, s",
-    )
-    add(
-        "--recovery-timeout",
-        type=float,
-        default=60.0,
-        help="after a restart, wait this long at most for a request with a transfer, s",
+    add_numbers(
+        parser,
+        float,
+        (
+            ("--timeout", 120.0, "a request with no end by then hung, s"),
+            (
+                "--quiesce-timeout",
+                90.0,
+                "after the run, wait this long at most for P and D to hold nothing, s",
+            ),
+            (
+                "--recovery-timeout",
+                60.0,
+                "after a restart, wait this long at most for a request with a transfer, s",
+            ),
+        ),
     )
     add("--seed", type=int, default=0, help="prompts and plans (%(default)s)")
     add(

@@ -321,11 +321,10 @@ class Chaos:
             finally:
                 router.process.stop()
         finally:
-            for s in servers:
-                try:
-                    s.stop()
-                except Exception as e:
-                    say(f"stopping {s.spec.name}: {e}")
+            from rapidkv.harness.server import stop_servers
+
+            for name, e in stop_servers(servers):
+                say(f"stopping {name}: {e}")
 
     def _measure(
         self, pair: Any, url: str, refs: list[list[int]], drive: Any, schedule: Any, timing_cls: Any

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import tempfile
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,14 @@ DTYPES = {"float32": "float32", "bf16": "bfloat16"}
 """`--dtype` choices, as vLLM spells them."""
 MODELS = ("tiny", "small", "smollm2-135m")
 """Models by name: the random-weight test models and the real one, built on first use."""
+
+
+def check_known(names: Sequence[str], known: Iterable[str], what: str) -> None:
+    """ValueError naming the first of `names` that is not `known` (a `what`)."""
+    known = list(known)
+    for name in names:
+        if name not in known:
+            raise ValueError(f"unknown {what} {name!r} (known: {', '.join(known)})")
 
 
 def check_model(model: str) -> None:
@@ -51,6 +60,16 @@ def add_model(parser: argparse.ArgumentParser, default: str = "tiny") -> None:
         help="the prompts, of the lengths the benchmark draws: random token ids, or "
         "ShareGPT's conversations as text, cut to each length (%(default)s)",
     )
+
+
+def add_numbers(
+    parser: argparse.ArgumentParser,
+    kind: type,
+    rows: tuple[tuple[str, float | int | None, str], ...],
+) -> None:
+    """One `kind`-typed option per `(flag, default, help)` row."""
+    for flag, default, text in rows:
+        parser.add_argument(flag, type=kind, default=default, help=text)
 
 
 def add_dtype(parser: argparse.ArgumentParser, what: str = "model dtype") -> None:

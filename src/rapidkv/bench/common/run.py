@@ -59,14 +59,15 @@ def finish(
 
 def open_link(
     stack: contextlib.ExitStack, rate: str | None, progress: Any, benchmark: str
-) -> tuple[Any, dict[str, Any] | None] | None:
+) -> tuple[Any, dict[str, Any] | None]:
     """`--netns-link RATE` (`harness.netns.bench_link`): the link and its
-    description, `(None, None)` without a rate, or None after printing why the
-    namespaces cannot be made (the caller then exits 2)."""
+    description, `(None, None)` without a rate; where the namespaces cannot be
+    made, why, and the command exits 2 (SystemExit: what the stack holds is
+    unwound on the way out)."""
     from rapidkv.harness.netns import NetnsUnavailable, bench_link
 
     try:
         return bench_link(stack, rate, progress)
     except NetnsUnavailable as e:
         print(f"rapidkv bench {benchmark}: --netns-link: {e}", file=sys.stderr)
-        return None
+        raise SystemExit(2) from None

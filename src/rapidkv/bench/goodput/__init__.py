@@ -56,7 +56,7 @@ from collections.abc import Callable
 
 def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
     from rapidkv.bench.common.groups import CONFIGS
-    from rapidkv.bench.common.options import add_served_options
+    from rapidkv.bench.common.options import add_numbers, add_served_options
     from rapidkv.bench.common.workloads import WORKLOADS
     from rapidkv.bench.goodput.options import DEFAULT_CONFIGS
     from rapidkv.bench.goodput.run import run
@@ -96,31 +96,15 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         help="unmeasured requests per configuration and workload (2; 1 quick)",
     )
     add("--seed", type=int, default=0, help="prompts, max_tokens and arrivals (%(default)s)")
-    add(
-        "--ttft-slo-factor",
-        type=float,
-        default=4.0,
-        help="TTFT SLO = this x single's c1 TTFT p50 (%(default)s)",
-    )
-    add(
-        "--tpot-slo-factor",
-        type=float,
-        default=1.5,
-        help="TPOT SLO = this x single's c1 TPOT p50 (%(default)s)",
-    )
-    add(
-        "--ttft-slo-ms",
-        type=float,
-        default=None,
-        metavar="MS",
-        help="TTFT SLO in ms, the same in every run (instead of the factor)",
-    )
-    add(
-        "--tpot-slo-ms",
-        type=float,
-        default=None,
-        metavar="MS",
-        help="TPOT SLO in ms, the same in every run (instead of the factor)",
+    add_numbers(
+        parser,
+        float,
+        (
+            ("--ttft-slo-factor", 4.0, "TTFT SLO = this x single's c1 TTFT p50 (%(default)s)"),
+            ("--tpot-slo-factor", 1.5, "TPOT SLO = this x single's c1 TPOT p50 (%(default)s)"),
+            ("--ttft-slo-ms", None, "TTFT SLO in ms, the same in every run (not the factor)"),
+            ("--tpot-slo-ms", None, "TPOT SLO in ms, the same in every run (not the factor)"),
+        ),
     )
     add("--quick", action="store_true", help="8 requests per rate, 2 rates, 1 warm-up")
     add("--timeout", type=float, default=60.0, help="per request, seconds (%(default)s)")

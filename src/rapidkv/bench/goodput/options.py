@@ -6,7 +6,7 @@ import argparse
 import shlex
 from dataclasses import dataclass
 
-from rapidkv.bench.common.options import check_model, served_fields
+from rapidkv.bench.common.options import check_known, check_model, served_fields
 
 DEFAULT_CONFIGS = ("single", "dp2", "vllm-nixl", "rapidkv", "rapidkv-adaptive")
 BASELINES = ("dp2", "vllm-nixl", "rapidkv")
@@ -46,12 +46,8 @@ class Options:
 
         workloads = tuple(w for w in args.workloads.split(",") if w)
         configs = tuple(c for c in args.configs.split(",") if c)
-        for w in workloads:
-            if w not in WORKLOADS:
-                raise ValueError(f"unknown workload {w!r} (known: {', '.join(WORKLOADS)})")
-        for c in configs:
-            if c not in CONFIGS:
-                raise ValueError(f"unknown configuration {c!r} (known: {', '.join(CONFIGS)})")
+        check_known(workloads, WORKLOADS, "workload")
+        check_known(configs, CONFIGS, "configuration")
         check_model(getattr(args, "model", "tiny"))
         if not workloads or not configs:
             raise ValueError("give at least one workload and one configuration")

@@ -47,7 +47,7 @@ from collections.abc import Callable
 
 
 def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
-    from rapidkv.bench.common.options import add_served_options
+    from rapidkv.bench.common.options import add_numbers, add_served_options
     from rapidkv.bench.migrate.run import DEFAULT_LENGTHS, MODES, run
 
     parser.description = (__doc__ or "").split("\n\n")[0]
@@ -64,25 +64,20 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         help="comma-separated, of %(default)s (default: both)",
     )
     add("--rounds", type=int, default=None, help="prompts per length (default 12; --quick 1)")
-    add(
-        "--warmup-rounds",
-        type=int,
-        default=1,
-        help="unmeasured rounds at the shortest length first (%(default)s)",
-    )
-    add("--max-tokens", type=int, default=128, help="output tokens per request (%(default)s)")
-    add(
-        "--migrate-after",
-        type=int,
-        default=16,
-        help="tokens before the first migration is ordered (%(default)s)",
-    )
-    add(
-        "--gap-tokens",
-        type=int,
-        default=32,
-        help="tokens after a cut-over before the request is ordered back (%(default)s); "
-        "the destination's decode step is measured over them",
+    add_numbers(
+        parser,
+        int,
+        (
+            ("--warmup-rounds", 1, "unmeasured rounds at the shortest length first (%(default)s)"),
+            ("--max-tokens", 128, "output tokens per request (%(default)s)"),
+            ("--migrate-after", 16, "tokens before the first migration is ordered (%(default)s)"),
+            (
+                "--gap-tokens",
+                32,
+                "tokens after a cut-over before the request is ordered back (%(default)s); "
+                "the destination's decode step is measured over them",
+            ),
+        ),
     )
     add("--seed", type=int, default=0, help="prompts (%(default)s)")
     add("--timeout", type=float, default=120.0, help="per request, seconds (%(default)s)")

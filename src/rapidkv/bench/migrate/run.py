@@ -132,10 +132,7 @@ def run(args: argparse.Namespace) -> int:
     link_info: dict[str, Any] | None = None
     try:
         with contextlib.ExitStack() as stack:
-            opened = open_link(stack, opts.netns_link, progress, "migrate")
-            if opened is None:
-                return 2
-            link, link_info = opened
+            link, link_info = open_link(stack, opts.netns_link, progress, "migrate")
             result = Bench(opts, model, log_dir, progress, link).run()
     except SetupError as e:
         progress.close()
@@ -465,11 +462,10 @@ class Bench:
                 os.sched_setaffinity(0, previous)
                 router.process.stop()
         finally:
-            for s in servers:
-                try:
-                    s.stop()
-                except Exception as e:
-                    self.progress.say(f"stopping {s.spec.name}: {e}")
+            from rapidkv.harness.server import stop_servers
+
+            for name, e in stop_servers(servers):
+                self.progress.say(f"stopping {name}: {e}")
         return {
             "runs": self.runs,
             "rows": self.rows,

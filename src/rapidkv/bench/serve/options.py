@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rapidkv.bench.common.dataset import SHAREGPT_MAX_TOKENS, TURNS
-from rapidkv.bench.common.options import DTYPES, MODELS, check_model
+from rapidkv.bench.common.options import DTYPES, MODELS, check_known, check_model
 
 __all__ = ["MODELS", "Options"]
 
@@ -95,9 +95,7 @@ class Options:
             configs = tuple(name for name, c in CONFIGS.items() if c.default)
         for m in models:
             check_model(m)
-        for c in configs:
-            if c not in CONFIGS:
-                raise ValueError(f"unknown configuration {c!r} (known: {', '.join(CONFIGS)})")
+        check_known(configs, CONFIGS, "configuration")
         if not models or not configs:
             raise ValueError("give at least one model and one configuration")
         if base_url:

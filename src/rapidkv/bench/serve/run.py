@@ -42,10 +42,7 @@ def run(args: argparse.Namespace) -> int:
     link_info: dict[str, Any] | None = None
     try:
         with contextlib.ExitStack() as stack:
-            opened = open_link(stack, opts.netns_link, progress, "serve")
-            if opened is None:
-                return 2
-            link, link_info = opened
+            link, link_info = open_link(stack, opts.netns_link, progress, "serve")
             runs = [
                 ModelRun(model, opts, log_dir, progress, trace, link).run() for model in opts.models
             ]

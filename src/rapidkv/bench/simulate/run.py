@@ -14,6 +14,7 @@ from typing import Any
 import rapidkv.bench.simulate.check as check
 import rapidkv.bench.simulate.compare as compare
 import rapidkv.bench.simulate.report as report
+from rapidkv.bench.common.options import check_known
 from rapidkv.bench.simulate.fit import DEFAULT_FIT, Fit, load_fit
 from rapidkv.bench.simulate.goodput import reference_slo, run_point, sweep
 from rapidkv.bench.simulate.routers import POLICIES
@@ -59,12 +60,11 @@ def options(args: argparse.Namespace) -> Options:
     sizes = _ints(args.sizes) if args.sizes else (QUICK_SIZES if args.quick else DEFAULT_SIZES)
     policies = tuple(_names(args.policies)) if args.policies else DEFAULT_POLICIES
     workloads = tuple(_names(args.workloads)) if args.workloads else tuple(WORKLOADS)
-    for p in policies:
-        if p not in POLICIES:
-            raise SystemExit(f"--policies: {p!r} is not one of {', '.join(POLICIES)}")
-    for w in workloads:
-        if w not in WORKLOADS:
-            raise SystemExit(f"--workloads: {w!r} is not one of {', '.join(WORKLOADS)}")
+    try:
+        check_known(policies, POLICIES, "policy (--policies)")
+        check_known(workloads, WORKLOADS, "workload (--workloads)")
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     if not sizes or min(sizes) < 1:
         raise SystemExit("--sizes: fleet sizes are >= 1")
     per_instance = args.requests or (QUICK_REQUESTS if args.quick else REQUESTS)
