@@ -1,4 +1,7 @@
-"""bf16, what users run: a P/D pair and the router on the tiny bf16 model.
+"""bf16, what users run: a P/D pair and the router on SmolLM2-135M-Instruct in bf16.
+
+The prompts are ShareGPT questions through the chat template, and random token
+ids at block boundaries (the router splits a prompt in whole blocks).
 
 Outputs are compared with a single bf16 instance's, greedy, and each mismatch is
 classified as `rapidkv bench serve` does (`bench.common.reference.classify`): a
@@ -35,9 +38,9 @@ from rapidkv.harness.server import pd_specs
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 MAX_TOKENS = 16
-# the longest first: the reference is stock vLLM, whose own first forward must
-# be large enough for oneDNN to ask for AMX on its behalf (see module doc)
-LENGTHS = [700, 5, 60, 127, 128, 129, 255, 256, 257, 300, 450, 600, 900]
+QUESTIONS = 6  # ShareGPT's, through the chat template
+BOUNDARIES = [5, 127, 128, 129, 256, 257, 700]  # random token ids of these lengths
+CPU_BLOCK = 128  # vLLM-CPU's default KV block size
 
 
 def rpc_stats(address: str) -> dict[str, float]:
@@ -55,9 +58,20 @@ def loaded_tokens(base_url: str) -> float:
 
 @pytest.fixture(scope="session")
 def bf16_model() -> Path:
-    from rapidkv.models import ensure_model
+    from rapidkv.models.smollm2 import ensure_smollm2
 
-    return ensure_model("tiny", dtype="bfloat16")
+    return ensure_smollm2("bfloat16")
+
+
+def prompts_for(model: Path, seed: int) -> list[list[int]]:
+    """ShareGPT questions and boundary-length token ids, the longest first: the
+    reference is stock vLLM, whose own first forward must be large enough for
+    oneDNN to ask for AMX on its behalf (see module doc)."""
+    from rapidkv.bench.common.dataset import sharegpt_workload
+
+    questions = sharegpt_workload(model, QUESTIONS, 600, MAX_TOKENS, seed).prompts
+    prompts = questions + random_prompts(model, BOUNDARIES, seed=seed)
+    return sorted(prompts, key=len, reverse=True)
 
 
 CONCURRENCY = (1, 4)
@@ -73,7 +87,7 @@ def bf16_case(server_pool: ServerPool, bf16_model: Path):
     )
     cases = {}
     for c in CONCURRENCY:
-        prompts = random_prompts(bf16_model, LENGTHS, seed=1700 + c)
+        prompts = prompts_for(bf16_model, seed=1700 + c)
         done = complete_many_full(
             single.base_url, prompts, MAX_TOKENS, logprobs=2, return_tokens_as_token_ids=True
         )
@@ -123,7 +137,9 @@ def test_bf16_pd_through_the_router_equals_a_single_bf16_instance(
     assert hard == [], f"hard mismatches at prompts {hard} (near-ties: {near}): " + "; ".join(
         f"{i}: {outs[i].token_ids} != {list(refs[i].token_ids)}" for i in hard
     )
-    assert sum(v == "match" for v in verdicts) >= len(prompts) - 2, f"near-ties: {near}"
+    # ties are common in bf16 on a real model (one instance against its own
+    # reference: 6 of 16 ShareGPT answers over 128 tokens), a majority is not
+    assert sum(v == "match" for v in verdicts) > len(prompts) // 2, f"near-ties: {near}"
 
     def grew(address: str, key: str) -> float:
         return after[address].get(key, 0) - before[address].get(key, 0)
@@ -131,7 +147,9 @@ def test_bf16_pd_through_the_router_equals_a_single_bf16_instance(
     assert grew(d_control, "recompute_fallbacks") == 0
     assert grew(d_control, "split_loads_failed") == 0
     if concurrency == 1:  # P and D idle at each arrival: the router splits
-        assert grew(d_control, "split_loads_ok") >= len(prompts) // 2
+        # the prompts of two blocks or more (a head of whole 128-token blocks)
+        splittable = sum(len(p) >= 2 * CPU_BLOCK for p in prompts)
+        assert splittable >= 3 and grew(d_control, "split_loads_ok") >= splittable // 2
 
     def p_transfers() -> float:
         return rpc_stats(p_control).get("transfers_ok", 0) - before[p_control].get(
