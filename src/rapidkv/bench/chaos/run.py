@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rapidkv.bench.common.options import check_model, served_fields
+from rapidkv.bench.common.options import check_model, from_namespace, served_fields
 
 WARMUP_LENGTHS = (64, 300, 600, 900)
 
@@ -87,23 +87,14 @@ class Options:
         for name in ("stream_share", "abort_share", "fail_rate"):
             if not 0 <= getattr(args, name) <= 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be between 0 and 1")
-        return cls(
-            requests=args.requests,
-            concurrency=args.concurrency,
-            min_len=args.min_len,
-            max_len=args.max_len,
-            min_tokens=args.min_tokens,
-            max_tokens=args.max_tokens,
-            stream_share=args.stream_share,
-            abort_share=args.abort_share,
-            fail_rate=args.fail_rate,
+        return from_namespace(
+            cls,
+            args,
             send_delay_s=args.send_delay,
             restarts=tuple(sorted(restarts, key=["prefill", "decode"].index)),
             timeout_s=args.timeout,
             quiesce_timeout_s=args.quiesce_timeout,
             recovery_timeout_s=args.recovery_timeout,
-            seed=args.seed,
-            include_usage=getattr(args, "include_usage", True),
             **served_fields(args),
         )
 

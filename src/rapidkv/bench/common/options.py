@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 DTYPES = {"float32": "float32", "bf16": "bfloat16"}
 """`--dtype` choices, as vLLM spells them."""
@@ -136,6 +139,15 @@ def add_served_options(
     if include_usage:
         add_include_usage(parser)
     add_output(parser, plot=plot, trace=trace)
+
+
+def from_namespace(cls: type[T], args: argparse.Namespace, **computed: Any) -> T:
+    """An options dataclass `cls`: the `computed` fields as given, every other
+    field copied from the attribute of `args` of the same name (a field neither
+    computed nor in `args` keeps its default)."""
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    copied = {n: getattr(args, n) for n in names - computed.keys() if hasattr(args, n)}
+    return cls(**copied, **computed)
 
 
 def served_fields(args: argparse.Namespace) -> dict[str, Any]:

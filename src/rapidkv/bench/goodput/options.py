@@ -6,7 +6,12 @@ import argparse
 import shlex
 from dataclasses import dataclass
 
-from rapidkv.bench.common.options import check_known, check_model, served_fields
+from rapidkv.bench.common.options import (
+    check_known,
+    check_model,
+    from_namespace,
+    served_fields,
+)
 
 DEFAULT_CONFIGS = ("single", "dp2", "vllm-nixl", "rapidkv", "rapidkv-adaptive")
 BASELINES = ("dp2", "vllm-nixl", "rapidkv")
@@ -74,21 +79,16 @@ class Options:
                 raise ValueError(f"{flag} must be > 0")
         served = served_fields(args)
         max_len = ("--max-model-len", str(MAX_MODEL_LEN))
-        return cls(
+        return from_namespace(
+            cls,
+            args,
             workloads=workloads,
             configs=configs,
             rates=rates,
             requests=requests,
             warmup=warmup,
-            seed=args.seed,
-            ttft_slo_factor=args.ttft_slo_factor,
-            tpot_slo_factor=args.tpot_slo_factor,
-            ttft_slo_ms=args.ttft_slo_ms,
-            tpot_slo_ms=args.tpot_slo_ms,
-            timeout=args.timeout,
             router_args=tuple(shlex.split(args.router_args)),
             together=not args.one_group_at_a_time,
-            include_usage=getattr(args, "include_usage", True),
             **{**served, "server_args": (*max_len, *served["server_args"])},
         )
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from rapidkv.bench.common.loads import PLACEMENT_HEADER, XFER_HEADER
-from rapidkv.bench.common.options import DTYPES, served_fields
+from rapidkv.bench.common.options import DTYPES, from_namespace, served_fields
 from rapidkv.bench.common.options import log_dir as make_log_dir
 
 MODES = ("precopy", "stop-and-copy")
@@ -84,16 +84,13 @@ class Options:
             from rapidkv.harness.netns import rate_bits
 
             rate_bits(netns)  # ValueError naming the rate
-        return cls(
+        return from_namespace(
+            cls,
+            args,
             lengths=lengths,
             requested=requested,
             modes=tuple(MODE_KEYS[m] for m in MODES if m in modes),
             rounds=rounds,
-            warmup_rounds=args.warmup_rounds,
-            max_tokens=args.max_tokens,
-            migrate_after=args.migrate_after,
-            gap_tokens=args.gap_tokens,
-            seed=args.seed,
             timeout_s=args.timeout,
             max_model_len=max_model_len,
             netns_link=netns or None,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from rapidkv.bench.common.options import DTYPES
+from rapidkv.bench.common.options import DTYPES, from_namespace
 from rapidkv.bench.common.options import log_dir as make_log_dir
 from rapidkv.bench.common.output import to_json, write_json
 from rapidkv.bench.common.progress import Progress
@@ -63,25 +63,15 @@ class Options:
             raise ValueError("need --samples >= 1, --budget-s > 0, 1 <= load min <= max")
         if args.cap_fraction < 0.2:
             raise ValueError("--cap-fraction must be >= 0.2 (the issue's minimum)")
-        return cls(
-            model=args.model,
+        return from_namespace(
+            cls,
+            args,
             dtype=DTYPES[args.dtype],
             samples=samples,
             budget_s=budget,
             phases=phases,
-            prompt_len=args.prompt_len,
-            chunk=args.chunk,
-            load_concurrency=args.load_concurrency,
             load_len=(lo, hi),
-            cap_fraction=args.cap_fraction,
-            cap_gbps=args.cap_gbps,
-            uniform=args.uniform,
-            warmup=args.warmup,
             poll_s=args.poll_us / 1e6,
-            wait_quiet_s=args.wait_quiet_s,
-            p_cpu=args.p_cpu,
-            d_cpu=args.d_cpu,
-            seed=args.seed,
         )
 
 
