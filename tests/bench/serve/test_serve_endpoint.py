@@ -1,6 +1,7 @@
-"""`rapidkv bench serve --base-url`: an endpoint already running is measured
-with the same loads, statistics, table and JSON as a configuration the
-command starts itself, and nothing is started or stopped."""
+"""`rapidkv bench serve --base-url`: an endpoint already running (a vLLM
+instance, a router in front of it) is measured with the same loads,
+statistics, table and JSON as a configuration the command starts itself, and
+nothing is started or stopped."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def _rows(stdout: str) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_an_endpoint_gives_the_table_of_the_run_that_started_it(tmp_path: Path) -> None:
-    from rapidkv.bench.common.groups import start_group
+    from rapidkv.bench.common.groups import router_argv, start_front, start_group
     from rapidkv.models import ensure_model
 
     model = ensure_model("tiny")
@@ -43,16 +44,25 @@ def test_an_endpoint_gives_the_table_of_the_run_that_started_it(tmp_path: Path) 
     group = start_group("single", model, tmp_path / "own", prefix_caching=True)
     try:
         url = group.servers["single"].base_url
-        measured = tmp_path / "endpoint.json"
+        # the user's router in front of it: rapidkv's, local dispatch
+        argv = router_argv("local", [], [url])
+        router = start_front("own.router", argv, tmp_path / "own", None)
+        measured, routed = tmp_path / "endpoint.json", tmp_path / "router.json"
         proc2, _ = run_bench(
             "serve", "--base-url", url, "--reference-url", url, "--configs", "single",
             *LOADS, "--json", str(measured), "--log-dir", str(tmp_path / "none"),
         )  # fmt: skip
         assert proc2.returncode == 0, proc2.stdout + proc2.stderr[-3000:]
+        proc3, _ = run_bench(
+            "serve", "--base-url", router.url, "--reference-url", url, "--configs", "single",
+            *LOADS, "--json", str(routed),
+        )  # fmt: skip
+        assert proc3.returncode == 0, proc3.stdout + proc3.stderr[-3000:]
+        router.process.stop()
         assert group.crashes() == [] and group.servers["single"].process.live_pids()
     finally:
         group.stop()
-    assert _rows(proc2.stdout) == _rows(proc.stdout)
+    assert _rows(proc2.stdout) == _rows(proc3.stdout) == _rows(proc.stdout)
     assert re.search(r"\bhit\b", _rows(proc.stdout)[0])
     a, b = json.loads(started.read_text()), json.loads(measured.read_text())
     assert b["ok"] is True and b["meta"]["base_url"] == url and not (tmp_path / "none").exists()
@@ -76,3 +86,12 @@ def test_an_endpoint_gives_the_table_of_the_run_that_started_it(tmp_path: Path) 
     # its user's, left as it is, and c4 finds c1's prompts there
     assert sa["loads"]["c4"]["prefix_cache_hit_fraction"] < 0.2
     assert sb["loads"]["c4"]["prefix_cache_hit_fraction"] > 0.5
+    # through the router: the same answers; its /metrics are the router's own,
+    # so no engine figures (shown as -)
+    c = json.loads(routed.read_text())
+    assert c["ok"] is True and c["reference"]["tiny"]["error"] is None
+    for load in ("c1", "c4"):
+        lc = c["configs"]["single"]["loads"][load]
+        assert set(lc) == set(sa["loads"][load])
+        assert lc["requests"] == lc["matches"] == 4 and lc["errors"] == 0
+        assert lc["prompt_tokens"] == {} and lc["prefix_cache_hit_fraction"] is None
