@@ -42,6 +42,7 @@ def test_an_endpoint_gives_the_table_of_the_run_that_started_it(tmp_path: Path) 
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     group = start_group("single", model, tmp_path / "own", prefix_caching=True)
+    router = None
     try:
         url = group.servers["single"].base_url
         # the user's router in front of it: rapidkv's, local dispatch
@@ -58,9 +59,10 @@ def test_an_endpoint_gives_the_table_of_the_run_that_started_it(tmp_path: Path) 
             *LOADS, "--json", str(routed),
         )  # fmt: skip
         assert proc3.returncode == 0, proc3.stdout + proc3.stderr[-3000:]
-        router.process.stop()
         assert group.crashes() == [] and group.servers["single"].process.live_pids()
     finally:
+        if router is not None:
+            router.process.stop()
         group.stop()
     assert _rows(proc2.stdout) == _rows(proc3.stdout) == _rows(proc.stdout)
     assert re.search(r"\bhit\b", _rows(proc.stdout)[0])

@@ -1,4 +1,4 @@
-"""The requests a `bench serve` run sends, the same for every configuration.
+"""The prompts the benchmarks send, the same for every configuration of a run.
 
 - ``random`` (default): `--requests` prompts of random token ids, lengths
   uniform in [--min-len, --max-len], each asking for `--max-tokens` tokens;

@@ -219,8 +219,37 @@ class Front:
     process: Any  # ManagedProcess
 
 
+class EngineCounters:
+    """vLLM's own counters read from what `scrape()` returns (per server, its
+    `/metrics`): what a started group and an endpoint both report."""
+
+    def scrape(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def prompt_tokens(self, scraped: dict[str, Any] | None = None) -> dict[str, dict[str, float]]:
+        """Per server, vLLM's prompt-token counters by source so far (or in
+        `scraped`, a `scrape()`), as `PROMPT_TOKEN_SOURCES` names them."""
+        from rapidkv.harness import metric_sum
+
+        out = {}
+        for key, m in (scraped if scraped is not None else self.scrape()).items():
+            out[key] = {
+                short: metric_sum(m, PROMPT_TOKENS_METRIC, source=source)
+                for short, source in PROMPT_TOKEN_SOURCES
+            }
+        return out
+
+    def ttft_histograms(self, scraped: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Per server, vLLM's histogram of its engine's TTFT so far (or in
+        `scraped`), a `stats.Histogram` in seconds."""
+        from rapidkv.bench.common.stats import TTFT_METRIC, histogram
+
+        scraped = scraped if scraped is not None else self.scrape()
+        return {key: histogram(m, TTFT_METRIC) for key, m in scraped.items()}
+
+
 @dataclass
-class RunningGroup:
+class RunningGroup(EngineCounters):
     """A started group: its servers by role, its fronts by name, how long it took."""
 
     name: str
@@ -299,27 +328,6 @@ class RunningGroup:
 
         return {key: get_metrics(server.base_url) for key, server in self.servers.items()}
 
-    def prompt_tokens(self, scraped: dict[str, Any] | None = None) -> dict[str, dict[str, float]]:
-        """Per server, vLLM's prompt-token counters by source so far (or in
-        `scraped`, a `scrape()`), as `PROMPT_TOKEN_SOURCES` names them."""
-        from rapidkv.harness import metric_sum
-
-        out = {}
-        for key, m in (scraped if scraped is not None else self.scrape()).items():
-            out[key] = {
-                short: metric_sum(m, PROMPT_TOKENS_METRIC, source=source)
-                for short, source in PROMPT_TOKEN_SOURCES
-            }
-        return out
-
-    def ttft_histograms(self, scraped: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Per server, vLLM's histogram of its engine's TTFT so far (or in
-        `scraped`), a `stats.Histogram` in seconds."""
-        from rapidkv.bench.common.stats import TTFT_METRIC, histogram
-
-        scraped = scraped if scraped is not None else self.scrape()
-        return {key: histogram(m, TTFT_METRIC) for key, m in scraped.items()}
-
     def reset_prefix_cache(self) -> list[str]:
         """Empty every server's prefix cache (servers started with prefix
         caching); what failed, one line each (vLLM refuses while blocks are in use)."""
@@ -353,7 +361,7 @@ class RunningGroup:
 
 
 @dataclass
-class Endpoint:
+class Endpoint(EngineCounters):
     """An endpoint already running (`bench serve --base-url`): measured as a
     group is, with nothing started or stopped. Its `/metrics`, when it has
     vLLM's (a vLLM instance; a rapidkv router has its own), give the prompt
@@ -378,12 +386,6 @@ class Endpoint:
             return {}
         has_vllm = any(name == PROMPT_TOKENS_METRIC for name, _ in metrics)
         return {"endpoint": metrics} if has_vllm else {}
-
-    def prompt_tokens(self, scraped: dict[str, Any] | None = None) -> dict[str, dict[str, float]]:
-        return RunningGroup.prompt_tokens(self, scraped)  # type: ignore[arg-type]
-
-    def ttft_histograms(self, scraped: dict[str, Any] | None = None) -> dict[str, Any]:
-        return RunningGroup.ttft_histograms(self, scraped)  # type: ignore[arg-type]
 
     def cpu_seconds(self) -> dict[str, float]:
         return {}

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rapidkv.bench.common.reference import NEAR_TIE_MARGIN
+
 
 @dataclass
 class LoadRun:
@@ -48,7 +50,7 @@ class ModelResult:
     configs: dict[str, ConfigRun]
     references: list[Any] | None = None  # reference.Reference per prompt
     reference_error: str | None = None
-    tie: float = 0.05  # the near-tie margin of the model's dtype (reference.near_tie_margin)
+    tie: float = NEAR_TIE_MARGIN  # the model's dtype's (reference.near_tie_margin)
 
     def samples(self) -> dict[str, dict[str, dict[str, list[float]]]]:
         """Per config and load, the pooled TTFT and TPOT samples (for the plot)."""
