@@ -82,6 +82,8 @@ class WorkerMeta(KVConnectorWorkerMetadata):
     counters: dict[str, int] = field(default_factory=dict)  # increments, summed over ranks
     # destinations whose writes the transport failed: (instance_id, generation)
     broken_peers: list[tuple[str, int]] = field(default_factory=list)
+    # the step's worker timings, one per rank: (step_id, forward_s, layer_wait_s, hooks_s)
+    timings: list[tuple[int, float, float, float]] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, WorkerMeta)
@@ -93,4 +95,5 @@ class WorkerMeta(KVConnectorWorkerMetadata):
             self.settled + other.settled,
             counters,
             self.broken_peers + other.broken_peers,
+            self.timings + other.timings,
         )

@@ -251,7 +251,7 @@ class SchedulerSide:
         then the transfers settled on a rank."""
         with self._lock:
             self.producer.blocks_freed(finished_sending or ())
-            ended = self.shared.end_step()
+            ended = self.shared.end_step(meta.timings if meta is not None else ())
             if ended is not None:
                 self.producer.step_ended(*ended)
             self.producer.take_acks(meta.acks if meta is not None else ())

@@ -15,6 +15,7 @@ import secrets
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,13 +108,32 @@ class SharedState:
         self.step_began = began
         self.step_tokens = scheduled_tokens
 
-    def end_step(self) -> tuple[int, float] | None:
-        """The step in flight returned: record its timing; its id and the time
-        it ended (None if no step was in flight)."""
+    def end_step(
+        self, worker_timings: Iterable[tuple[int, float, float, float]] = ()
+    ) -> tuple[int, float] | None:
+        """The step in flight returned: record its timing, with the workers'
+        (`WorkerMeta.timings`: the slowest rank's of each figure, of those that
+        timed this step); its id and the time it ended (None if no step was in
+        flight)."""
         now = time.monotonic()
         step_id, self.step_in_flight = self.step_in_flight, None
-        self.step_scheduled = {}
+        requests, self.step_scheduled = len(self.step_scheduled), {}
         if step_id is None:
             return None
-        self.timeline.step(StepTiming(step_id, self.step_began, now, self.step_tokens))
+        mine = [t for t in worker_timings if t[0] == step_id]
+        forward = layer_wait = hooks = 0.0
+        if mine:
+            _, forward, layer_wait, hooks = (max(column) for column in zip(*mine, strict=True))
+        self.timeline.step(
+            StepTiming(
+                step_id,
+                self.step_began,
+                now,
+                self.step_tokens,
+                requests,
+                forward,
+                layer_wait,
+                hooks,
+            )
+        )
         return step_id, now

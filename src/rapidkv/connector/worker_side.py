@@ -96,6 +96,12 @@ class WorkerSide:
         self._last_layer_done = 0.0
         self._computes_prompt = False
         self._injected_counted = 0  # kvt's injected failures already in _counters
+        # this step's timing (engine thread): bound at, its layer waits and hooks
+        self._bound_at = 0.0
+        self._layer_wait_s = 0.0
+        self._hooks_s = 0.0
+        self._forward_s = 0.0
+        self._timings: list[tuple[int, float, float, float]] = []
 
     # -- start-up ---------------------------------------------------------------
 
@@ -178,6 +184,8 @@ class WorkerSide:
             log.error("rapidkv: sends of preempted %s still in flight", meta.preempted_xfers)
 
     def bind(self, meta: StepMeta) -> None:
+        t0 = time.perf_counter()
+        self._layer_wait_s = self._hooks_s = self._forward_s = 0.0
         kvt = self._require_kvt()
         if self.bypass is not None and not self.bypass.wait_applied(
             meta.bypass_seq, self.config.write_timeout_s
@@ -214,14 +222,22 @@ class WorkerSide:
         full = meta.full_tasks + meta.rank_full_tasks.get(self.rank, [])
         if full:
             kvt.send_full(self._mine(full))
+        self._bound_at = time.perf_counter()
+        self._hooks_s += self._bound_at - t0
 
     def wait_layer(self, layer_name: str) -> None:
         """Before a layer's attention: wait until that layer of every split
         load's head is in place, or the load is over without it."""
         if not self._splits:
             return
+        t0 = time.perf_counter()
+        try:
+            self._wait_layer(self.layer_index[layer_name] + 1)
+        finally:
+            self._layer_wait_s += time.perf_counter() - t0
+
+    def _wait_layer(self, need: int) -> None:
         kvt = self._require_kvt()
-        need = self.layer_index[layer_name] + 1
         waiting = [x for x, s in self._splits.items() if s.ok is None]
         while waiting:
             self._collect(kvt.poll_received())
@@ -287,12 +303,18 @@ class WorkerSide:
         self._splits = {}
 
     def layer_saved(self, layer_name: str) -> None:
+        t0 = time.perf_counter()
         self._require_kvt().layer_done(self.layer_index[layer_name])
-        self._last_layer_done = time.perf_counter()
+        self._last_layer_done = now = time.perf_counter()
+        self._hooks_s += now - t0
         if self.config.debug_layer_delay_s and self._computes_prompt:
             time.sleep(self.config.debug_layer_delay_s)
 
     def step_done(self) -> None:
+        t0 = time.perf_counter()
+        if self._bound_at:
+            self._forward_s = t0 - self._bound_at
+            self._bound_at = 0.0
         ack = self._require_kvt().freeze_step()
         with self._lock:
             self._acks.append((self.step_id, ack, self.rank))
@@ -302,9 +324,18 @@ class WorkerSide:
                 if first is not None and first < self._last_layer_done:
                     # the step's first layer left before its last layer was computed
                     self._counters["steps_sent_before_last_layer"] += 1
+        self._hooks_s += time.perf_counter() - t0
 
     def finished(self, finished_req_ids: Iterable[str]) -> tuple[set[str], set[str], set[str]]:
         """`(finished_sending, finished_recving, failed_recving)` for this step."""
+        t0 = time.perf_counter()
+        try:
+            return self._finished_now(finished_req_ids)
+        finally:
+            self._hooks_s += time.perf_counter() - t0
+            self._timings.append((self.step_id, self._forward_s, self._layer_wait_s, self._hooks_s))
+
+    def _finished_now(self, finished_req_ids: Iterable[str]) -> tuple[set[str], set[str], set[str]]:
         if self._splits:  # the forward is over (vLLM asks for load errors next)
             self._end_splits()
         self._finished.update(finished_req_ids)
@@ -338,8 +369,13 @@ class WorkerSide:
                 self._injected_counted = injected
         with self._lock:
             meta = WorkerMeta(
-                self._acks, self._settled, dict(self._counters), list(self._broken.items())
+                self._acks,
+                self._settled,
+                dict(self._counters),
+                list(self._broken.items()),
+                self._timings,
             )
+            self._timings = []
             self._acks, self._settled = [], []
             self._counters.clear()
             self._broken.clear()

@@ -418,12 +418,23 @@ class XferTimeline(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class StepTiming(msgspec.Struct, frozen=True, array_like=True):
-    """One engine step: built at `begin`, its output back at `end`."""
+    """One engine step: built at `begin`, its output back at `end`, scheduling
+    `scheduled_tokens` tokens of `requests` requests. The workers' side, in
+    seconds (the slowest rank's; 0 where no rank reported it): `forward` from
+    the step's metadata bound to its last layer saved (the model's forward,
+    the per-layer hooks included), `layer_wait` of it spent waiting for a
+    split prefill's head (`wait_for_layer_load`), `hooks` in the connector's
+    other worker hooks (binding the step, per-layer saves, the step's ack,
+    collecting finished transfers)."""
 
     step_id: int
     begin: float
     end: float
     scheduled_tokens: int
+    requests: int = 0
+    forward: float = 0.0
+    layer_wait: float = 0.0
+    hooks: float = 0.0
 
 
 class Timeline(msgspec.Struct, frozen=True, tag="timeline"):
