@@ -293,6 +293,19 @@ class RunningGroup(EngineCounters):
                 out[role] = {x: dict(t.events) for x, t in reply.xfers.items()}
         return out
 
+    def steps(self, since: float) -> dict[str, list[Any]]:
+        """rapidkv: per role, the engine steps (`StepTiming`) that began at or
+        after `since` (time.monotonic()), of the most recent its connector keeps."""
+        from rapidkv.control.client import RpcClient
+        from rapidkv.control.messages import TimelineRequest
+
+        out: dict[str, list[Any]] = {}
+        with RpcClient() as rpc:
+            for role, address in self.controls.items():
+                reply = rpc.call(address, TimelineRequest([]), 10)
+                out[role] = [s for s in reply.steps if s.begin >= since]
+        return out
+
     def url(self, config: Config) -> str:
         if config.front is None:
             (server,) = self.servers.values()
@@ -391,6 +404,9 @@ class Endpoint(EngineCounters):
         return {}
 
     def timelines(self, xfer_ids: Sequence[str]) -> dict[str, dict[str, dict[str, float]]]:
+        return {}
+
+    def steps(self, since: float) -> dict[str, list[Any]]:
         return {}
 
     def crashes(self) -> list[str]:

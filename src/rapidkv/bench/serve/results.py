@@ -24,6 +24,8 @@ class LoadRun:
     other_cpu_s: float = 0.0  # everything else on the machine (noise: should be ~0)
     paired_single: list[Any] | None = None  # `single` on the same blocks (paired only)
     paired_single_wall_s: float = 0.0
+    # with --trace, rapidkv: per role, the engine steps of the configuration's blocks
+    steps: dict[str, list[Any]] = field(default_factory=dict)
 
 
 @dataclass

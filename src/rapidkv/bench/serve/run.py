@@ -22,6 +22,7 @@ from rapidkv.bench.common.provenance import git_describe
 from rapidkv.bench.common.run import finish, open_link, parse_options
 from rapidkv.bench.serve.options import MULTITURN, PAIR_SEED_STRIDE, Options
 from rapidkv.bench.serve.results import ConfigRun, LoadRun, ModelResult
+from rapidkv.bench.serve.timeline import STEP_FIELDS
 
 
 def run(args: argparse.Namespace) -> int:
@@ -399,6 +400,7 @@ class ModelRun(ModelResult):
         if self.trace is not None:
             xfers = [r.xfer_id for r in run.results if r.xfer_id]
             self.write_trace(name, load.name, rnd, run.results, group.timelines(xfers))
+            self.write_steps(name, load.name, rnd, run.steps)
             if run.paired_single:
                 self.write_trace("single", load.name, rnd, run.paired_single, {}, name)
 
@@ -410,8 +412,12 @@ class ModelRun(ModelResult):
 
         busy_before, client_before = machine_busy_cpu_seconds(), tree_cpu_seconds([os.getpid()])
         before = group.cpu_seconds()
+        began = time.monotonic()
         results, wall = self.block(group, config, load, lo, hi, seed)
         after = group.cpu_seconds()
+        if self.trace is not None:
+            for role, steps in group.steps(began).items():
+                run.steps.setdefault(role, []).extend(steps)
         client = tree_cpu_seconds([os.getpid()]) - client_before
         busy = machine_busy_cpu_seconds() - busy_before
         cpu = {k: after[k] - before.get(k, 0.0) for k in after}
@@ -472,6 +478,7 @@ class ModelRun(ModelResult):
                 "prompt_len": len(self.prompts[r.prompt_index]),
                 "xfer_id": r.xfer_id,
                 "sent_s": r.sent_s,
+                "sent_mono": r.sent_mono,
                 "token_ms": [round(t, 3) for t in r.token_ms],
                 "e2e_ms": r.e2e_ms,
                 "verdict": verdict,
@@ -484,6 +491,25 @@ class ModelRun(ModelResult):
             for role, events in timelines.items():  # ms after the client sent it
                 ev = events.get(r.xfer_id or "", {})
                 row[f"{role}_ms"] = {k: round((t - r.sent_mono) * 1000, 3) for k, t in ev.items()}
+            self.trace.write(to_json(row) + "\n")
+        self.trace.flush()
+
+    def write_steps(self, name: str, load: str, rnd: int, steps: dict[str, list[Any]]) -> None:
+        """One trace row per role of a rapidkv configuration: its engine's steps
+        during the load (`StepTiming` fields; times in time.monotonic() seconds,
+        the clock of the request rows' `sent_mono`)."""
+        assert self.trace is not None
+        for role, timings in steps.items():
+            row = {
+                "kind": "steps",
+                "model": self.model,
+                "config": name,
+                "load": load,
+                "round": rnd,
+                "role": role,
+                "fields": list(STEP_FIELDS),
+                "steps": [[getattr(s, f) for f in STEP_FIELDS] for s in timings],
+            }
             self.trace.write(to_json(row) + "\n")
         self.trace.flush()
 

@@ -19,10 +19,28 @@ stage of the request's path to its first token:
 
 and `ttft` itself; for `single`, only `ttft`. The stages add up to the TTFT of
 the request whose stages they are; their medians need not add up exactly.
+
+Then, per configuration, load and rapidkv role, where its engine steps' time
+goes (the `kind: steps` rows: the connector's `StepTiming`s during the load),
+medians in ms, decode-only steps (every scheduled request computes one token)
+apart from steps that compute prompt tokens:
+
+| column | what |
+|---|---|
+| `wall` | the scheduler built the step -> its output came back |
+| `forward` | the workers' model forward (metadata bound -> last layer saved), |
+|  | the connector's per-layer hooks included |
+| `wait` | of `forward`, waiting for a split prefill's head (per layer) |
+| `hooks` | the connector's other worker hooks (bind, per-layer saves, ack, |
+|  | finished transfers) |
+| `rest` | `wall - forward - hooks`: scheduling, sampling, the engine's IPC |
+| `itl` | the client's inter-token gaps of the load (decode rows only): its |
+|  | excess over `wall` is the API server's and the router's relay |
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import sys
@@ -31,7 +49,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from rapidkv.control.messages import StepTiming
+
 STAGES = ("to_p", "p_prefill", "handoff", "d_first", "to_d", "ttft")
+STEP_FIELDS: tuple[str, ...] = StepTiming.__struct_fields__
+STEP_COLUMNS = ("tokens", "wall", "forward", "wait", "hooks", "rest", "itl")
 
 
 def stages(row: dict[str, Any]) -> dict[str, float]:
@@ -76,13 +98,51 @@ def summarize(rows: Iterable[dict[str, Any]]) -> dict[str, dict[str, dict[str, f
     }
 
 
-def table(summary: dict[str, dict[str, float]]) -> str:
+def step_breakdown(rows: Iterable[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per `config/load/role/kind` (kind ``decode`` or ``prompt``), the median
+    of each of `STEP_COLUMNS` over the steps of the `kind: steps` rows, and
+    `n`, the steps; `itl`: the median inter-token gap of the load's requests."""
+    rows = list(rows)
+    itl: dict[str, list[float]] = defaultdict(list)
+    for row in rows:
+        if row.get("kind") is None and not row.get("error") and not row.get("paired_with"):
+            t = row.get("token_ms") or []
+            itl[f"{row['config']}/{row['load']}"] += [b - a for a, b in itertools.pairwise(t)]
+    samples: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for row in rows:
+        if row.get("kind") != "steps":
+            continue
+        for values in row["steps"]:
+            step = dict(zip(row["fields"], values, strict=True))
+            if not step["scheduled_tokens"]:
+                continue  # an empty step (nothing scheduled)
+            decode = step["scheduled_tokens"] == step["requests"]
+            key = f"{row['config']}/{row['load']}/{row['role']}/{'decode' if decode else 'prompt'}"
+            wall = (step["end"] - step["begin"]) * 1000
+            cells = samples[key]
+            cells["tokens"].append(step["scheduled_tokens"])
+            cells["wall"].append(wall)
+            cells["forward"].append(step["forward"] * 1000)
+            cells["wait"].append(step["layer_wait"] * 1000)
+            cells["hooks"].append(step["hooks"] * 1000)
+            cells["rest"].append(wall - (step["forward"] + step["hooks"]) * 1000)
+    out: dict[str, dict[str, float]] = {}
+    for key, cells in samples.items():
+        out[key] = {c: statistics.median(v) for c, v in cells.items()}
+        out[key]["n"] = float(len(cells["wall"]))
+        gaps = itl.get(key.rsplit("/", 2)[0])
+        if key.endswith("/decode") and gaps:
+            out[key]["itl"] = statistics.median(gaps)
+    return out
+
+
+def table(summary: dict[str, dict[str, float]], columns: tuple[str, ...] = STAGES) -> str:
     w = max([28, *(len(key) + 1 for key in summary)])
-    head = f"{'config/load':<{w}}{'n':>5}" + "".join(f"{s:>11}" for s in STAGES)
+    head = f"{'config/load':<{w}}{'n':>5}" + "".join(f"{s:>11}" for s in columns)
     lines = [head, "-" * len(head)]
     for key in sorted(summary):
         row = summary[key]
-        cells = "".join(f"{row[s]:>11.1f}" if s in row else f"{'-':>11}" for s in STAGES)
+        cells = "".join(f"{row[s]:>11.1f}" if s in row else f"{'-':>11}" for s in columns)
         lines.append(f"{key:<{w}}{int(row.get('n', 0)):>5}{cells}")
     return "\n".join(lines)
 
@@ -93,8 +153,13 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m rapidkv.bench.serve.timeline TRACE.jsonl", file=sys.stderr)
         return 2
     rows = [json.loads(line) for line in Path(args[0]).read_text().splitlines() if line.strip()]
+    requests = [row for row in rows if row.get("kind") is None]
     print("median ms per stage (see the module docstring)")
-    print(table(summarize(rows)))
+    print(table(summarize(requests)))
+    steps = step_breakdown(rows)
+    if steps:
+        print("\nmedian ms per engine step, by config/load/role/kind (see the module docstring)")
+        print(table(steps, STEP_COLUMNS))
     return 0
 
 
