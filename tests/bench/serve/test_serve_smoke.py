@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from bench_cli import run_bench
 
+from rapidkv.bench.serve.timeline import step_breakdown
+
 
 @pytest.mark.e2e
 @pytest.mark.slow
@@ -36,6 +38,8 @@ def test_bench_serve_runs_single_and_rapidkv_and_matches(tmp_path: Path) -> None
         str(tmp_path / "serve.png"),
         "--log-dir",
         str(tmp_path / "logs"),
+        "--trace",
+        str(tmp_path / "trace.jsonl"),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -90,4 +94,15 @@ def test_bench_serve_runs_single_and_rapidkv_and_matches(tmp_path: Path) -> None
     assert "NoopConnector" in noop_log
     assert report["configs"]["single-noop-connector"]["affinity"] == {"single": ["1"]}
     assert "result: OK" in proc.stdout
+    # the trace: each request, and each rapidkv engine's steps during the load,
+    # where D's prompt steps waited for the split heads and its forwards are timed
+    rows = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    assert sum(r.get("kind") is None and r["config"] == "rapidkv" for r in rows) == 2
+    steps = {r["role"]: r for r in rows if r.get("kind") == "steps"}
+    assert set(steps) == {"prefill", "decode"} and steps["decode"]["config"] == "rapidkv"
+    breakdown = step_breakdown(rows)
+    d_prompt, d_decode = (breakdown[f"rapidkv/c1/decode/{k}"] for k in ("prompt", "decode"))
+    assert d_prompt["n"] == 2 and d_prompt["wait"] > 0 and d_prompt["forward"] > 0
+    assert d_decode["n"] >= 2 * 14 and d_decode["wait"] == 0 and d_decode["itl"] > 0
+    assert 0 < d_decode["forward"] < d_decode["wall"] and d_decode["hooks"] > 0
     print(f"bench serve smoke: {elapsed:.0f}s")
