@@ -33,4 +33,6 @@ def test_a_step_no_worker_timed_has_zeros() -> None:
     (step,) = shared.timeline.snapshot([]).steps
     assert (step.requests, step.forward, step.layer_wait, step.hooks) == (1, 0.0, 0.0, 0.0)
     assert shared.end_step() is None  # no step in flight: nothing recorded
+    shared.begin_step(2.0, 0, {})  # an empty step: not remembered
+    assert shared.end_step() is not None
     assert len(shared.timeline.snapshot([]).steps) == 1

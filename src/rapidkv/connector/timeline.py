@@ -6,7 +6,9 @@ Invariants:
 - an event keeps the time it first happened (a repeat of it is ignored);
 - at most `TIMELINE_MEMORY` transfers are remembered, the one first recorded
   longest ago forgotten first; at most `STEP_MEMORY` steps, the oldest
-  forgotten first;
+  forgotten first, and only steps that scheduled tokens (an engine whose
+  requests wait for KV, or hold blocks for a transfer, steps with nothing
+  scheduled as fast as it can: those steps would crowd out the others);
 - not thread-safe: the scheduler side's lock guards every call.
 """
 
@@ -46,7 +48,9 @@ class TimelineRecorder:
         self._xfers[xfer_id] = XferTimeline(events=old.events, state_at_arrival=state, mode=mode)
 
     def step(self, timing: StepTiming) -> None:
-        """Remember an engine step that returned."""
+        """Remember an engine step that returned, unless it scheduled nothing."""
+        if not timing.scheduled_tokens:
+            return
         self._steps.append(timing)
         if len(self._steps) > STEP_MEMORY:
             del self._steps[: len(self._steps) - STEP_MEMORY]

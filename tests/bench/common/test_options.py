@@ -11,6 +11,7 @@ from rapidkv.bench.common.options import (
     add_served_options,
     check_known,
     from_namespace,
+    model_dtype,
     served_fields,
 )
 
@@ -43,3 +44,14 @@ def test_an_unknown_name_is_refused_naming_the_known_ones() -> None:
     check_known(["a", "b"], ["a", "b", "c"], "thing")
     with pytest.raises(ValueError, match=r"unknown thing 'd' \(known: a, b, c\)"):
         check_known(["a", "d"], ["a", "b", "c"], "thing")
+
+
+@pytest.mark.unit
+def test_without_dtype_each_model_is_served_in_its_own() -> None:
+    parser = argparse.ArgumentParser()
+    add_served_options(parser)
+    for model, dtype in (("smollm2-135m", "bfloat16"), ("tiny", "float32"), ("/ckpt", "float32")):
+        assert served_fields(parser.parse_args(["--model", model]))["dtype"] == dtype
+    given = parser.parse_args(["--model", "smollm2-135m", "--dtype", "float32"])
+    assert served_fields(given)["dtype"] == "float32"
+    assert model_dtype("smollm2-135m", "bf16") == model_dtype("smollm2-135m", None) == "bfloat16"

@@ -12,7 +12,18 @@ from pathlib import Path
 import pytest
 from bench_cli import run_bench
 
-LOADS = ("--requests", "4", "--loads", "c1,c4", "--warmup", "1", "--pair-block", "0")
+LOADS = (
+    "--models",
+    "tiny",
+    "--requests",
+    "4",
+    "--loads",
+    "c1,c4",
+    "--warmup",
+    "1",
+    "--pair-block",
+    "0",
+)
 
 
 def _rows(stdout: str) -> list[str]:

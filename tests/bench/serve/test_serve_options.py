@@ -22,7 +22,8 @@ def test_progress_counts_the_paired_single_blocks_and_its_warm_up() -> None:
     def units(*argv: str) -> int:
         return total_units(Options.from_args(parser.parse_args(list(argv))))
 
-    base = ["--requests", "10", "--loads", "c1,c4", "--warmup", "2", "--rounds", "3"]
+    base = ["--models", "tiny", "--requests", "10", "--loads", "c1,c4", "--warmup", "2"]
+    base += ["--rounds", "3"]
     # the reference (10), then per round: warm-up + 2 loads x 10 per configuration,
     # the same again for each paired configuration's `single` blocks, and the
     # warm-up of `single` when it is no configuration of its own
@@ -92,3 +93,18 @@ def test_netns_link_places_rapidkv_and_refuses_the_nixl_baselines() -> None:
     assert local[0][1].netns is None and rapidkv_control(local[0][1].kv_transfer_config)[:10] == (
         "127.0.0.1:"
     )
+
+
+@pytest.mark.unit
+def test_by_default_the_test_model_and_the_real_one_each_in_its_own_dtype() -> None:
+    from rapidkv.bench.serve import register
+
+    parser = argparse.ArgumentParser()
+    register(parser)
+    opts = Options.from_args(parser.parse_args([]))
+    assert opts.models == ("tiny", "smollm2-135m") and opts.dtype is None
+    assert (opts.dtype_of("tiny"), opts.dtype_of("smollm2-135m")) == ("float32", "bfloat16")
+    given = Options.from_args(parser.parse_args(["--dtype", "float32"]))
+    assert given.dtype_of("smollm2-135m") == "float32"
+    with pytest.raises(ValueError, match="one --models"):  # an endpoint serves one model
+        Options.from_args(parser.parse_args(["--base-url", "http://127.0.0.1:1"]))

@@ -218,7 +218,12 @@ def test_deep_closed_loops_are_accepted_and_reported() -> None:
         "reference": {"tiny": {"error": None}},
         "failed_baselines": [],
         "ok": True,
-        "meta": {"models": {"tiny": "/m"}, "dtype": "float32", "dataset": "random", "cpu": "X"},
+        "meta": {
+            "models": {"tiny": "/m"},
+            "dtype": {"tiny": "float32"},
+            "dataset": "random",
+            "cpu": "X",
+        },
     }
     report["meta"]["cpus"] = 2
     out = io.StringIO()

@@ -24,6 +24,8 @@ def test_bench_serve_runs_single_and_rapidkv_and_matches(tmp_path: Path) -> None
     out = tmp_path / "serve.json"
     proc, elapsed = run_bench(
         "serve",
+        "--models",
+        "tiny",
         "--configs",
         "rapidkv,single-noop-connector",
         "--requests",

@@ -7,8 +7,8 @@ import pytest
 from rapidkv.bench.serve.timeline import (
     STEP_COLUMNS,
     STEP_FIELDS,
-    step_breakdown,
     stages,
+    step_breakdown,
     summarize,
     table,
 )

@@ -16,6 +16,16 @@ DTYPES = {"float32": "float32", "bf16": "bfloat16"}
 """`--dtype` choices, as vLLM spells them."""
 MODELS = ("tiny", "small", "smollm2-135m")
 """Models by name: the random-weight test models and the real one, built on first use."""
+MODEL_DTYPES = {"smollm2-135m": "bf16"}
+"""The `--dtype` a model is served in unless one is given (SmolLM2's weights are
+published in bf16); float32 for the others (the test models, checkpoint
+directories: the token-exact oracle's dtype)."""
+
+
+def model_dtype(model: str, dtype: str | None) -> str:
+    """vLLM's spelling of the dtype `model` is served in: `dtype` (a `--dtype`
+    choice) when given, else the model's own (`MODEL_DTYPES`)."""
+    return DTYPES[dtype or MODEL_DTYPES.get(model, "float32")]
 
 
 def check_known(names: Sequence[str], known: Iterable[str], what: str) -> None:
@@ -77,7 +87,10 @@ def add_numbers(
 
 def add_dtype(parser: argparse.ArgumentParser, what: str = "model dtype") -> None:
     parser.add_argument(
-        "--dtype", choices=sorted(DTYPES), default="float32", help=f"{what} (%(default)s)"
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help=f"{what} (default: the model's own: bf16 for smollm2-135m, else float32)",
     )
 
 
@@ -152,10 +165,10 @@ def from_namespace(cls: type[T], args: argparse.Namespace, **computed: Any) -> T
 
 def served_fields(args: argparse.Namespace) -> dict[str, Any]:
     """What `add_served_options` parsed, as an options class's fields: `dtype`
-    (vLLM's spelling), `server_args` (split as a shell does), `model` and
-    `dataset` where given."""
+    (vLLM's spelling; the model's own unless given), `server_args` (split as a
+    shell does), `model` and `dataset` where given."""
     out: dict[str, Any] = {
-        "dtype": DTYPES[args.dtype],
+        "dtype": model_dtype(getattr(args, "model", ""), args.dtype),
         "server_args": tuple(shlex.split(args.server_args)),
     }
     for key in ("model", "dataset"):

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from rapidkv.bench.common.loads import PLACEMENT_HEADER, XFER_HEADER
-from rapidkv.bench.common.options import DTYPES, from_namespace, served_fields
+from rapidkv.bench.common.options import from_namespace, model_dtype, served_fields
 from rapidkv.bench.common.options import log_dir as make_log_dir
 
 MODES = ("precopy", "stop-and-copy")
@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"rapidkv bench migrate: error: {e}", file=sys.stderr)
         return 2
-    model = model_dir(args.model, DTYPES[args.dtype])
+    model = model_dir(args.model, model_dtype(args.model, args.dtype))
     try:
         opts = Options.from_args(args, model_max_len(model) or 1024)
     except ValueError as e:

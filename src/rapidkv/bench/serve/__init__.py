@@ -72,6 +72,7 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     from rapidkv.bench.common.options import add_served_options
     from rapidkv.bench.serve.options import (
         DEFAULT_LOADS,
+        DEFAULT_MODELS,
         MODELS,
         NETNS_DEFAULT_CONFIGS,
         QUICK_LOADS,
@@ -81,10 +82,10 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     parser.description = (__doc__ or "").split("\n\n")[0]
     parser.add_argument(
         "--models",
-        default="tiny",
+        default=",".join(DEFAULT_MODELS),
         help=f"comma-separated: {', '.join(MODELS)} (built on first use: the random-weight "
         "test models, SmolLM2-135M-Instruct from its package) or a checkpoint's directory "
-        "(served with --dtype as given)",
+        "(%(default)s)",
     )
     parser.add_argument(
         "--configs",

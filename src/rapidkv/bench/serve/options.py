@@ -12,6 +12,9 @@ from rapidkv.bench.common.options import DTYPES, MODELS, check_known, check_mode
 
 __all__ = ["MODELS", "Options"]
 
+DEFAULT_MODELS = ("tiny", "smollm2-135m")
+"""tiny: what the CI smokes serve; SmolLM2: a real model, whose prefill is real
+compute (the acceptance block reads it)."""
 DEFAULT_LOADS = "c1,c4,poisson8"
 QUICK_LOADS = "c1,c4"
 NETNS_DEFAULT_CONFIGS = ("single", "rapidkv")
@@ -25,7 +28,7 @@ NETNS_GROUPS = ("single", "single-noop-connector", "dp2", "rapidkv")
 @dataclass(frozen=True)
 class Options:
     models: tuple[str, ...]
-    dtype: str
+    dtype: str | None  # `--dtype` as given (vLLM's spelling); None: each model's own
     configs: tuple[str, ...]
     loads: tuple[Any, ...]  # loads.Load
     requests: int
@@ -44,6 +47,13 @@ class Options:
     prefix_caching: bool = True  # vLLM's default; each load starts with empty caches
     base_url: str | None = None  # measure this running endpoint; start nothing
     reference_url: str | None = None  # with base_url: the reference instance
+
+    def dtype_of(self, model: str) -> str:
+        """The dtype `model` is served in (vLLM's spelling): `--dtype`, else the
+        model's own (`options.MODEL_DTYPES`)."""
+        from rapidkv.bench.common.options import model_dtype
+
+        return self.dtype or model_dtype(model, None)
 
     def paired(self, name: str) -> bool:
         """Whether configuration `name` is measured in blocks paired with `single`
@@ -150,7 +160,7 @@ class Options:
             raise ValueError("need 1 <= --min-len <= --max-len")
         return cls(
             models=models,
-            dtype=DTYPES[args.dtype],
+            dtype=DTYPES[args.dtype] if args.dtype else None,
             configs=configs,
             loads=tuple(Load.parse(t) for t in loads.split(",") if t),
             requests=requests,

@@ -338,7 +338,7 @@ def meta(runs: list[ModelResult], opts: Options, log_dir: Path) -> dict[str, Any
     return {
         **machine_info(),
         "models": {mr.model: str(mr.model_dir) for mr in runs},
-        "dtype": opts.dtype,
+        "dtype": {mr.model: opts.dtype_of(mr.model) for mr in runs},
         "requests": opts.requests,
         "prompt_len": {
             "min": min(lengths),
@@ -369,7 +369,7 @@ def meta(runs: list[ModelResult], opts: Options, log_dir: Path) -> dict[str, Any
         "base_url": opts.base_url,
         "reference_url": opts.reference_url,
         "rapidkv_default_transfer_kv_mode": ConnectorConfig().transfer_kv_mode,
-        "near_tie_margin": near_tie_margin(opts.dtype),
+        "near_tie_margin": {mr.model: near_tie_margin(opts.dtype_of(mr.model)) for mr in runs},
         "log_dir": str(log_dir),
     }
 
@@ -420,7 +420,8 @@ def print_report(report: dict[str, Any], out: IO[str]) -> None:
     head += f"{'hard':>5}{'tie':>4}"
     head += f"{'err':>4}"
     m = report["meta"]
-    what = f"{', '.join(m['models'])} ({m['dtype']}), {m['dataset']} prompts"
+    served = ", ".join(f"{model} ({m['dtype'][model]})" for model in m["models"])
+    what = f"{served}, {m['dataset']} prompts"
     if m.get("base_url"):
         what += f", endpoint {m['base_url']}"
     print(f"\nrapidkv bench serve: {what}; CPU {m['cpu']} ({m['cpus']} cpus)", file=out)

@@ -104,8 +104,9 @@ class ModelRun(ModelResult):
         self.progress = progress
         self.trace = trace
         self.link = link
-        self.model_dir = model_dir(model, opts.dtype)
-        self.tie = near_tie_margin(opts.dtype)
+        self.dtype = opts.dtype_of(model)
+        self.model_dir = model_dir(model, self.dtype)
+        self.tie = near_tie_margin(self.dtype)
         self.conversations: Any = None  # dataset.Conversations (sharegpt-multiturn)
         self.follows: list[bool] | None = None  # per prompt: sent after the one before
         if opts.dataset == MULTITURN:  # prompts made by the reference pass, turn by turn

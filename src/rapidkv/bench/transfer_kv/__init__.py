@@ -39,11 +39,12 @@ from pathlib import Path
 
 
 def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
-    from rapidkv.bench.transfer_kv.run import DTYPES, MODELS, PHASES, run
+    from rapidkv.bench.common.options import add_dtype
+    from rapidkv.bench.transfer_kv.run import MODELS, PHASES, run
 
     parser.description = (__doc__ or "").split("\n\n")[0]
     parser.add_argument("--model", choices=MODELS, default="small", help="(%(default)s)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    add_dtype(parser)
     parser.add_argument(
         "--samples", type=int, default=None, help="per mode and state (default 20; 3 quick)"
     )

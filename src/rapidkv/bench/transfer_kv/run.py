@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from rapidkv.bench.common.options import DTYPES, from_namespace
+from rapidkv.bench.common.options import from_namespace, model_dtype
 from rapidkv.bench.common.options import log_dir as make_log_dir
 from rapidkv.bench.common.output import to_json, write_json
 from rapidkv.bench.common.progress import Progress
@@ -66,7 +66,7 @@ class Options:
         return from_namespace(
             cls,
             args,
-            dtype=DTYPES[args.dtype],
+            dtype=model_dtype(args.model, args.dtype),
             samples=samples,
             budget_s=budget,
             phases=phases,
