@@ -25,11 +25,12 @@ def test_progress_counts_the_paired_single_blocks_and_its_warm_up() -> None:
     base = ["--models", "tiny", "--requests", "10", "--loads", "c1,c4", "--warmup", "2"]
     base += ["--rounds", "3"]
     # the reference (10), then per round: warm-up + 2 loads x 10 per configuration,
-    # the same again for each paired configuration's `single` blocks, and the
+    # the same again for each paired configuration's `single` blocks (c1), and the
     # warm-up of `single` when it is no configuration of its own
     assert units(*base, "--configs", "single,dp2") == 10 + 3 * 2 * 22
-    assert units(*base, "--configs", "single,rapidkv") == 10 + 3 * (2 * 22 + 20)
-    assert units(*base, "--configs", "rapidkv") == 10 + 3 * (22 + 20 + 2)
+    # rapidkv's `single` blocks: at c1 only
+    assert units(*base, "--configs", "single,rapidkv") == 10 + 3 * (2 * 22 + 10)
+    assert units(*base, "--configs", "rapidkv") == 10 + 3 * (22 + 10 + 2)
     assert units(*base, "--configs", "rapidkv", "--pair-block", "0") == 10 + 3 * 22
     with pytest.raises(ValueError, match="pair-block"):
         Options.from_args(parser.parse_args([*base, "--pair-block", "-1"]))

@@ -198,12 +198,15 @@ def test_deep_closed_loops_are_accepted_and_reported() -> None:
     opts = Options.from_args(parser.parse_args(["--loads", ",".join(names)]))
     assert [load.name for load in opts.loads] == names
     assert [load.concurrency for load in opts.loads] == [1, 4, 16, 32, None]
-    assert opts.capped_loads() == ["c16", "c32"]  # rapidkv is paired, in blocks of 8
-    assert opts.units("single") == 2 + 5 * 64 and total_units(opts) > 0
-    deep = ["--loads", "c16,c32", "--pair-block", "32"]
-    assert Options.from_args(parser.parse_args(deep)).capped_loads() == []
-    unpaired = ["--loads", "c32", "--pair-block", "0"]
-    assert Options.from_args(parser.parse_args(unpaired)).capped_loads() == []
+    # rapidkv is paired at c1 only: its deeper loads run whole, as the baselines'
+    assert opts.paired("rapidkv", opts.loads[0]) and opts.pairing
+    assert not any(opts.paired("rapidkv", load) for load in opts.loads[1:])
+    assert opts.units("single") == 2 + 5 * 64 and opts.units("rapidkv") == 2 + 6 * 64
+    assert total_units(opts) > 0
+    deep = Options.from_args(parser.parse_args(["--loads", "c4,c16"]))
+    assert not deep.pairing and not deep.paired("rapidkv")
+    unpaired = Options.from_args(parser.parse_args(["--loads", "c1", "--pair-block", "0"]))
+    assert not unpaired.paired("rapidkv")
 
     ok = [RequestResult(i, (1, 2), (40.0, 45.0), 46.0, 0.0) for i in range(4)]
     entries = {name: _entry(dict.fromkeys(names, ok)) for name in ("single", "rapidkv")}

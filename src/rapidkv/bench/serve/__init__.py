@@ -29,18 +29,19 @@ of this shared machine spreads over all configurations rather than landing on
 one. Configurations that share a group (every rapidkv one) are interleaved load
 by load. Samples of all rounds are pooled; per-round p50s are kept in the JSON.
 
-Pairing (`--pair-block N`, default 8): the TPOT target compares rapidkv's
-decode with `single`'s, a few per cent apart, on a shared machine whose speed
-drifts by more than that within a minute (the same command gave `single` TPOT
-p50s 20 % apart, half a minute apart). The configurations marked `paired`
-(`rapidkv` and the no-op connector) are therefore measured in blocks of N
-prompts, each followed by the same block, under the same load and seed, on
-`single`, which stays up beside every group of the round (idle, it costs ~1.5 %
-of a core: vLLM's engine and worker busy-wait on their queues only for 1 s
-after their last step, so every block waits `PAIR_PAUSE_S` for the other side
-to go quiet; block order alternates). Those `single` samples are the
-configuration's `paired_single`, and the acceptance's TPOT ratios use them;
-the unpaired ratios stay in the JSON as context.
+Pairing (`--pair-block N`, default 8; at `c1` only): the TPOT ratio to
+`single` compares rapidkv's decode with `single`'s, a few per cent apart, on a
+shared machine whose speed drifts by more than that within a minute (the same
+command gave `single` TPOT p50s 20 % apart, half a minute apart). The
+configurations marked `paired` (`rapidkv` and the no-op connector) are
+therefore measured at `c1` in blocks of N prompts, each followed by the same
+block, under the same load and seed, on `single`, which stays up beside every
+group of the round (idle, it costs ~1.5 % of a core: vLLM's engine and worker
+busy-wait on their queues only for 1 s after their last step, so every block
+waits `PAIR_PAUSE_S` for the other side to go quiet; block order alternates).
+Those `single` samples are the configuration's `paired_single`; the unpaired
+ratio stays in the JSON beside it. Deeper loads run whole: blocks would each
+start empty and drain, which no unpaired baseline (`dp2`, `vllm-nixl`) does.
 
 Separate hosts (`--netns-link RATE`): rapidkv's P runs in one Linux network
 namespace and D in another, joined by a veth pair capped at RATE

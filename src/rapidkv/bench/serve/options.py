@@ -55,36 +55,31 @@ class Options:
 
         return self.dtype or model_dtype(model, None)
 
-    def paired(self, name: str) -> bool:
-        """Whether configuration `name` is measured in blocks paired with `single`
-        (never an endpoint's: `single` is not started)."""
+    def paired(self, name: str, load: Any | None = None) -> bool:
+        """Whether configuration `name` is measured in blocks paired with
+        `single` at `load` (at any of the run's loads when None): a
+        configuration marked paired, at concurrency 1 only (a deeper load's
+        blocks would each start empty and drain, which no unpaired baseline
+        does: their TTFT and throughput would not compare), never an
+        endpoint's (`single` is not started)."""
         from rapidkv.bench.common.groups import CONFIGS
 
-        return self.pair_block > 0 and not self.base_url and CONFIGS[name].paired
+        if self.pair_block <= 0 or self.base_url or not CONFIGS[name].paired:
+            return False
+        return any(x.concurrency == 1 for x in (self.loads if load is None else [load]))
 
     @property
     def pairing(self) -> bool:
         """Whether `single` stays up through each round for paired blocks."""
         return any(self.paired(c) for c in self.configs)
 
-    def capped_loads(self) -> list[str]:
-        """Closed loops whose concurrency a paired configuration's blocks cannot
-        reach (a block holds `pair_block` prompts): measured at most that deep."""
-        if not self.pairing:
-            return []
-        return [
-            load.name
-            for load in self.loads
-            if load.concurrency is not None and load.concurrency > self.pair_block
-        ]
-
-    def load_units(self, name: str) -> int:
-        """Progress units (requests) of one load of `name`, its `single` blocks included."""
-        return self.requests * (2 if self.paired(name) else 1)
+    def load_units(self, name: str, load: Any) -> int:
+        """Progress units (requests) of `load` on `name`, its `single` blocks included."""
+        return self.requests * (2 if self.paired(name, load) else 1)
 
     def units(self, name: str) -> int:
         """Progress units of one configuration in one round."""
-        return self.warmup + len(self.loads) * self.load_units(name)
+        return self.warmup + sum(self.load_units(name, load) for load in self.loads)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Options:

@@ -358,7 +358,6 @@ def meta(runs: list[ModelResult], opts: Options, log_dir: Path) -> dict[str, Any
         "rounds": opts.rounds,
         "warmup_requests": opts.warmup,
         "pair_block": opts.pair_block,
-        "pair_capped_loads": opts.capped_loads(),
         "pair_pause_s": PAIR_PAUSE_S,
         "seed": opts.seed,
         "prefix_caching": opts.prefix_caching,

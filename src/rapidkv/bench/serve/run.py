@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import sys
 import time
 from pathlib import Path
 from typing import IO, Any
@@ -30,13 +29,6 @@ def run(args: argparse.Namespace) -> int:
     if opts is None:
         return 2
     git_describe()  # the checkout measured: as it is now (cached)
-    if capped := opts.capped_loads():
-        print(
-            f"rapidkv bench serve: note: paired configurations run {', '.join(capped)} in "
-            f"blocks of {opts.pair_block} prompts, so at most {opts.pair_block} in flight "
-            "(--pair-block N to go deeper, 0 for no pairing)",
-            file=sys.stderr,
-        )
     log_dir = make_log_dir(args, "serve")
     progress = Progress(total_units(opts))
     trace = open(args.trace, "w") if args.trace else None  # noqa: SIM115 - closed below
@@ -274,7 +266,7 @@ class ModelRun(ModelResult):
             for load in self.opts.loads:
                 for name in members:
                     if self.configs[name].error:  # timed out earlier: the rest is skipped
-                        p.advance(self.opts.load_units(name))
+                        p.advance(self.opts.load_units(name, load))
                     else:
                         self.measure(name, group, load, rnd)
         except Exception as e:  # a server died, /metrics failed...: the next group still runs
@@ -358,9 +350,9 @@ class ModelRun(ModelResult):
 
         self.progress.stage(f"{self.model} r{rnd}: {name} {load.name}")
         self.need_prompts()
-        pair = self.single if self.opts.paired(name) else None
+        pair = self.single if self.opts.paired(name, load) else None
         n = len(self.prompts)
-        if self.opts.paired(name) and pair is None:  # `single` did not start this round
+        if self.opts.paired(name, load) and pair is None:  # `single` did not start this round
             self.progress.advance(n)  # its blocks, counted in `load_units`, are not run
         size = self.opts.pair_block if pair is not None else n
         if self.opts.prefix_caching:  # every load starts cold, on both sides if paired
