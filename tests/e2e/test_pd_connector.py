@@ -303,7 +303,10 @@ def test_router_split_prefills_equal_single_instance_outputs(
         split = metric_sum(get_metrics(router.url), "rapidkv_router_split_prefills_total")
     assert [o.token_ids for o in outs] == expected
     assert_usage_and_no_stall(outs, prompts, ttft_s=1.0)
-    splittable = sum(split_point(len(ids), BLOCK, config.split_fraction) > 0 for ids in prompts)
+    splittable = sum(
+        split_point(len(ids), BLOCK, config.split_fraction, config.split_min_tokens) > 0
+        for ids in prompts
+    )
     assert splittable >= len(prompts) // 2
     assert split == splittable
     d = pd_pair.stats("d")

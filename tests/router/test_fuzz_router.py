@@ -293,7 +293,8 @@ def setup(
     http: httpx.Client,
 ) -> Iterator[Setup]:
     """A router of each dispatch (dual-split: P's control address and block size
-    are known, so a long enough single prompt is split), with fake P and D."""
+    are known, and no minimum part, so any single prompt a block long is
+    split), with fake P and D."""
     dispatch = request.param
     d = make_fake("D0", "decode")
     if dispatch == "local":
@@ -303,7 +304,9 @@ def setup(
     p = make_fake("P0", "prefill")
     control = AbortRecorder() if dispatch == "dual-split" else None
     prefill = Instance(p.url, control.server.address, BLOCK) if control else Instance(p.url)
-    router = make_router([prefill], [d], dispatch=dispatch.removesuffix("-split"))
+    router = make_router(
+        [prefill], [d], dispatch=dispatch.removesuffix("-split"), split_min_tokens=0
+    )
     yield Setup(dispatch, router, p, d, control, http)
     if control is not None:
         control.server.stop()

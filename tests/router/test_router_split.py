@@ -21,6 +21,7 @@ BODY = {"model": "m", "prompt": PROMPT, "max_tokens": 5, "temperature": 0.0}
 
 
 def router_for(make_router: MakeRouter, p: FakeVLLM, d: FakeVLLM, **config) -> RunningRouter:
+    config.setdefault("split_min_tokens", 0)  # 10-token prompts: every part is short
     return make_router([Instance(p.url, "127.0.0.1:7001", block_size=BLOCK)], [d], **config)
 
 
@@ -49,6 +50,30 @@ def test_the_head_is_whole_blocks_near_the_fraction_leaving_d_a_token(
     tokens: int, block: int, fraction: float, head: int
 ) -> None:
     assert split_point(tokens, block, fraction) == head
+
+
+@pytest.mark.parametrize(
+    ("tokens", "block", "head"),
+    [
+        (129, 128, 0),  # a 1-token tail: not worth D's wait for the head
+        (159, 128, 0),  # tail 31
+        (160, 128, 128),  # tail 32
+        (40, 16, 0),  # 22 * 0.55 -> one block of 16: a head under 32 tokens
+        (80, 16, 48),  # 79 * 0.55 = 43.45 -> 3 blocks, tail 32
+        (510, 128, 256),
+    ],
+)
+def test_no_split_leaves_either_side_under_the_minimum(tokens: int, block: int, head: int) -> None:
+    assert split_point(tokens, block, 0.55, min_part=32) == head
+
+
+def test_the_router_refuses_a_negative_minimum() -> None:
+    from rapidkv.router.config import SPLIT_MIN_TOKENS, RouterConfig
+
+    p, d = (Instance("http://p:1"),), (Instance("http://d:1"),)
+    assert RouterConfig(prefill=p, decode=d).split_min_tokens == SPLIT_MIN_TOKENS == 32
+    with pytest.raises(ValueError, match="split_min_tokens"):
+        RouterConfig(prefill=p, decode=d, split_min_tokens=-1)
 
 
 @pytest.mark.parametrize(
@@ -130,6 +155,7 @@ def test_an_untokenizable_prompt_goes_out_whole(
     ("body", "config", "block"),
     [
         (dict(BODY, prompt=PROMPT[:4]), {}, BLOCK),  # no block leaves D a token
+        (BODY, {"split_min_tokens": 32}, BLOCK),  # head 4 and tail 6: under the minimum
         ({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, {}, BLOCK),
         (BODY, {"split_prefill": False}, BLOCK),
         (dict(BODY, kv_transfer_params={"rapidkv": {"transfer_kv_mode": "step"}}), {}, BLOCK),
@@ -146,6 +172,7 @@ def test_otherwise_the_whole_prompt_goes_to_p(
     block: int | None,
 ) -> None:
     p, d = pd
+    config = {"split_min_tokens": 0, **config}  # each case refused for its own reason
     router = make_router([Instance(p.url, "127.0.0.1:7001", block_size=block)], [d], **config)
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     assert http.post(router.url + path, json=body).status_code == 200

@@ -11,6 +11,7 @@ from pathlib import Path
 from rapidkv.router.config import (
     DISPATCH_MODES,
     PLACEMENTS,
+    SPLIT_MIN_TOKENS,
     Instance,
     RouterConfig,
     read_secret,
@@ -185,6 +186,13 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         help="split prefill: the share of the prompt P computes, rounded to whole blocks "
         "(default %(default)s)",
     )
+    parser.add_argument(
+        "--split-min-tokens",
+        type=int,
+        default=SPLIT_MIN_TOKENS,
+        metavar="N",
+        help="split prefill: no split whose head or tail is under N tokens (default %(default)s)",
+    )
     parser.add_argument("--log-level", choices=LOG_LEVELS, default="info")
     return run
 
@@ -220,6 +228,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         prefill_first_token=args.prefill_first_token,
         split_prefill=args.split_prefill,
         split_fraction=args.split_fraction,
+        split_min_tokens=args.split_min_tokens,
     )
 
 

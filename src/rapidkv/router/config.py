@@ -24,6 +24,9 @@ from urllib.parse import urlsplit
 
 from rapidkv.control.address import parse_address
 
+SPLIT_MIN_TOKENS = 32
+"""`RouterConfig.split_min_tokens` by default (`split.split_point`)."""
+
 Dispatch = Literal["dual", "serial", "local"]
 DISPATCH_MODES: tuple[str, ...] = get_args(Dispatch)
 Placement = Literal["fixed", "adaptive"]
@@ -147,9 +150,11 @@ class RouterConfig:
     # dual dispatch: P's first token opens the client's stream when it may (see `stitch`)
     prefill_first_token: bool = True
     # dual dispatch: while P and D are idle, P computes a head of the prompt and D
-    # the tail at the same time (`split`); the head is about this fraction of it
+    # the tail at the same time (`split`); the head is about this fraction of it,
+    # and neither part is under `split_min_tokens` tokens (else no split)
     split_prefill: bool = True
     split_fraction: float = 0.55
+    split_min_tokens: int = SPLIT_MIN_TOKENS
     # test hook: treat D's first token as different from P's (exercises the continuation)
     debug_first_token_mismatch: bool = False
     secret: bytes | None = None
@@ -209,6 +214,8 @@ class RouterConfig:
             raise ValueError(f"port {self.port} out of range")
         if not 0 < self.split_fraction < 1:
             raise ValueError(f"split_fraction must be between 0 and 1, not {self.split_fraction}")
+        if self.split_min_tokens < 0:
+            raise ValueError(f"split_min_tokens must be >= 0, not {self.split_min_tokens}")
         if not (self.keep_alive_s > 0 and self.upstream_keep_alive_s > 0):
             raise ValueError(
                 f"keep-alive times must be > 0 s: {self.keep_alive_s}, {self.upstream_keep_alive_s}"

@@ -679,7 +679,8 @@ class Router:
         if not ids:
             return 0, None
         fraction = self.config.split_fraction if fraction is None else fraction
-        return split_point(len(ids), ex.prefill.block_size, fraction), ids
+        head = split_point(len(ids), ex.prefill.block_size, fraction, self.config.split_min_tokens)
+        return head, ids
 
     def _may_split(self, ex: Exchange, body: Body, p_index: int, d_index: int) -> bool:
         """Split this request's prefill: enabled, possible for this request and

@@ -15,7 +15,11 @@ Rules:
   first token comes from D (P's token ends a different prompt).
 - The head is a whole number of P's blocks (its block size comes with the
   discovery answer) and leaves D at least one token; a prompt too short for
-  one block is not split.
+  one block is not split, nor one whose head or tail would be shorter than
+  `split_min_tokens` (`config.SPLIT_MIN_TOKENS` by default): D's per-layer wait for the head
+  costs more than computing so few tokens on the other core saves (SmolLM2 on
+  a CPU: tails of 1 and 14 tokens made the request 4-5 ms slower than P
+  computing the whole prompt; one of 41 tokens, 3 ms faster).
 - Whatever goes wrong with the head (P refuses, fails, or was sent other
   tokens than D's prompt starts with: P checks a hash), D recomputes it: a
   split never changes an answer.
@@ -46,12 +50,14 @@ def splittable(body: Body, endpoint: Endpoint) -> bool:
     return single_prompt(body)
 
 
-def split_point(num_tokens: int, block_size: int, fraction: float) -> int:
+def split_point(num_tokens: int, block_size: int, fraction: float, min_part: int = 0) -> int:
     """Tokens of the head P computes: about `fraction` of the prompt, rounded to
-    whole blocks, leaving D at least one token; 0 when no block fits."""
+    whole blocks, leaving D at least one token; 0 when no block fits, or when
+    the head or the tail (the rest of the prompt) would be under `min_part`
+    tokens."""
     most = (num_tokens - 1) // block_size * block_size
-    head = round((num_tokens - 1) * fraction / block_size) * block_size
-    return max(min(head, most), 0)
+    head = max(min(round((num_tokens - 1) * fraction / block_size) * block_size, most), 0)
+    return head if min(head, num_tokens - head) >= max(min_part, 1) else 0
 
 
 async def prompt_ids(
