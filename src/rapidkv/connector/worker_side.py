@@ -3,6 +3,10 @@
 Called on the worker's main thread, per step (docs/vllm-connector-contract.md
 §2): `bind` (begin the step, start full sends, connect peers) -> per layer
 `layer_saved` -> `step_done` (freeze: the ack) -> `finished` -> `worker_meta`.
+Each step's timing (its forward from `bind` to `step_done`, the split layer
+waits within it, the time in these hooks) goes to the scheduler side with the
+worker metadata (`WorkerMeta.timings`), which records it in the step's
+`StepTiming`.
 
 Reporting rules (vLLM kills the engine otherwise):
 - `finished_sending` holds a request only after the scheduler side released it

@@ -56,7 +56,9 @@ across it.
 Output (`report`): a summary table (stdout), a progress line (stderr),
 `--json PATH|-`, `--plot PATH` (`plot`) and `--trace PATH` (one JSON
 line per request, with the rapidkv router's `xfer_id` to join server-side
-timelines). The exit status is 1 on a hard mismatch anywhere, or if `single`
+timelines, then per load and rapidkv role a line of that engine's steps;
+`timeline` turns them into the TTFT stages and the per-step breakdown). The
+exit status is 1 on a hard mismatch anywhere, or if `single`
 or a rapidkv configuration failed to start or had a failed request; a
 baseline that fails (dp2, vLLM's NIXL connectors) is reported, not fatal.
 """
