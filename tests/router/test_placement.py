@@ -111,6 +111,19 @@ def test_a_fixed_split_fraction_is_used_when_set() -> None:
     assert d.kind == "split" and d.head_tokens == split_point(1000, 16, 0.5)
 
 
+def test_no_split_leaves_a_part_under_the_policy_s_minimum() -> None:
+    """A 40-token prompt halves into 16 + 24 tokens: under the default minimum
+    of 32 no split is an option; with no minimum one is."""
+    request = Request(40, splittable=True)
+    policy = Policy(split_fraction=0.5)
+    assert policy.split_min_tokens == 32
+    kinds = {o.placement.kind for o in options([IDLE, IDLE], Models(2), request, policy)}
+    assert "split" not in kinds and "pd" in kinds
+    any_part = Policy(split_fraction=0.5, split_min_tokens=0)
+    heads = [o.placement.head_tokens for o in options([IDLE, IDLE], Models(2), request, any_part)]
+    assert 16 in heads
+
+
 def test_no_split_without_the_head_instance_s_block_size_or_a_splittable_request() -> None:
     no_block = InstanceLoad()
     for fleet, request in (

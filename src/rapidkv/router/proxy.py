@@ -229,6 +229,7 @@ class Router:
                 SLO(config.ttft_slo_ms, config.tpot_slo_ms),
                 Policy(
                     split=config.split_prefill,
+                    split_min_tokens=config.split_min_tokens,
                     ttft_headroom=config.ttft_headroom,
                     tpot_margin=config.tpot_margin,
                     idle_crossings=config.idle_crossings,

@@ -16,10 +16,11 @@ Rules:
 - The head is a whole number of P's blocks (its block size comes with the
   discovery answer) and leaves D at least one token; a prompt too short for
   one block is not split, nor one whose head or tail would be shorter than
-  `split_min_tokens` (`config.SPLIT_MIN_TOKENS` by default): D's per-layer wait for the head
-  costs more than computing so few tokens on the other core saves (SmolLM2 on
-  a CPU: tails of 1 and 14 tokens made the request 4-5 ms slower than P
-  computing the whole prompt; one of 41 tokens, 3 ms faster).
+  `split_min_tokens` (`config.SPLIT_MIN_TOKENS` by default; the adaptive
+  placement's `Policy` takes the same): D's per-layer wait for the head costs
+  more than computing so few tokens on the other core saves (SmolLM2 on a CPU:
+  tails of 1 and 14 tokens made the request 4-5 ms slower than P computing the
+  whole prompt; one of 41 tokens, 3 ms faster).
 - Whatever goes wrong with the head (P refuses, fails, or was sent other
   tokens than D's prompt starts with: P checks a hash), D recomputes it: a
   split never changes an answer.

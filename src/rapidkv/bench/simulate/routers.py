@@ -10,7 +10,8 @@ token), `finished` (D's answer over). Policies (`POLICIES`):
   prefills, the second half decodes, P and D each by least outstanding
   (`LeastOutstanding`, a turn per role, as the router's `_acquire`), P's first
   token opens the stream, and a prompt is split (`split.split_point`,
-  `Fit.split_fraction`, whole blocks) when nothing else is in flight on P or
+  `Fit.split_fraction`, whole blocks, neither part under the router's
+  `SPLIT_MIN_TOKENS`) when nothing else is in flight on P or
   on any decoder (the router's `_may_split`);
 - ``nixl``: tuned `vllm-nixl` generalised: the same halves and balancing,
   never split, the transfer of `Fit.nixl_transfer_ms` (a serial proxy: D is
@@ -43,6 +44,7 @@ from typing import Literal, get_args
 
 from rapidkv.bench.simulate.fit import Fit
 from rapidkv.router.balance import LeastOutstanding
+from rapidkv.router.config import SPLIT_MIN_TOKENS
 from rapidkv.router.placement import (
     SLO,
     FleetState,
@@ -145,7 +147,9 @@ class FixedPdRouter(Router):
         if self.split and all(
             b.outstanding(i) == (1 if i in (p, d) else 0) for i in {p, *self.decode_pool}
         ):
-            head = split_point(prompt, self.fit.block_size, self.fit.split_fraction)
+            head = split_point(
+                prompt, self.fit.block_size, self.fit.split_fraction, SPLIT_MIN_TOKENS
+            )
         placement = Placement("split", p, d, head) if head else Placement("pd", p, d)
         self.kinds[placement.kind] += 1
         return placement

@@ -15,7 +15,8 @@ that are healthy and not draining:
   ``i``'s block size known): ``i`` computes a head of ``H`` tokens (whole
   blocks, `split.split_point`), ``j`` the tail ``T = P - H`` at the same time.
   ``H`` balances the two halves' predicted finish times, or is
-  `Policy.split_fraction` of the prompt when that is set. Only between two
+  `Policy.split_fraction` of the prompt when that is set; no split leaves
+  either part under `Policy.split_min_tokens`. Only between two
   instances with no split of their own in flight (`InstanceLoad.splits`): a
   split's decoder holds its engine until the head arrives, so two splits in
   opposite directions would each wait for a head the other engine cannot
@@ -168,6 +169,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from rapidkv.router.config import SPLIT_MIN_TOKENS
 from rapidkv.router.placement.model import Models
 from rapidkv.router.placement.state import (
     Decode,
@@ -232,6 +234,7 @@ class Policy:
     pd: bool = True
     split: bool = True
     split_fraction: float | None = None
+    split_min_tokens: int = SPLIT_MIN_TOKENS  # no split with a head or tail under this
     tie_ms: float = 5.0
     min_horizon_tokens: int = 16
     ttft_headroom: float = 0.5  # of the TTFT SLO: TTFTs below it are tied (0: none)
@@ -442,6 +445,7 @@ class _Predictor:
         self.min_horizon = policy.min_horizon_tokens
         self.horizon = max(request.output_tokens, self.min_horizon)
         self.fraction = policy.split_fraction
+        self.min_part = policy.split_min_tokens
         self.work = [  # W_k: queued prefill work beyond steps
             models.prefill_queue_ms(k, load.waiting_prefills, load.waiting_prefill_tokens)
             for k, load in enumerate(loads)
@@ -557,7 +561,9 @@ class _Predictor:
 
     def head(self, i: int, j: int) -> int:
         """The head `i` computes in a split with `j`: whole blocks of `i`, leaving
-        `j` at least one token; 0 when no block fits or `i`'s block size is unknown."""
+        `j` at least one token; 0 when no block fits, when the head or the tail
+        would be under `Policy.split_min_tokens`, or when `i`'s block size is
+        unknown."""
         block = self.loads[i].block_size
         if block is None or self.tokens < 2:
             return 0
@@ -572,7 +578,7 @@ class _Predictor:
                 balance = self.queue[j] + pj.intercept + pj.slope * self.tokens
                 balance -= self.queue[i] + pi.intercept + xf.intercept
                 fraction = min(max(balance / slope / (self.tokens - 1), 0.0), 1.0)
-        return split_point(self.tokens, block, fraction)
+        return split_point(self.tokens, block, fraction, self.min_part)
 
     def _worst(self, decoder_tpot: float | None, i: int, pf: float) -> float:
         values = [t for t in (decoder_tpot, self.tpot(i, 0, pf)) if t is not None]
