@@ -279,32 +279,33 @@ class RunningGroup(EngineCounters):
         if running is not None:
             running.process.stop()
 
-    def timelines(self, xfer_ids: Sequence[str]) -> dict[str, dict[str, dict[str, float]]]:
-        """rapidkv: per role, each transfer's connector events (time.monotonic())."""
+    def _timeline_replies(self, xfer_ids: Sequence[str]) -> dict[str, Any]:
+        """rapidkv: per role, its connector's `Timeline` for these transfers."""
         from rapidkv.control.client import RpcClient
         from rapidkv.control.messages import TimelineRequest
 
-        out: dict[str, dict[str, dict[str, float]]] = {}
-        if not self.controls or not xfer_ids:
-            return out
         with RpcClient() as rpc:
-            for role, address in self.controls.items():
-                reply = rpc.call(address, TimelineRequest(list(xfer_ids)), 10)
-                out[role] = {x: dict(t.events) for x, t in reply.xfers.items()}
-        return out
+            return {
+                role: rpc.call(address, TimelineRequest(list(xfer_ids)), 10)
+                for role, address in self.controls.items()
+            }
+
+    def timelines(self, xfer_ids: Sequence[str]) -> dict[str, dict[str, dict[str, float]]]:
+        """rapidkv: per role, each transfer's connector events (time.monotonic())."""
+        if not self.controls or not xfer_ids:
+            return {}
+        return {
+            role: {x: dict(t.events) for x, t in reply.xfers.items()}
+            for role, reply in self._timeline_replies(xfer_ids).items()
+        }
 
     def steps(self, since: float) -> dict[str, list[Any]]:
         """rapidkv: per role, the engine steps (`StepTiming`) that began at or
         after `since` (time.monotonic()), of the most recent its connector keeps."""
-        from rapidkv.control.client import RpcClient
-        from rapidkv.control.messages import TimelineRequest
-
-        out: dict[str, list[Any]] = {}
-        with RpcClient() as rpc:
-            for role, address in self.controls.items():
-                reply = rpc.call(address, TimelineRequest([]), 10)
-                out[role] = [s for s in reply.steps if s.begin >= since]
-        return out
+        return {
+            role: [s for s in reply.steps if s.begin >= since]
+            for role, reply in self._timeline_replies([]).items()
+        }
 
     def url(self, config: Config) -> str:
         if config.front is None:

@@ -400,7 +400,8 @@ class ModelRun(ModelResult):
     def measure_block(
         self, run: LoadRun, group: Any, config: Any, load: Any, lo: int, hi: int, seed: int
     ) -> None:
-        """Prompts [lo, hi) on the configuration; results, wall and CPU added to `run`."""
+        """Prompts [lo, hi) on the configuration; results, wall and CPU added to
+        `run` (with --trace also the engine steps of the block)."""
         from rapidkv.harness.procs import machine_busy_cpu_seconds, tree_cpu_seconds
 
         busy_before, client_before = machine_busy_cpu_seconds(), tree_cpu_seconds([os.getpid()])
@@ -408,9 +409,6 @@ class ModelRun(ModelResult):
         began = time.monotonic()
         results, wall = self.block(group, config, load, lo, hi, seed)
         after = group.cpu_seconds()
-        if self.trace is not None:
-            for role, steps in group.steps(began).items():
-                run.steps.setdefault(role, []).extend(steps)
         client = tree_cpu_seconds([os.getpid()]) - client_before
         busy = machine_busy_cpu_seconds() - busy_before
         cpu = {k: after[k] - before.get(k, 0.0) for k in after}
@@ -420,6 +418,9 @@ class ModelRun(ModelResult):
             run.cpu_s[k] = run.cpu_s.get(k, 0.0) + v
         run.client_cpu_s += client
         run.other_cpu_s += busy - sum(cpu.values()) - client
+        if self.trace is not None:  # after the CPU counts: the RPCs are not the load's
+            for role, steps in group.steps(began).items():
+                run.steps.setdefault(role, []).extend(steps)
 
     def block(
         self, group: Any, config: Any, load: Any, lo: int, hi: int, seed: int
