@@ -22,6 +22,20 @@ that are healthy and not draining:
   opposite directions would each wait for a head the other engine cannot
   compute.
 
+- ``fetch`` from ``i`` to ``j`` (any roles but ``j`` one that decodes, the
+  request `splittable`, `Policy.fetch`): ``i`` holds the prompt's first ``H``
+  tokens in its prefix cache (whole blocks, leaving ``j`` at least one token,
+  more than ``j`` holds, at least `Policy.split_min_tokens`), sends their KV
+  and ``j`` computes the rest: a split whose head is a cache hit. ``i`` may be
+  busy (its part is one token), but not in a split of its own, as for a split.
+
+Every prediction counts only what each instance computes: ``P`` less the
+prompt's leading tokens it holds cached (`Request.cached`, from the router's
+index of the instances' prefix caches; a part that ends the prompt or the head
+computes at least one token), and a transfer moves only what the decoder does
+not hold (`Placement.work`, `Placement.transferred`). An index that is wrong
+(a block evicted since it said so) costs a recompute, never an answer.
+
 A crossing (PD or split) borrows its prefill instance ``i`` only while ``i``
 holds no request (`InstanceLoad.idle`) when ``i``'s role is ``any``
 (`Policy.idle_crossings`; an instance pinned to ``prefill``, by configuration
@@ -172,6 +186,7 @@ from typing import Literal, get_args
 from rapidkv.router.config import SPLIT_MIN_TOKENS
 from rapidkv.router.placement.model import Models
 from rapidkv.router.placement.state import (
+    HEADED,
     Decode,
     FleetState,
     InstanceLoad,
@@ -190,7 +205,7 @@ Reason = Literal[
     "role-fallback",
 ]
 REASONS: tuple[str, ...] = get_args(Reason)
-KIND_RANK: dict[str, int] = {"local": 0, "pd": 1, "split": 2}  # ties: fewer crossings first
+KIND_RANK: dict[str, int] = {"local": 0, "pd": 1, "fetch": 1, "split": 2}  # ties: fewer crossings
 
 
 class NoPlacement(ValueError):
@@ -212,15 +227,24 @@ class SLO:
 @dataclass(frozen=True)
 class Request:
     """What placement knows of a request: its prompt's tokens, the output it
-    expects (`max_tokens`, or a guess), whether it may be split (`split.splittable`)."""
+    expects (`max_tokens`, or a guess), whether it may be split (`split.splittable`),
+    and per instance index the prompt's leading tokens it holds in its prefix
+    cache (`cached`, from the router's index; an instance not listed holds none)."""
 
     prompt_tokens: int
     output_tokens: int = 16
     splittable: bool = False
+    cached: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 1 or self.output_tokens < 1:
             raise ValueError(f"a request has at least one prompt and one output token: {self}")
+        if any(c < 0 or c > self.prompt_tokens for c in self.cached):
+            raise ValueError(f"cached tokens are within the prompt: {self}")
+
+    def hit(self, k: int) -> int:
+        """The prompt's leading tokens instance `k` holds cached."""
+        return self.cached[k] if k < len(self.cached) else 0
 
 
 @dataclass(frozen=True)
@@ -244,6 +268,7 @@ class Policy:
     stitch: bool = True  # a PD's first token is P's (the router's dual dispatch stitches it)
     idle_crossings: bool = True  # PD / split only from an idle prefill instance of role any
     free_split: bool = True  # ties: first a split from an idle pinned P to an idle decoder
+    fetch: bool = True  # a prefix cached on one instance may be sent to the decoder
 
     def __post_init__(self) -> None:
         if self.split_fraction is not None and not 0 < self.split_fraction < 1:
@@ -299,12 +324,17 @@ class Decision:
 
     def header_value(self) -> str:
         """``x-rapidkv-placement``: ``kind=pd;prefill=1;decode=0;reason=lowest-ttft;...``
-        (``head=H`` after ``decode`` for a split; predictions last, in ms)."""
+        (``head=H`` after ``decode`` for a split or a fetch; then the prompt
+        tokens the index said the decoder holds cached, ``hit``, and a fetch's
+        or a PD's on its prefill instance, ``prefill_hit``, when not 0;
+        predictions last, in ms)."""
         p = self.placement
-        head = f";head={p.head_tokens}" if p.kind == "split" else ""
+        head = f";head={p.head_tokens}" if p.kind in HEADED else ""
+        hits = f";hit={p.decode_hit}" if p.decode_hit else ""
+        hits += f";prefill_hit={p.prefill_hit}" if p.prefill_hit else ""
         return (
             f"kind={p.kind};prefill={p.prefill};decode={p.decode}{head};reason={self.reason}"
-            f";ttft_ms={self.ttft_ms:.1f};tpot_ms={self.tpot_ms:.1f}"
+            f"{hits};ttft_ms={self.ttft_ms:.1f};tpot_ms={self.tpot_ms:.1f}"
         )
 
 
@@ -343,8 +373,14 @@ def options(
                 out.append(p.pd(i, j))
             if policy.split and request.splittable and not (loads[i].splits or loads[j].splits):
                 head = p.head(i, j)
-                if head:
+                if head > request.hit(j):  # else the decoder holds the head: nothing to split
                     out.append(p.split(i, j, head))
+    if policy.fetch and request.splittable:
+        for i in up:  # a holder lends a cached prefix, busy or not: its part is a cache hit
+            for j in decoders:
+                head = p.fetched_head(i, j)
+                if i != j and head and not (loads[i].splits or loads[j].splits):
+                    out.append(p.split(i, j, head, "fetch"))
     if not out:
         out = [p.local(j) for j in decoders]
     return out
@@ -442,6 +478,7 @@ class _Predictor:
         self.stitch = policy.stitch
         self.m = models
         self.tokens = request.prompt_tokens
+        self.hit = request.hit
         self.min_horizon = policy.min_horizon_tokens
         self.horizon = max(request.output_tokens, self.min_horizon)
         self.fraction = policy.split_fraction
@@ -529,16 +566,18 @@ class _Predictor:
         return step + worst
 
     def local(self, j: int) -> Option:
-        pf = self.m.prefill_ms(j, self.tokens)
+        placement = Placement("local", j, j, decode_hit=self.hit(j))
+        pf = self.m.prefill_ms(j, placement.work(self.tokens)[j])
         ttft = self.queue[j] + pf + self.first_step(j)
         tpot = self.tpot(j, 1, pf)
         assert tpot is not None
-        return Option(Placement("local", j, j), ttft, tpot, self.keeps_free(j), not self.free[j])
+        return Option(placement, ttft, tpot, self.keeps_free(j), not self.free[j])
 
     def pd(self, i: int, j: int) -> Option:
-        pf = self.m.prefill_ms(i, self.tokens)
+        placement = Placement("pd", i, j, prefill_hit=self.hit(i), decode_hit=self.hit(j))
+        pf = self.m.prefill_ms(i, placement.work(self.tokens)[i])
         answered = self.queue[i] + pf
-        ready = answered + self.m.transfer_ms(i, j, self.tokens)
+        ready = answered + self.m.transfer_ms(i, j, placement.transferred(self.tokens))
         ttft = max(ready, self.queue[j]) + self.first_step(j)
         own = None
         if self.stitch:  # the client's first token is P's; the wait for D's next is TPOT
@@ -546,18 +585,33 @@ class _Predictor:
             own = self.first_step(j) + max(ttft - first, 0.0) / max(self.horizon - 1, 1)
             ttft = first
         tpot = self._worst(self.tpot(j, 1, 0.0, own), i, pf)
-        return Option(Placement("pd", i, j), ttft, tpot, self.keeps_free(j), not self.free[i])
+        return Option(placement, ttft, tpot, self.keeps_free(j), not self.free[i])
 
-    def split(self, i: int, j: int, head: int) -> Option:
-        pf_head = self.m.prefill_ms(i, head)
-        head_ready = self.queue[i] + pf_head + self.m.transfer_ms(i, j, head)
-        tail_done = self.queue[j] + self.m.prefill_ms(j, self.tokens - head)
+    def split(self, i: int, j: int, head: int, kind: Kind = "split") -> Option:
+        placement = Placement(kind, i, j, head, self.hit(i), self.hit(j))
+        work = placement.work(self.tokens)
+        pf_head = self.m.prefill_ms(i, work[i])
+        head_ready = (
+            self.queue[i] + pf_head + self.m.transfer_ms(i, j, placement.transferred(self.tokens))
+        )
+        tail_done = self.queue[j] + self.m.prefill_ms(j, work[j])
         end = max(head_ready, tail_done)
         ttft = end + self.first_step(j)
         stall = end - self.queue[j]
         tpot = self._worst(self.tpot(j, 1, stall), i, pf_head)
         beside = not (self.free[i] and self.free[j])
-        return Option(Placement("split", i, j, head), ttft, tpot, self.keeps_free(j), beside)
+        return Option(placement, ttft, tpot, self.keeps_free(j), beside)
+
+    def fetched_head(self, i: int, j: int) -> int:
+        """The head a fetch from `i` to `j` sends: the whole blocks of the
+        prompt `i` holds cached, leaving `j` at least one token; 0 when that is
+        under `Policy.split_min_tokens`, when `j` holds as much itself, or
+        when `i`'s block size is unknown."""
+        block = self.loads[i].block_size
+        if block is None:
+            return 0
+        head = min(self.hit(i), self.tokens - 1) // block * block
+        return head if head >= max(self.min_part, 1) and head > self.hit(j) else 0
 
     def head(self, i: int, j: int) -> int:
         """The head `i` computes in a split with `j`: whole blocks of `i`, leaving

@@ -12,20 +12,26 @@ A request is dispatched (`on_dispatch`) with a `Placement`:
 - ``local``: instance ``j`` computes the whole prompt and decodes;
 - ``pd``: ``i`` computes the whole prompt, its KV goes to ``j``, which decodes;
 - ``split``: ``i`` computes the first `head_tokens` tokens, ``j`` the rest at
-  the same time and decodes (`router.split`).
+  the same time and decodes (`router.split`);
+- ``fetch``: a split whose head ``i`` holds in its prefix cache: ``i``'s part
+  is a cache hit, its KV goes to ``j``, which computes the rest and decodes.
+
+A placement carries the prompt tokens each of its instances holds cached
+(`Placement.prefill_hit`, `Placement.decode_hit`): each computes only what it
+does not hold (`Placement.work`), and only what the decoder lacks crosses.
 
 Its prefill work is queued on the instance(s) computing it, and it counts as a
 decode on ``j`` from dispatch on (it will decode there; prefill work queued
 after it stalls it). Then, for each request, in this order per side:
 
-- `on_prefill_done`, for ``pd`` and ``split`` only: P's request is over (its
+- `on_prefill_done`, for every kind but ``local``: P's request is over (its
   one-token answer, or a failure). P's work leaves ``i``'s queue;
 - `on_first_token`: D's first token (D's own, not P's stitched one). The
-  prefill work on ``j`` (local prompt, split tail) leaves ``j``'s queue, and the
+  prefill work on ``j`` (local prompt, split or fetch tail) leaves ``j``'s queue, and the
   request starts decoding there;
 - `on_finish`: D's answer is over, whatever the outcome.
 
-A request is forgotten once D's answer is over and, for ``pd`` / ``split``, P's
+A request is forgotten once D's answer is over and, but for ``local``, P's
 too (P's request may outlive D's in dual dispatch). A request that never got
 its first token leaves its remaining work with it.
 
@@ -71,7 +77,8 @@ from rapidkv.router.placement.model import (
 
 Role = Literal["any", "prefill", "decode"]
 ROLES: tuple[str, ...] = get_args(Role)
-Kind = Literal["local", "pd", "split"]
+Kind = Literal["local", "pd", "split", "fetch"]
+HEADED: tuple[str, ...] = ("split", "fetch")  # the kinds with a head computed elsewhere
 KINDS: tuple[str, ...] = get_args(Kind)
 
 
@@ -168,37 +175,62 @@ class InstanceLoad:
 @dataclass(frozen=True)
 class Placement:
     """Where one request runs: `prefill` computes the prompt (its head for a
-    split; the tail is computed on `decode`), `decode` decodes.
+    split or a fetch; the tail is computed on `decode`), `decode` decodes.
 
     ``local``: ``prefill == decode``, no head; ``pd``: ``prefill != decode``,
-    no head; ``split``: ``prefill != decode`` and ``0 < head_tokens``.
+    no head; ``split`` and ``fetch``: ``prefill != decode`` and ``0 <
+    head_tokens``; a fetch's head is within what `prefill` holds cached
+    (``head_tokens <= prefill_hit``). `prefill_hit` / `decode_hit`: the
+    prompt's leading tokens each instance holds in its prefix cache, as the
+    router's index tells (0 for a local placement's `prefill_hit`: its one
+    instance's is `decode_hit`).
     """
 
     kind: Kind
     prefill: int
     decode: int
     head_tokens: int = 0
+    prefill_hit: int = 0
+    decode_hit: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, not {self.kind!r}")
-        if min(self.prefill, self.decode) < 0:
-            raise ValueError(f"instance indices are >= 0: {self}")
+        if min(self.prefill, self.decode, self.prefill_hit, self.decode_hit) < 0:
+            raise ValueError(f"instance indices and hits are >= 0: {self}")
         if (self.kind == "local") != (self.prefill == self.decode):
             raise ValueError(f"a local placement, and only one, has prefill == decode: {self}")
-        if (self.kind == "split") != (self.head_tokens > 0):
-            raise ValueError(f"a split, and only a split, has a head: {self}")
+        if (self.kind in HEADED) != (self.head_tokens > 0):
+            raise ValueError(f"a split or a fetch, and only those, has a head: {self}")
+        if self.kind == "fetch" and self.head_tokens > self.prefill_hit:
+            raise ValueError(f"a fetch's head is cached on its prefill instance: {self}")
+        if self.kind == "local" and self.prefill_hit:
+            raise ValueError(f"a local placement's hit is its decode_hit: {self}")
 
     def work(self, prompt_tokens: int) -> dict[int, int]:
-        """Prompt tokens each instance computes (a split's tail on `decode`)."""
-        if self.kind == "split":
+        """Prompt tokens each instance computes: what it does not hold cached of
+        its part (a split's tail on `decode`), at least one token of a part
+        that ends the prompt or the head (vLLM computes the last token of a
+        prompt whatever it holds); a fetch's holder computes one."""
+        if self.kind in HEADED:
             if not 0 < self.head_tokens < prompt_tokens:
                 raise ValueError(
-                    f"a split head of {self.head_tokens} tokens must leave the decoder "
+                    f"a head of {self.head_tokens} tokens must leave the decoder "
                     f"some of the {prompt_tokens} prompt tokens"
                 )
-            return {self.prefill: self.head_tokens, self.decode: prompt_tokens - self.head_tokens}
-        return {self.prefill: prompt_tokens}
+            head = max(self.head_tokens - self.prefill_hit, 1)
+            tail = prompt_tokens - max(self.head_tokens, min(self.decode_hit, prompt_tokens - 1))
+            return {self.prefill: head, self.decode: tail}
+        hit = self.decode_hit if self.kind == "local" else self.prefill_hit
+        return {self.prefill: prompt_tokens - min(hit, prompt_tokens - 1)}
+
+    def transferred(self, prompt_tokens: int) -> int:
+        """Prompt tokens whose KV crosses to `decode` (0 for a local placement):
+        the prefill instance's part less what the decoder holds cached."""
+        if self.kind == "local":
+            return 0
+        part = self.head_tokens if self.kind in HEADED else prompt_tokens
+        return max(part - self.decode_hit, 0)
 
 
 @dataclass
@@ -305,7 +337,7 @@ class FleetState:
         for r in self._requests.values():
             p = r.placement
             tail_pending = r.first_token_s is None and not r.decode_over
-            if p.kind == "split" and (not r.prefill_over or tail_pending):
+            if p.kind in HEADED and (not r.prefill_over or tail_pending):
                 splits[p.prefill] += 1
                 splits[r.decoder] += 1
             if r.decode_over:
@@ -408,7 +440,7 @@ class FleetState:
         )
 
     def on_prefill_done(self, request_id: str, now_s: float, ok: bool = True) -> list[Observation]:
-        """P's request for `request_id` (``pd`` / ``split``) is over: answered
+        """P's request for `request_id` (not ``local``) is over: answered
         (`ok`) or failed. A repeated call changes nothing. KeyError for an id
         not tracked (never dispatched, or over on both sides), ValueError for a
         local request (it has no P)."""
@@ -455,7 +487,8 @@ class FleetState:
         ):
             busy_ms = j.prefill_busy_ms - r.busy_at_done  # D computing other prompts
             gap = max((now_s - r.prefill_done_s) * 1000 - busy_ms, 0.0)
-            out.append(TransferObservation(p.prefill, p.decode, r.prompt_tokens, gap, j.decoding))
+            tokens = max(p.transferred(r.prompt_tokens), 1)
+            out.append(TransferObservation(p.prefill, p.decode, tokens, gap, j.decoding))
         j.advance(now_s)
         j.decoding += 1
         r.first_token_s = now_s
