@@ -124,7 +124,7 @@ def test_p_advertises_its_link_address_not_the_wildcard_it_binds(
 ) -> None:
     """The router's discovery request to P (HTTP across the root namespace's
     veth): P names its link address and the port it bound on every interface."""
-    from rapidkv.router.discovery import probe_body
+    from rapidkv.router.fleet.discovery import probe_body
 
     link, pair = netns_pair
     body = {**probe_body(), "model": str(pair.model)}

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rapidkv.router.balance import LeastOutstanding
+from rapidkv.router.fleet.balance import LeastOutstanding
 
 pytestmark = pytest.mark.unit
 
@@ -92,7 +92,7 @@ def test_only_eligible_instances_are_picked() -> None:
 
 
 def test_instance_health_marks_down_until_marked_up() -> None:
-    from rapidkv.router.health import InstanceHealth
+    from rapidkv.router.fleet.health import InstanceHealth
 
     h = InstanceHealth(3)
     assert h.up() == [0, 1, 2] and h.down(1) is None

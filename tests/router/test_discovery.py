@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rapidkv.router.config import Instance
-from rapidkv.router.discovery import (
+from rapidkv.router.fleet.discovery import (
     Discovered,
     DiscoveryError,
     control_from_answer,

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rapidkv.membership.record import InstanceRecord
-from rapidkv.router.membership_diff import Joined, Left, MembershipDiff, Restarted
+from rapidkv.router.fleet.membership_diff import Joined, Left, MembershipDiff, Restarted
 
 pytestmark = pytest.mark.unit
 

@@ -7,7 +7,7 @@ import pytest
 
 from rapidkv.router.config import Instance, Member
 from rapidkv.router.placement import SLO, Policy, Specializer
-from rapidkv.router.placer import Placer
+from rapidkv.router.placement.placer import Placer
 
 pytestmark = pytest.mark.unit
 

@@ -10,7 +10,7 @@ from fake_vllm import FakeVLLM, MakeRouter, Seen
 
 from rapidkv.harness import get_metrics, metric_sum, wait_until
 from rapidkv.router import Instance, RunningRouter
-from rapidkv.router.discovery import block_size_from_answer
+from rapidkv.router.fleet.discovery import block_size_from_answer
 from rapidkv.router.split import split_point, splittable
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]

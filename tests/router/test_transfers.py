@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rapidkv.router.transfers import STATES, TransferWatch
+from rapidkv.router.fleet.transfers import STATES, TransferWatch
 
 pytestmark = pytest.mark.unit
 

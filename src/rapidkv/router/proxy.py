@@ -79,9 +79,9 @@ from rapidkv.control.messages import AbortReason
 from rapidkv.membership.record import InstanceRecord
 from rapidkv.router.aborts import ControlAborter
 from rapidkv.router.asgi import send_error, wait_disconnect
-from rapidkv.router.balance import LeastOutstanding
+from rapidkv.router.fleet.balance import LeastOutstanding
 from rapidkv.router.config import ROLES, Instance, Member, Role, RouterConfig
-from rapidkv.router.discovery import (
+from rapidkv.router.fleet.discovery import (
     Discovered,
     DiscoveryError,
     discover_control,
@@ -89,8 +89,8 @@ from rapidkv.router.discovery import (
 )
 from rapidkv.router.fanout.plan import plan
 from rapidkv.router.fanout.relay import FanOut
-from rapidkv.router.health import InstanceHealth
-from rapidkv.router.membership_diff import Left, MembershipDiff
+from rapidkv.router.fleet.health import InstanceHealth
+from rapidkv.router.fleet.membership_diff import Left, MembershipDiff
 from rapidkv.router.metrics import RouterMetrics
 from rapidkv.router.migration.bodies import local_body, migratable, streamed
 from rapidkv.router.migration.relay import MigratingRelay, MigrationError
@@ -104,7 +104,7 @@ from rapidkv.router.placement import (
     Policy,
     Specializer,
 )
-from rapidkv.router.placer import Placer
+from rapidkv.router.placement.placer import Placer
 from rapidkv.router.rewrite import (
     BadRequest,
     Body,
@@ -128,7 +128,7 @@ from rapidkv.router.stitch import (
     continuation_body,
     is_output,
 )
-from rapidkv.router.transfer_watcher import TransferWatcher
+from rapidkv.router.fleet.transfer_watcher import TransferWatcher
 from rapidkv.router.upstream import UPSTREAM_ERRORS, get, open_session
 
 log = logging.getLogger(__name__)

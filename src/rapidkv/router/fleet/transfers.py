@@ -2,7 +2,7 @@
 answer ``/health``) and still never transfer (every TransferKV failing, D
 recomputing every prompt). The router reads each decode instance's connector
 counters over the control plane every `transfer_check_interval_s`
-(`Router._watch_transfers`) and feeds them here.
+(`transfer_watcher.TransferWatcher`) and feeds them here.
 
 `TransferWatch` is pure bookkeeping (no I/O, no clock). Per decode instance it
 keeps the last cumulative counts of the two ends a TransferKV can come to

@@ -1,9 +1,10 @@
 """Which instances the router may dispatch to: up until a request to one fails to
 get an answer, down until it answers ``/health`` again.
 
-`InstanceHealth` is pure bookkeeping (no I/O, no clock). The router marks an
+`InstanceHealth` is pure bookkeeping (no I/O, no clock). The fleet marks an
 instance down when a request to it gets no status line (refused, reset, timed
-out) and probes a down instance's ``/health`` until it answers 200 (`Router`).
+out) and probes a down instance's ``/health`` until it answers 200
+(`fleet.Fleet.mark_down`).
 
 Invariants:
 - Every instance starts up; it is down from `mark_down` until `mark_up`.

@@ -30,7 +30,7 @@ import math
 import time
 from typing import Any
 
-from rapidkv.router.config import Member
+from rapidkv.router.config import Member, RouterConfig
 from rapidkv.router.placement import (
     SLO,
     Decision,
@@ -85,6 +85,26 @@ def _role(member: Member) -> Role:
     return "any" if member.label == "both" else member.label  # type: ignore[return-value]
 
 
+def adaptive_placer(config: RouterConfig) -> Placer | None:
+    """The placer of a router with `config` over its configured members (None:
+    ``--placement fixed``)."""
+    if config.placement != "adaptive":
+        return None
+    return Placer(
+        config.members,
+        SLO(config.ttft_slo_ms, config.tpot_slo_ms),
+        Policy(
+            split=config.split_prefill,
+            split_min_tokens=config.split_min_tokens,
+            ttft_headroom=config.ttft_headroom,
+            tpot_margin=config.tpot_margin,
+            idle_crossings=config.idle_crossings,
+            stitch=config.prefill_first_token and config.dispatch == "dual",
+        ),
+        Specializer() if config.specialize else None,
+    )
+
+
 class Placer:
     """Adaptive placement over the router's members."""
 
@@ -136,7 +156,7 @@ class Placer:
 
     def join(self, index: int, member: Member) -> None:
         """Member `index` joined the fleet (a new one: the next index) or came
-        back (`Router.follow`): healthy, with its role, block size and max_num_seqs."""
+        back (`fleet.Fleet.follow`): healthy, with its role, block size and max_num_seqs."""
         if index == len(self.fleet):
             self.models.add()
             self.fleet.add(_role(member))

@@ -1,7 +1,7 @@
 """Reading each decode instance's connector counters over the control plane, so
 that a pair that is up but not transferring shows as degraded (`transfers`).
 
-The instances read are those the router's `decoders` callable names at each
+The instances read are those the fleet's `decoders` callable names at each
 round: the members that may decode now and have a control address (configured
 ``--decode URL=HOST:PORT`` / ``--instance URL=HOST:PORT``, or from their etcd
 record), so members that join through etcd are read from their first round on,
@@ -20,7 +20,7 @@ from rapidkv.control.messages import Stats, StatsRequest
 from rapidkv.router.config import Instance, RouterConfig
 from rapidkv.router.metrics import RouterMetrics
 from rapidkv.router.rpc import LazyRpc
-from rapidkv.router.transfers import TransferWatch
+from rapidkv.router.fleet.transfers import TransferWatch
 
 log = logging.getLogger(__name__)
 
