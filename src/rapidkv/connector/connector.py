@@ -111,6 +111,7 @@ class RapidKVConnector(KVConnectorBase_V1):
                 model_fingerprint(vllm_config.model_config),
                 roles=kv_roles(ktc.kv_role),
                 max_num_seqs=vllm_config.scheduler_config.max_num_seqs,
+                kv_events=kv_events_publisher(vllm_config),
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -251,3 +252,24 @@ class RapidKVConnector(KVConnectorBase_V1):
             self.sched.close()
         if self.worker is not None:
             self.worker.close()
+
+
+def kv_events_publisher(vllm_config: Any) -> dict[str, str] | None:
+    """Where this engine publishes its KV cache events (``--kv-events-config``
+    with the ZMQ publisher), as `SchedulerSide.identity` reports it; None when
+    it publishes none. vLLM offsets both ports by the data-parallel rank."""
+    cfg = getattr(vllm_config, "kv_events_config", None)
+    if cfg is None or not cfg.enable_kv_cache_events or cfg.publisher != "zmq":
+        return None
+    out = {"endpoint": cfg.endpoint, "topic": cfg.topic or ""}
+    if cfg.replay_endpoint:
+        out["replay_endpoint"] = cfg.replay_endpoint
+    rank = vllm_config.parallel_config.data_parallel_rank
+    if rank:
+        from vllm.distributed.kv_events import ZmqEventPublisher
+
+        out = {
+            k: ZmqEventPublisher.offset_endpoint_port(v, rank) if k != "topic" else v
+            for k, v in out.items()
+        }
+    return out

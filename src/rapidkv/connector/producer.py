@@ -50,6 +50,9 @@ class Produced:
     req_id: str
     prompt_len: int
     prompt_hash: str
+    # the hash of the prompt but its last token: a split's head sent to P with
+    # one token more (a fetch: P holds the head cached and computes that one)
+    head_hash: str = ""
     computed: int = 0  # tokens whose KV is final at P
     in_flight_end: int = 0  # computed + tokens of the step being built
     scheduled_step: int | None = None  # the step in flight computes some of it

@@ -128,6 +128,7 @@ class ProducerSide:
             request.request_id,
             request.num_prompt_tokens,
             prompt_hash(request.prompt_token_ids),
+            prompt_hash(request.prompt_token_ids[:-1]),
         )
         self._produced[xfer_id] = p
         self._live_by_req[p.req_id] += 1
@@ -525,7 +526,8 @@ class ProducerSide:
         return msg.transfer_kv_mode or self._config.transfer_kv_mode
 
     def _accept(self, p: Produced, msg: TransferKV, reply: Reply) -> None:
-        if msg.prompt_hash != p.prompt_hash:
+        head = msg.notify_layers and msg.prompt_hash == p.head_hash  # a fetch's head
+        if msg.prompt_hash != p.prompt_hash and not head:
             self._counters["prompt_mismatch"] += 1
             reply.resolve(
                 TransferKVReply(

@@ -83,8 +83,10 @@ class SchedulerSide:
         fingerprint: str,
         roles: tuple[str, ...] = ("prefill", "decode"),
         max_num_seqs: int | None = None,
+        kv_events: dict[str, str] | None = None,
     ) -> None:
         self.config = config
+        self.kv_events = kv_events  # vLLM's KV-event publisher, for a router's prefix index
         self.instance_id = instance_id
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs  # vLLM's; a router's placement waits beyond it
@@ -227,8 +229,11 @@ class SchedulerSide:
 
     def identity(self) -> dict[str, Any]:
         """What a router learns from our answers (`kv_transfer_params`): where
-        our control plane listens, who we are, our block size and how many
-        requests our engine runs at once."""
+        our control plane listens, who we are, our block size, how many
+        requests our engine runs at once and, when vLLM publishes its KV
+        events over ZMQ, where (``kv_events``: ``endpoint``, ``replay_endpoint``
+        when set, ``topic``; a wildcard host is the router's to replace with
+        this instance's)."""
         ours: dict[str, Any] = {
             "control": self.shared.control_address,
             "instance_id": self.instance_id,
@@ -237,6 +242,8 @@ class SchedulerSide:
         }
         if self.max_num_seqs is not None:
             ours["max_num_seqs"] = self.max_num_seqs
+        if self.kv_events is not None:
+            ours["kv_events"] = dict(self.kv_events)
         return {"rapidkv": ours}
 
     def update_output(
