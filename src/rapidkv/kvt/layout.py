@@ -11,6 +11,10 @@ The unit of transfer is a whole block (inside a block the CPU backend stores K
 transposed, so token ranges are not contiguous). Runs of consecutive source
 blocks that map to consecutive destination blocks are coalesced into one range
 when blocks are adjacent in memory on both sides.
+
+A layer may also say which KV heads its blocks hold and where they sit
+(`Heads`): what lets two instances of different tensor-parallel sizes exchange
+blocks, each head moved to the rank that owns it (`kvt.head_map`).
 """
 
 from __future__ import annotations
@@ -22,11 +26,44 @@ import msgspec
 import numpy as np
 
 
+class Heads(msgspec.Struct, frozen=True):
+    """The KV heads one layer's blocks hold on one TP rank, and where they sit.
+
+    Each run of a block (`LayerLayout.run_offsets`) is `outer` repetitions of
+    this rank's heads side by side, `head_bytes` each:
+    `run = [outer][heads of this rank][head_bytes]`. Which heads a rank holds
+    follows vLLM's split (`kvt.head_map.rank_heads`): with at least as many
+    heads as ranks, `total / tp_size` consecutive heads each; with fewer, each
+    head replicated on `tp_size / total` consecutive ranks.
+
+    | vLLM layer tensor | runs a block | `outer` | `head_bytes` |
+    |---|---|---|---|
+    | CPU `[blocks, H, N, 2*D]` | 1 | 1 | `N * 2D * e` |
+    | GPU NHD `[2, blocks, N, H, D]` | 2 (K, V) | `N` | `D * e` |
+    | GPU HND `[2, blocks, H, N, D]` | 2 (K, V) | 1 | `N * D * e` |
+
+    (H heads of this rank, N tokens a block, D head size, e bytes an element;
+    with `k` kernel blocks a block, `outer` is `k` times the kernel block's.)
+    `head_size`, `block_size` and `element_size` are carried so that a mapping
+    that cannot exist is refused with the reason.
+    """
+
+    total: int  # KV heads of the model, all ranks together
+    tp_size: int
+    rank: int
+    head_size: int  # elements of one head's vector
+    block_size: int  # tokens a block
+    element_size: int  # bytes an element
+    outer: int  # repetitions of the head dimension in one run
+    head_bytes: int  # bytes of one head at one repetition
+
+
 class LayerLayout(msgspec.Struct, frozen=True):
     base: int  # address of block 0
     block_stride: int  # bytes from block b to block b + 1
     run_bytes: int  # bytes of each contiguous run of one block
     run_offsets: tuple[int, ...] = (0,)  # offset of each run of a block from its start
+    heads: Heads | None = None  # the KV heads inside each run (None: not described)
 
     @property
     def dense(self) -> bool:
