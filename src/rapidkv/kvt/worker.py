@@ -52,6 +52,18 @@ wire time they have on real clusters. The bytes themselves land at memory speed.
 With `faults` (`kvt.faults.SendFaults`, a testing aid) some transfers fail at
 one of their layers and every transfer's sends are held back a while, decided
 per `xfer_id`; a failed one settles as after a write that failed.
+
+Peers of another TP size: a peer whose layout differs from this worker's (its
+layers describe their KV heads, `kvt.layout.Heads`) is sent the pieces of each
+block that `kvt.head_map` maps from this rank to that one; `add_peer` refuses
+with the reason (`MappingError`) where no mapping exists.
+
+KV written by a device: with `ready` (`kvt.device_ready`: a CUDA event per
+layer) `layer_done(i)` records layer i's event on the caller's current stream
+(the forward's), and the owner thread waits for it before it posts any write
+of a layer up to i made ready by a step event (layer_done, attach): the bytes
+leave only once the device has written them. Full sends do not wait (their KV
+was written by forwards that finished).
 """
 
 from __future__ import annotations
@@ -69,7 +81,9 @@ import numpy as np
 
 from rapidkv.kvt.completions import CompletionTracker, Settled, Tracked
 from rapidkv.kvt.coordinator import Attach, Send, StepCoordinator
+from rapidkv.kvt.device_ready import LayerReady
 from rapidkv.kvt.faults import INJECTED, SendFaults
+from rapidkv.kvt.head_map import Piece, peer_pieces, piece_descs
 from rapidkv.kvt.layout import Layout, layer_descs
 from rapidkv.kvt.memory import advise_hugepages
 from rapidkv.kvt.messages import LayersLanded, SendDone, decode_notif, encode_notif
@@ -162,8 +176,10 @@ class KvtWorker:
         hugepages: bool = True,
         bandwidth_cap_bps: float = 0.0,
         faults: SendFaults | None = None,
+        ready: LayerReady | None = None,
     ) -> None:
         self.transport = transport
+        self.ready = ready
         self.layout = layout
         self.rank = rank
         self.write_timeout_s = write_timeout_s
@@ -186,7 +202,8 @@ class KvtWorker:
         self._coord: StepCoordinator[Tracked] = StepCoordinator(len(layout.layers))
         self._tracker = CompletionTracker(len(layout.layers), block_size, rank)
         self._jobs: queue.SimpleQueue[_Job | Callable[[], None] | None] = queue.SimpleQueue()
-        self._peers: dict[str, Layout] = {}
+        # peer -> its layout and, where it differs from ours, the pieces per layer
+        self._peers: dict[str, tuple[Layout, tuple[tuple[Piece, ...], ...] | None]] = {}
         self._writes: dict[int, _Write] = {}
         self._next_write = 0
         self._received: list[SendDone] = []
@@ -205,13 +222,16 @@ class KvtWorker:
     # -- peers ----------------------------------------------------------------
 
     def add_peer(self, metadata: bytes, layout: Layout) -> str:
-        """Connect to a destination worker; returns its peer name for tasks."""
+        """Connect to a destination worker; returns its peer name for tasks.
+        Raises `ValueError` (`MappingError` for KV heads that cannot map) when
+        its layout cannot receive this worker's blocks."""
         if len(layout.layers) != len(self.layout.layers):
             raise ValueError(
                 f"peer has {len(layout.layers)} layers, this worker {len(self.layout.layers)}"
             )
+        pieces = peer_pieces(self.layout, layout)
         name = self._call(lambda: self.transport.add_peer(metadata))
-        self._peers[name] = layout
+        self._peers[name] = (layout, pieces)
         return name
 
     def remove_peer(self, peer: str) -> None:
@@ -228,6 +248,8 @@ class KvtWorker:
 
     def layer_done(self, layer: int) -> None:
         t = time.perf_counter()
+        if self.ready is not None:
+            self.ready.record(layer)
         with self._lock:
             self._enqueue(self._coord.layer_done(layer), "layer", t)
 
@@ -501,20 +523,17 @@ class KvtWorker:
         by_peer: dict[str, list[tuple[Tracked, int, int]]] = {}
         for piece in pieces:
             by_peer.setdefault(piece[0].task.peer, []).append(piece)
+        if self.ready is not None and job.kind != "full" and pieces:
+            self.ready.wait(max(stop for _, _, stop in pieces) - 1)
         for peer, group in by_peer.items():
-            peer_layout = self._peers.get(peer)
-            if peer_layout is None:
+            known = self._peers.get(peer)
+            if known is None:
                 self._fail_pieces(group, f"unknown peer {peer}")
                 self._peer_failed(peer, "unknown peer")
                 continue
             descs = np.concatenate(
                 [
-                    layer_descs(
-                        self.layout.layers[layer],
-                        peer_layout.layers[layer],
-                        tracked.task.src_blocks,
-                        tracked.task.dst_blocks,
-                    )
+                    self._descs(known, layer, tracked.task)
                     for tracked, first, stop in group
                     for layer in range(first, stop)
                 ]
@@ -545,6 +564,18 @@ class KvtWorker:
                 self._tracker.posted(write_id, write.pieces)
             if self.on_posted is not None:
                 self.on_posted(job.kind, job.t_event, t_post, nbytes)
+
+    def _descs(
+        self,
+        peer: tuple[Layout, tuple[tuple[Piece, ...], ...] | None],
+        layer: int,
+        task: Task,
+    ) -> np.ndarray:
+        layout, pieces = peer
+        src, dst = self.layout.layers[layer], layout.layers[layer]
+        if pieces is None:
+            return layer_descs(src, dst, task.src_blocks, task.dst_blocks)
+        return piece_descs(src, dst, pieces[layer], task.src_blocks, task.dst_blocks)
 
     def _peer_failed(self, peer: str, why: str) -> None:
         if self.on_peer_failed is not None:

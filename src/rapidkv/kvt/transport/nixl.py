@@ -9,7 +9,9 @@ thread drives all progress: `post_write`, `poll` (`check_xfer_state` progresses
 the UCX worker) and `take_notifs` (`get_new_notifs` progresses it too).
 
 - `register_memory` registers DRAM regions (or VRAM with ``mem_type="VRAM"``; the
-  region's device is the `device_id` option). `local_metadata()` is the agent's
+  region's device is the `device_id` option). Writes go to the peer's memory of
+  kind `remote_mem_type` on device `remote_device_id` (by default: the same as
+  ours), e.g. VRAM -> DRAM. `local_metadata()` is the agent's
   NIXL metadata, which includes the registered regions: take it *after*
   registering (a peer that loaded older metadata cannot write to later regions).
 - `add_peer(metadata)` loads a peer's agent metadata and returns its agent name.
@@ -213,6 +215,8 @@ class NixlTransport(Transport):
       mem_type          "DRAM" (default) or "VRAM": the kind of memory registered
                         and written (both sides of a write are of this kind).
       device_id         device of registered regions (the CUDA device for VRAM; 0).
+      remote_mem_type   the kind of the peers' memory written (default: mem_type).
+      remote_device_id  the peers' device (default: device_id for VRAM, 0 for DRAM).
       error_handling    UCX backend ``ucx_error_handling_mode``: "peer" (default)
                         or "none" (needed for ``UCX_TLS=sm,self``).
       coalesce          merge rows contiguous on both sides before posting (True).
@@ -233,14 +237,18 @@ class NixlTransport(Transport):
         *,
         mem_type: str = "DRAM",
         device_id: int = 0,
+        remote_mem_type: str | None = None,
+        remote_device_id: int | None = None,
         error_handling: str = "peer",
         coalesce: bool = True,
         apply_env_defaults: bool = True,
         backend_params: Mapping[str, str] | None = None,
         host: str | None = None,
     ) -> None:
-        if mem_type not in MEM_TYPES:
-            raise ValueError(f"mem_type must be one of {MEM_TYPES}, not {mem_type!r}")
+        remote_mem_type = mem_type if remote_mem_type is None else remote_mem_type
+        for kind in (mem_type, remote_mem_type):
+            if kind not in MEM_TYPES:
+                raise ValueError(f"mem_type must be one of {MEM_TYPES}, not {kind!r}")
         if error_handling not in ERROR_HANDLING_MODES:
             raise ValueError(
                 f"error_handling must be one of {ERROR_HANDLING_MODES}, not {error_handling!r}"
@@ -256,6 +264,10 @@ class NixlTransport(Transport):
 
         self.mem_type = mem_type
         self.device_id = int(device_id)
+        self.remote_mem_type = remote_mem_type
+        if remote_device_id is None:
+            remote_device_id = self.device_id if remote_mem_type == "VRAM" else 0
+        self.remote_device_id = int(remote_device_id)
         self._coalesce = coalesce
         self._lock = threading.RLock()
         params = {"ucx_error_handling_mode": error_handling}
@@ -270,6 +282,7 @@ class NixlTransport(Transport):
             raise TransportError(f"NIXL agent {name!r} failed to start: {_err(e)}") from e
         self._dlist = nixlXferDList  # built straight from (n, 3) int64 arrays
         self._seg = self._agent.nixl_mems[mem_type]
+        self._remote_seg = self._agent.nixl_mems[remote_mem_type]
         self._regs: list[Any] = []  # nixlRegDList of each register_memory call
         self._peers: set[str] = set()
         self._xfers: dict[int, _Xfer] = {}
@@ -382,7 +395,7 @@ class NixlTransport(Transport):
         local = rows.take(_LOCAL_COLS, axis=1)  # fresh C-contiguous copies (NIXL needs it)
         local[:, 2] = self.device_id
         remote = rows.take(_REMOTE_COLS, axis=1)
-        remote[:, 2] = self.device_id
+        remote[:, 2] = self.remote_device_id
         with self._lock:
             self._check_open()
             if peer not in self._peers:
@@ -394,7 +407,10 @@ class NixlTransport(Transport):
             agent = self._agent
             try:
                 req = agent.initialize_xfer(
-                    "WRITE", self._dlist(self._seg, local), self._dlist(self._seg, remote), peer
+                    "WRITE",
+                    self._dlist(self._seg, local),
+                    self._dlist(self._remote_seg, remote),
+                    peer,
                 )
             except Exception as e:
                 if _is_disconnect(e):
