@@ -275,8 +275,8 @@ def test_a_client_that_leaves_at_any_phase_leaves_nothing_behind(
             5,
             what="the router to count the client's abort",
         )
-        assert router.router.outstanding("prefill") == [0]
-        assert router.router.outstanding("decode") == [0]
+        assert router.router.fleet.outstanding("prefill") == [0]
+        assert router.router.fleet.outstanding("decode") == [0]
         assert_back_to_baseline(pd_pair)
     if when != "sent":  # P was asked: its connector was told (by the router, and
         # by D too when D's request was waiting for the KV), and the router says why

@@ -267,8 +267,8 @@ class Setup:
         got answered (none left running), and P's connector told nothing."""
         wait_until(
             lambda: (
-                self.router.router.outstanding("prefill") in ([], [0])
-                and self.router.router.outstanding("decode") == [0]
+                self.router.router.fleet.outstanding("prefill") in ([], [0])
+                and self.router.router.fleet.outstanding("decode") == [0]
                 and self.metric("rapidkv_router_requests_in_flight") == 0
             ),
             10,

@@ -108,7 +108,7 @@ def test_routers_following_etcd_add_instances_drop_dead_ones_and_follow_restarts
         register(client, b, "b-2", ttl_s=60, control=7003, roles=("decode",))
         client.revoke(lease_b)
         for router in routers:
-            inner = router.router
+            inner = router.router.fleet
             wait_until(
                 lambda r=inner: any(m.instance.control == "127.0.0.1:7003" for m in r.members),
                 10,

@@ -20,11 +20,11 @@ pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 def settled(router: Any) -> None:
     wait_until(
         lambda: (
-            not any(router.router.outstanding("decode"))
-            and not any(router.router.outstanding("prefill"))
+            not any(router.router.fleet.outstanding("decode"))
+            and not any(router.router.fleet.outstanding("prefill"))
         ),
         10,
-        what=f"nothing outstanding: {router.router.outstanding('decode')}",
+        what=f"nothing outstanding: {router.router.fleet.outstanding('decode')}",
     )
 
 

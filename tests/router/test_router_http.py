@@ -132,10 +132,10 @@ def test_dual_answers_without_waiting_for_p(
     assert resp.status_code == 200
     p_seen = the_one(p)
     assert p_seen.answered_seq is None  # P is still working: D did not wait for it
-    assert router.router.outstanding("prefill") == [1]
+    assert router.router.fleet.outstanding("prefill") == [1]
     p.release()
     p.wait_answered(p_seen.request_id)
-    wait_until(lambda: router.router.outstanding("prefill") == [0], 10, what="P released")
+    wait_until(lambda: router.router.fleet.outstanding("prefill") == [0], 10, what="P released")
 
 
 def test_serial_sends_d_only_after_p_answered(
@@ -393,7 +393,7 @@ def test_with_no_prefill_up_d_serves_requests_alone(
     first, last = d.requests("/v1/completions")
     assert first.kv_transfer_params["do_remote_prefill"] is True  # sent before P was found gone
     assert last.body == COMPLETION, "D alone should get the client's request as it is"
-    assert router.router.outstanding("prefill") == [0]
+    assert router.router.fleet.outstanding("prefill") == [0]
 
 
 # ------------------------------------------------------------------ instance choice
@@ -504,8 +504,8 @@ def test_client_disconnect_cancels_both_upstreams_and_aborts_p(
         what="the abort to be counted",
     )
     assert metric(router, "rapidkv_router_requests_total", outcome="client_abort") == 1
-    assert router.router.outstanding("prefill") == [0]
-    assert router.router.outstanding("decode") == [0]
+    assert router.router.fleet.outstanding("prefill") == [0]
+    assert router.router.fleet.outstanding("decode") == [0]
     assert metric(router, "rapidkv_router_requests_in_flight") == 0
 
 
@@ -531,7 +531,9 @@ def test_a_failed_prefill_is_aborted_on_p_so_d_need_not_wait_for_its_transfer(
     assert recorder.aborts == [Abort(xfer_id=xfer, reason=AbortReason.PREFILL_FAILED)]
     assert http.post(f"{router.url}/v1/completions", json=COMPLETION).status_code == 200
     wait_until(lambda: len(p.seen) == 2 and p.seen[1].answered_seq, 10, what="P's 2nd answer")
-    wait_until(lambda: router.router.outstanding("prefill") == [0], 10, what="P's request to end")
+    wait_until(
+        lambda: router.router.fleet.outstanding("prefill") == [0], 10, what="P's request to end"
+    )
     # a prefill that worked is not aborted: the one Abort above is all P got
     assert metric(router, "rapidkv_router_control_aborts_total", outcome="ok") == 1
     assert len(recorder.aborts) == 1
@@ -560,7 +562,9 @@ def test_a_failed_decode_stops_the_prefill_and_aborts_it_on_p(
     p.wait_disconnected(xfer)  # P's hanging request was stopped
     wait_until(lambda: recorder.aborts, 10, what="P's connector to get an Abort")
     assert recorder.aborts == [Abort(xfer_id=xfer, reason=AbortReason.DECODE_FAILED)]
-    wait_until(lambda: router.router.outstanding("prefill") == [0], 10, what="P to be released")
+    wait_until(
+        lambda: router.router.fleet.outstanding("prefill") == [0], 10, what="P to be released"
+    )
 
 
 def test_an_unreachable_control_address_makes_the_abort_fail_harmlessly(
@@ -717,9 +721,11 @@ def test_instances_of_a_fleet_take_either_role_and_never_both_for_one_request(
         assert other.by_id(xfer).kv_transfer_params["rapidkv"]["role"] == "prefill"
         # equal loads before the next: the prefill part may still be in flight
         # when the client has its answer (dual dispatch)
-        wait_until(lambda: router.router.outstanding("prefill") == [0, 0], 10, what="P released")
+        wait_until(
+            lambda: router.router.fleet.outstanding("prefill") == [0, 0], 10, what="P released"
+        )
     assert served == ["A0", "A1", "A0", "A1"]
-    assert router.router.outstanding("decode") == [0, 0]
+    assert router.router.fleet.outstanding("decode") == [0, 0]
     health = http.get(f"{router.url}/health").json()
     assert [c["role"] for c in health["prefill"] + health["decode"]] == ["both"] * 4
     assert metric(router, "rapidkv_router_outstanding", role="both") == 0
@@ -852,7 +858,8 @@ def test_admin_routes_exist_only_with_a_token_and_require_it(
         assert http.post(drain, content=bad, headers=AUTH).status_code == status
     missing = http.post(drain, json={"instance": "http://nowhere:1"}, headers=AUTH)
     assert missing.status_code == 404 and "nowhere" in missing.json()["error"]["message"]
-    assert not router.router.is_draining(router.router.pool("decode")[0])  # nothing changed
+    fleet = router.router.fleet
+    assert not fleet.is_draining(fleet.pool("decode")[0])  # nothing changed
 
 
 def test_admin_requests_lists_what_runs_where(

@@ -84,11 +84,11 @@ def admin_routes(router: Router, token: str) -> list[Route]:
                 )
             url = url.rstrip("/")
             if draining and move:
-                result = await router.drain_migrating(url)
+                result = await router.migrations.drain_migrating(url)
                 if result is None:
                     return _error(404, f"no instance {url!r} in this router's configuration")
                 return JSONResponse(result)
-            if not router.drain(url, draining):
+            if not router.fleet.drain(url, draining):
                 return _error(404, f"no instance {url!r} in this router's configuration")
             return JSONResponse({"instance": url, "draining": draining})
 
@@ -105,7 +105,7 @@ def admin_routes(router: Router, token: str) -> list[Route]:
                 'body must be {"xfer_id": "<id>", "to": "<instance base URL>"[, "precopy": bool]}',
             )
         try:
-            return JSONResponse(await router.migrate(xfer_id, to.rstrip("/"), precopy))
+            return JSONResponse(await router.migrations.migrate(xfer_id, to.rstrip("/"), precopy))
         except KeyError as e:
             return _error(404, str(e.args[0]))
         except MigrationError as e:

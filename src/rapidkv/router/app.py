@@ -43,6 +43,7 @@ from starlette.types import Receive, Scope, Send
 from rapidkv.membership.watcher import Members, MembershipWatcher
 from rapidkv.router.admin import admin_routes
 from rapidkv.router.config import ROLES, Instance, RouterConfig
+from rapidkv.router.fleet.fleet import Fleet
 from rapidkv.router.passthrough import Passthrough
 from rapidkv.router.proxy import Router
 from rapidkv.router.rewrite import Endpoint, error_body
@@ -67,8 +68,8 @@ def build_app(config: RouterConfig) -> Starlette:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await router.start()
-        router.discover_all()
-        watcher = _follow_etcd(router, config) if config.etcd else None
+        router.fleet.discover_all()
+        watcher = _follow_etcd(router.fleet, config) if config.etcd else None
         try:
             yield
         finally:
@@ -78,13 +79,14 @@ def build_app(config: RouterConfig) -> Starlette:
 
     async def health(request: Request) -> Response:
         timeout = config.health_timeout_s
-        members = router.members
-        listed = sorted({i for role in ROLES for i in router.pool(role)})
+        fleet = router.fleet
+        members = fleet.members
+        listed = sorted({i for role in ROLES for i in fleet.pool(role)})
         results = dict(
             zip(
                 listed,
                 await asyncio.gather(
-                    *(_check_health(router.http, members[i].instance, timeout) for i in listed)
+                    *(_check_health(fleet.http, members[i].instance, timeout) for i in listed)
                 ),
                 strict=True,
             )
@@ -92,16 +94,16 @@ def build_app(config: RouterConfig) -> Starlette:
         checks: dict[str, list[dict[str, Any]]] = {}
         for role in ROLES:  # an instance that may play both roles is listed under both
             checks[role] = []
-            for index in router.pool(role):
+            for index in fleet.pool(role):
                 result = dict(
                     results[index],
-                    dispatching=router.is_up(index) and not router.is_draining(index),
-                    draining=router.is_draining(index),
+                    dispatching=fleet.is_up(index) and not fleet.is_draining(index),
+                    draining=fleet.is_draining(index),
                 )
                 if members[index].label == "both":
                     result["role"] = "both"
                 if role == "decode":
-                    result["transfers"] = router.transfers(index)
+                    result["transfers"] = fleet.transfers(index)
                 checks[role].append(result)
         needed = ["decode"] if config.dispatch == "local" else ["prefill", "decode"]
         ok = all(any(c["healthy"] for c in checks[role]) for role in needed)
@@ -112,10 +114,11 @@ def build_app(config: RouterConfig) -> Starlette:
 
     async def models(request: Request) -> Response:
         failures = []
-        for inst in (router.members[i].instance for i in router.pool("decode")):
+        fleet = router.fleet
+        for inst in (fleet.member(i).instance for i in fleet.pool("decode")):
             url, timeout = f"{inst.url}/v1/models", config.health_timeout_s
             try:
-                status, raw, content_type = await get(router.http, url, timeout, _auth(request))
+                status, raw, content_type = await get(fleet.http, url, timeout, _auth(request))
             except UPSTREAM_ERRORS as e:
                 failures.append(f"{inst.url}: {e!r}")
                 continue
@@ -139,7 +142,7 @@ def build_app(config: RouterConfig) -> Starlette:
             Route("/v1/completions", _ProxyEndpoint(router, "completions"), methods=["POST"]),
             Route("/v1/chat/completions", _ProxyEndpoint(router, "chat"), methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
-            *Passthrough(router).routes(),
+            *Passthrough(router.fleet).routes(),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             *(admin_routes(router, config.admin_token) if config.admin_token else ()),
@@ -151,13 +154,13 @@ def build_app(config: RouterConfig) -> Starlette:
     return app
 
 
-def _follow_etcd(router: Router, config: RouterConfig) -> MembershipWatcher:
+def _follow_etcd(fleet: Fleet, config: RouterConfig) -> MembershipWatcher:
     """Start following the fleet's members in etcd: every membership the
-    watcher's thread reads is handed to `router.follow` on the serving loop."""
+    watcher's thread reads is handed to `fleet.follow` on the serving loop."""
     loop = asyncio.get_running_loop()
 
     def changed(members: Members) -> None:
-        loop.call_soon_threadsafe(router.follow, members)
+        loop.call_soon_threadsafe(fleet.follow, members)
 
     watcher = MembershipWatcher(config.etcd, config.etcd_prefix, changed)
     watcher.start()

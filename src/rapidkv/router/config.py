@@ -131,7 +131,7 @@ class RouterConfig:
     port: int = 8000
     dispatch: Dispatch = "dual"
     # fixed: the decoder by least outstanding, P among the others (split while
-    # idle); adaptive: `placer` picks local / PD / split per request, for the
+    # idle); adaptive: `placement.placer` picks local / PD / split per request, for the
     # lowest predicted TTFT within the TPOT SLO (dual dispatch only)
     placement: Placement = "fixed"
     ttft_slo_ms: float = 1000.0

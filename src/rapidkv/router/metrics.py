@@ -28,12 +28,12 @@ base URL):
   rest computed from the prompt plus P's token).
 - ``rapidkv_router_instance_up{role,instance}``: 1 while the router dispatches
   to the instance, 0 from a request that got no answer from it until its
-  ``/health`` answers 200 again (`health`).
+  ``/health`` answers 200 again (`fleet.health`).
 - ``rapidkv_router_instance_draining{role,instance}``: 1 while the instance
   is drained (``POST /admin/drain``): it gets no new request.
 - ``rapidkv_router_transfers_degraded{instance}``: 1 while every TransferKV a
   decode instance sent since the previous check fell back to recompute (a pair
-  that is up but not transferring; `transfers`), else 0.
+  that is up but not transferring; `fleet.transfers`), else 0.
 - ``rapidkv_router_placements_total{kind,reason}``: requests by where they
   ran: ``kind`` ``local`` (one instance), ``pd`` (prompt on one, decode on
   another), ``split`` (the prompt's head on one, the rest and the decode on

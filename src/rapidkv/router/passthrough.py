@@ -33,18 +33,16 @@ import asyncio
 import json
 import logging
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.requests import Request
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from rapidkv.router.asgi import send_error, wait_disconnect
+from rapidkv.router.fleet.fleet import Fleet
 from rapidkv.router.stitch import EventSplitter, StreamError
 from rapidkv.router.upstream import UPSTREAM_ERRORS
-
-if TYPE_CHECKING:
-    from rapidkv.router.proxy import Router
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +55,10 @@ NOT_RELAYED = frozenset(
 
 
 class Passthrough:
-    """The routes of this module, over `router`'s decode instances."""
+    """The routes of this module, over `fleet`'s decode instances."""
 
-    def __init__(self, router: Router) -> None:
-        self.router = router
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
         self._responses: OrderedDict[str, str] = OrderedDict()  # response id -> instance url
 
     def routes(self) -> list[Route]:
@@ -126,16 +124,16 @@ class Passthrough:
     ) -> None:
         """The request to the instance at `url` (None, or one no longer in the
         fleet: the least outstanding decode instance), its answer to the client."""
-        router = self.router
-        index = router.index_of(url) if url is not None else None
+        fleet = self.fleet
+        index = fleet.index_of(url, in_fleet=True) if url is not None else None
         if index is None:
-            if not router.any_decode_up():
+            if not fleet.up("decode"):
                 await send_error(send, 503, "no decode instance is up and not draining")
                 return
-            index = router.acquire("decode")
+            index = fleet.acquire("decode")
         else:
-            router.hold(index)
-        inst = router.members[index].instance
+            fleet.hold(index)
+        inst = fleet.member(index).instance
         target = inst.url + scope["path"]
         if scope.get("query_string"):
             target += "?" + scope["query_string"].decode("latin-1")
@@ -155,7 +153,7 @@ class Passthrough:
             if not relay.done():
                 relay.cancel()  # the client left: closing the connection aborts it
             await asyncio.gather(relay, gone, return_exceptions=True)
-            router.let_go(index)
+            fleet.let_go(index)
         if relay.done() and not relay.cancelled() and relay.exception() is not None:
             raise relay.exception()  # type: ignore[misc]
 
@@ -169,12 +167,12 @@ class Passthrough:
         send: Send,
         learn: bool,
     ) -> None:
-        router = self.router
-        inst_url = router.members[index].instance.url
+        fleet = self.fleet
+        inst_url = fleet.member(index).instance.url
         try:
-            resp = await router.http.request(method, target, data=raw or None, headers=headers)
+            resp = await fleet.http.request(method, target, data=raw or None, headers=headers)
         except UPSTREAM_ERRORS as e:
-            router.mark_down(index, repr(e))
+            fleet.mark_down(index, repr(e))
             await send_error(send, 502, f"instance {inst_url} did not answer: {e!r}")
             return
         try:

@@ -43,8 +43,8 @@ from collections import Counter
 from typing import Literal, get_args
 
 from rapidkv.bench.simulate.fit import Fit
-from rapidkv.router.fleet.balance import LeastOutstanding
 from rapidkv.router.config import SPLIT_MIN_TOKENS
+from rapidkv.router.fleet.balance import LeastOutstanding
 from rapidkv.router.placement import (
     SLO,
     FleetState,

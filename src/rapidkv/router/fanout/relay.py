@@ -25,24 +25,42 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from starlette.types import Message, Receive, Send
 
 from rapidkv.router.asgi import send_error, wait_disconnect
+from rapidkv.router.exchange import Exchange
 from rapidkv.router.fanout.merge import StreamMerge, merge_answers
 from rapidkv.router.fanout.plan import Sub
 from rapidkv.router.rewrite import Body, Endpoint, encode, error_body
 from rapidkv.router.sse import sse_error
 from rapidkv.router.stitch import EventSplitter, StreamError
 
-if TYPE_CHECKING:
-    from rapidkv.router.proxy import Exchange, Router
-
 log = logging.getLogger(__name__)
 
 _END = None  # a sub-request's answer is over (queued after its last chunk)
+
+
+class Server(Protocol):
+    """What a fan-out needs of its router (`proxy.Router`)."""
+
+    async def serve_one(
+        self,
+        endpoint: Endpoint,
+        body: Body,
+        raw: bytes,
+        headers: dict[str, str],
+        receive: Receive,
+        send: Send,
+        *,
+        pinned: int | None = None,
+        on_exchange: Callable[[Exchange], None] | None = None,
+    ) -> str:
+        """Serve one request into `send` (decoded on `pinned`, locally, if
+        given; `on_exchange` told its `Exchange`); its outcome."""
+        ...
 
 
 class _Capture:
@@ -81,7 +99,7 @@ class FanOut:
 
     def __init__(
         self,
-        router: Router,
+        router: Server,
         endpoint: Endpoint,
         body: Body,
         subs: Sequence[Sub],

@@ -18,9 +18,9 @@ from collections.abc import Callable, Sequence
 
 from rapidkv.control.messages import Stats, StatsRequest
 from rapidkv.router.config import Instance, RouterConfig
+from rapidkv.router.fleet.transfers import TransferWatch
 from rapidkv.router.metrics import RouterMetrics
 from rapidkv.router.rpc import LazyRpc
-from rapidkv.router.fleet.transfers import TransferWatch
 
 log = logging.getLogger(__name__)
 

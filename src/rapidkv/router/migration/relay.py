@@ -2,7 +2,7 @@
 
 `MigratingRelay` relays one streamed answer to the client through a
 `StreamSplice`, one upstream at a time, and carries out the migrations ordered
-through `migrate` (the admin routes):
+through `migrate` (by `controller.MigrationController`, for the admin routes):
 
 1. *pre-copy* (unless the order says stop-and-copy): while the source keeps
    streaming to the client, the destination is sent `bodies.precopy_body` for
@@ -59,7 +59,7 @@ CUTOVER_TIMEOUT_S = 30.0  # the destination's first token, after which the sourc
 
 
 class Fleet(Protocol):
-    """What a relay needs of its router."""
+    """What a relay needs of the router's instances (`fleet.Fleet`)."""
 
     @property
     def http(self) -> aiohttp.ClientSession: ...
@@ -69,6 +69,11 @@ class Fleet(Protocol):
 
     def let_go(self, index: int) -> None:
         """Count one request fewer outstanding on instance `index`."""
+
+
+class Controller(Protocol):
+    """What a relay tells of its migrations, and asks before one
+    (`controller.MigrationController`)."""
 
     def migrated(self, xfer_id: str, index: int, instance: Instance) -> None:
         """The request `xfer_id` runs on instance `index` now."""
@@ -134,6 +139,7 @@ class MigratingRelay:
     def __init__(
         self,
         fleet: Fleet,
+        controller: Controller,
         xfer_id: str,
         endpoint: Endpoint,
         body: Body,
@@ -146,6 +152,7 @@ class MigratingRelay:
         asked for one answer, which `assembled` holds at the end);
         `on_first_output`: called when the client's first output event is sent."""
         self._fleet = fleet
+        self._controller = controller
         self._on_first_output: Callable[[], None] | None = on_first_output
         self._xfer_id = xfer_id
         self._endpoint = endpoint
@@ -301,7 +308,7 @@ class MigratingRelay:
         source = self._current
         tokens = self._splice.tokens
         assert order.source_control is not None
-        await self._fleet.require_room(order.target, len(tokens))
+        await self._controller.require_room(order.target, len(tokens))
         body = precopy_body(
             self._body,
             self._endpoint,
@@ -351,7 +358,7 @@ class MigratingRelay:
         target = order.target
         if precopied is None:  # stop-and-copy: nothing asked the destination yet
             try:
-                await self._fleet.require_room(target, len(self._splice.tokens))
+                await self._controller.require_room(target, len(self._splice.tokens))
             except Busy as e:
                 self._refused(order, str(e))
                 return
@@ -373,7 +380,7 @@ class MigratingRelay:
         source.close()
         self._current = dest
         self._splice.switch()
-        self._fleet.migrated(self._xfer_id, order.index, target)
+        self._controller.migrated(self._xfer_id, order.index, target)
         self._fleet.let_go(source.index)
         await self._emit(self._splice.feed(payload))
         now = self._last_sent
@@ -397,14 +404,14 @@ class MigratingRelay:
             generated,
             result["downtime_ms"],
         )
-        self._fleet.count_migration("ok", now - last_sent)
+        self._controller.count_migration("ok", now - last_sent)
         order.result.set_result(result)
 
     def _refused(self, order: Order, why: str) -> None:
         """`order` was refused before anything was sent: the request runs on."""
         assert self._current is not None
         log.info("xfer %s: not migrated (%s); it runs on", self._xfer_id, why)
-        self._fleet.count_migration("refused")
+        self._controller.count_migration("refused")
         order.result.set_exception(MigrationError(why))
 
     def _failed(self, order: Order, why: str) -> None:
@@ -417,7 +424,7 @@ class MigratingRelay:
             why,
             self._current.instance.url,
         )
-        self._fleet.count_migration("failed")
+        self._controller.count_migration("failed")
         order.result.set_exception(MigrationError(why))
 
     async def _open_destination(

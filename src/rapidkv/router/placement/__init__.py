@@ -1,6 +1,8 @@
 """placement: where a request runs (local, PD or split), from measured costs.
 
-A pure core (no I/O, no clock, no asyncio), to be driven by the router:
+A pure core (no I/O, no clock, no asyncio), driven by the router through its
+shell, `placer` (`Placer`: the router's events in, with the clock's
+timestamps, decisions out; imported from `placement.placer`, not from here):
 
 - `model`: per-instance cost lines (prefill per token, decode step per batch
   size, KV transfer per token), learned from observations, with priors from
@@ -10,8 +12,9 @@ A pure core (no I/O, no clock, no asyncio), to be driven by the router:
   observations the models learn from.
 - `policy`: `decide(fleet, models, request, slo)` -> `Decision`: the lowest
   predicted TTFT among options whose predicted TPOT meets the SLO.
+- `shape`: when instances that may do anything specialise (`Specializer`).
 
-The router's loop, once wired:
+What `placer` does with them, in short:
 
     fleet, models = FleetState(n), Models(n)
     d = decide(fleet, models, Request(prompt_tokens, max_tokens, splittable), slo)

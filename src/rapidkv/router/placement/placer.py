@@ -1,8 +1,12 @@
 """The router's adaptive placement: the pure `placement` core fed from what the
-router sees, one instance index per `RouterConfig.members` entry.
+router sees, one instance index per fleet member (`fleet.Fleet`: the
+configured `RouterConfig.members`, then those that joined).
 
-`Placer` keeps a `FleetState` and learned `Models`; the router calls it on its
-one event loop (no locks):
+`Placer` keeps a `FleetState` and learned `Models`; the request path and the
+fleet call it on the router's one event loop (no locks). `adaptive_placer`
+makes a router's (``--placement adaptive``; None for ``fixed``).
+
+The request path (`proxy`, `prefill`, `answer`, `migration.controller`) calls:
 
 - `decide` for each request (``--placement adaptive``), then `dispatched`
   with the placement it really used; before deciding, its `Specializer` (if
@@ -13,9 +17,11 @@ one event loop (no locks):
   output event is relayed (streamed answers: a non-streamed one has no first
   token the router can see, and teaches the models nothing), `finished` when
   D's answer is over; each feeds the observations it yields to the models;
-- `migrated` when a live migration moved the request's decode;
-- `set_healthy`, `set_draining`, `set_block_size` and `set_max_num_seqs` as
-  the router learns them.
+- `migrated` when a live migration moved the request's decode.
+
+The fleet calls `set_healthy`, `set_draining`, `set_block_size` and
+`set_max_num_seqs` as it learns them, and `join` when an instance joins
+through etcd or comes back.
 
 A request's prompt length is estimated before it is tokenized: token ids are
 counted, text is taken as `CHARS_PER_TOKEN` characters a token (the policy

@@ -1,0 +1,111 @@
+"""One client request on its way through the router (`Exchange`): where it
+runs, how far it got, whether it may migrate; the client's `send` that counts
+what is relayed into it (`CountingSend`); and how a failed upstream request of
+it is reported (`upstream_error`: counted, logged at warning).
+
+The request path (`proxy`) creates and fills an exchange, the answer's relay
+(`answer`) and a migration (`migration.controller`) update it, the admin
+routes list them (`Exchange.describe`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.types import Message, Send
+
+from rapidkv.router.config import Instance
+from rapidkv.router.metrics import RouterMetrics
+from rapidkv.router.migration.relay import MigratingRelay
+from rapidkv.router.placement import Decision
+from rapidkv.router.rewrite import Endpoint
+
+log = logging.getLogger(__name__)
+
+PATHS: dict[Endpoint, str] = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+@dataclass
+class Exchange:
+    """One client request on its way through the router."""
+
+    endpoint: Endpoint
+    xfer_id: str
+    t_start: float
+    upstream_headers: dict[str, str]
+    prefill: Instance | None = None
+    decode: Instance | None = None
+    status: int | None = None  # D's status
+    placement: str | None = None  # the x-rapidkv-placement header's value
+    decision: Decision | None = None  # adaptive placement's, for the request
+    output_events: int = 0  # streamed output events relayed (about the tokens)
+    estimated_tokens: int = 0  # the prompt's length as placement estimated it
+    output_tokens: int = 0  # the output it asks for, as placement read it
+    decode_index: int = -1  # the instance that decodes it now (counted outstanding)
+    # why it cannot be migrated (None: it can, once `relay` exists)
+    unmigratable: str | None = "migration is off (no admin token)"
+    relay: MigratingRelay | None = None  # a migratable stream's, once streaming
+    # set once D has the prompt's KV or computes it (D's first token, P's answer,
+    # local dispatch, or the request's end): a fan-out's followers wait for it
+    kv_ready: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+
+    @property
+    def path(self) -> str:
+        return PATHS[self.endpoint]
+
+    def describe(self, now: float) -> dict[str, Any]:
+        """Where it runs and how far it got (``GET /admin/requests``)."""
+        return {
+            "xfer_id": self.xfer_id,
+            "endpoint": self.endpoint,
+            "prefill": self.prefill.url if self.prefill else None,
+            "decode": self.decode.url if self.decode else None,
+            "placement": self.placement,
+            "age_s": round(now - self.t_start, 3),
+            "output_events": self.output_events,
+            "tokens": self.relay.generated if self.relay is not None else None,
+            "migratable": self.relay is not None,
+            "unmigratable": None if self.relay is not None else self.unmigratable,
+        }
+
+
+class CountingSend:
+    """The client's `send`, counting the streamed output events relayed through
+    it (``data: {`` at an event's start: about one per token) into `ex`."""
+
+    MARK = b"data: {"
+
+    def __init__(self, send: Send, ex: Exchange) -> None:
+        self._send = send
+        self._ex = ex
+        self._tail = b""
+
+    async def __call__(self, message: Message) -> None:
+        body = message.get("body") if message["type"] == "http.response.body" else None
+        if body:
+            data = self._tail + body
+            self._ex.output_events += data.count(self.MARK)  # the tail is too short to hold one
+            self._tail = data[-(len(self.MARK) - 1) :]
+        await self._send(message)
+
+
+def upstream_error(
+    metrics: RouterMetrics, role: str, inst: Instance, kind: str, ex: Exchange, detail: str
+) -> None:
+    """`ex`'s request of `role` to `inst` failed (`kind`: ``status``, ``connect``
+    or ``stream``; see `metrics`)."""
+    metrics.upstream_errors.labels(role, inst.url, kind).inc()
+    consequence = " (decode will compute the prompt itself)" if role == "prefill" else ""
+    log.warning(
+        "xfer %s: %s request to %s failed (%s): %s%s",
+        ex.xfer_id,
+        role,
+        inst.url,
+        kind,
+        detail,
+        consequence,
+    )
