@@ -104,3 +104,39 @@ def test_a_conversation_s_next_turn_waits_for_the_previous_answer(load: str) -> 
     )
     with pytest.raises(ValueError, match="follows"):
         run_load(server.url, prompts, 2, Load.parse("c1"), follows=[True] * 9)
+
+
+@pytest.mark.unit
+def test_first_turns_arrive_when_given_and_later_turns_after_the_answer_and_a_think() -> None:
+    """An open loop with given arrivals and `follows` (`bench goodput
+    multiturn`): a conversation's first turn is sent at its arrival time, each
+    later turn its think time after the turn before it is answered; the
+    arrivals given for later turns (nan) are not read."""
+    from rapidkv.router.server import ThreadedServer
+
+    log: list[tuple[str, int, float]] = []
+    prompts = [[c * 10 + t] for c in range(2) for t in range(3)]  # 2 conversations of 3 turns
+    follows = [t > 0 for _ in range(2) for t in range(3)]
+    nan = float("nan")
+    arrivals = [0.0, nan, nan, 0.3, nan, nan]
+    think = [0.0, 0.2, 0.1, 0.0, 0.2, 0.1]
+    t0 = time.monotonic()
+    with ThreadedServer(_slow_vllm(log)) as server:
+        results, wall = run_load(
+            server.url, prompts, 2, Load.parse("poisson1"), arrivals=arrivals, follows=follows,
+            think_s=think,
+        )  # fmt: skip
+        with pytest.raises(ValueError, match="think_s"):
+            run_load(server.url, prompts, 2, Load.parse("c1"), follows=follows, think_s=[0.1])
+        with pytest.raises(ValueError, match="think_s"):
+            run_load(server.url, prompts, 2, Load.parse("c1"), follows=follows, think_s=-1.0)
+    assert all(r.error is None and r.token_ids == (7, 8) for r in results)
+    at = {(e, p): t - t0 for e, p, t in log}
+    assert at[("start", 0)] < 0.2 and at[("start", 10)] >= 0.3
+    for c in range(2):
+        for t in (1, 2):
+            waited = at[("start", c * 10 + t)] - at[("end", c * 10 + t - 1)]
+            assert waited >= think[c * 3 + t] - 0.01
+    # conversation 1 started while conversation 0 was still thinking or talking
+    assert at[("start", 10)] < at[("end", 2)]
+    assert wall >= 0.3 + 3 * 0.05 + 0.3

@@ -10,7 +10,10 @@
 - `loads`: closed and open loops of streamed requests, one `RequestResult` each;
 - `stats`: percentiles, summaries, paired intervals, histograms and the
   token-exact classification against a reference;
-- `workloads` and `arrivals`: request length distributions and Poisson arrivals;
+- `workloads` and `arrivals`: request length distributions and Poisson
+  arrivals (a conversation's first turns only: `session_arrivals`);
+- `shared_prefix` and `multiturn`: `bench goodput`'s workloads of shared
+  prefixes (groups behind one system prompt; users in conversation);
 - `dataset`: prompts (random token ids, ShareGPT).
 
 Nothing here imports a benchmark's own package.

@@ -17,11 +17,19 @@ Exact rate: the unit gaps are scaled so that their mean is exactly 1 (the
 process conditioned on its last arrival falling at (n - 1) / rate): with a
 few dozen requests a plain draw offers 10-20 % more or less than its nominal
 rate, the same error at every rate, which would shift every goodput by it.
+
+Conversations (`session_arrivals`): where a request follows another (a
+conversation's later turn, sent once the turn before it is answered), only
+the others, the conversations' first turns, arrive at Poisson times, at
+`rate` x starts / requests per second, so that the requests' rate stays
+`rate`: a sweep's axis is requests per second whatever the workload.
 """
 
 from __future__ import annotations
 
+import math
 import random
+from collections.abc import Sequence
 
 
 def unit_gaps(n: int, seed: int) -> list[float]:
@@ -47,9 +55,24 @@ def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
     return out
 
 
-def offered_rate(arrivals: list[float]) -> float:
+def session_arrivals(follows: Sequence[bool], rate: float, seed: int) -> list[float]:
+    """When to send each request at `rate` req/s where some follow the one
+    before them (`follows`): nan for those (sent when the one before is
+    answered), Poisson times for the others at `rate` x starts / requests
+    (see the module). With none following: `poisson_arrivals`."""
+    starts = list(follows).count(False)
+    if starts == 0:
+        return [math.nan] * len(follows)
+    times = iter(poisson_arrivals(starts, rate * (starts / len(follows)), seed))
+    return [math.nan if f else next(times) for f in follows]
+
+
+def offered_rate(arrivals: Sequence[float]) -> float:
     """The rate the arrivals offer: requests after the first over the span
-    (nan with fewer than two requests)."""
-    if len(arrivals) < 2 or arrivals[-1] <= arrivals[0]:
+    (nan with fewer than two requests). Requests whose time is nan (they
+    follow another: `session_arrivals`) count as the starts before them:
+    the starts' rate x requests / starts."""
+    starts = [t for t in arrivals if not math.isnan(t)]
+    if len(starts) < 2 or starts[-1] <= starts[0]:
         return float("nan")
-    return (len(arrivals) - 1) / (arrivals[-1] - arrivals[0])
+    return (len(starts) - 1) / (starts[-1] - starts[0]) * (len(arrivals) / len(starts))

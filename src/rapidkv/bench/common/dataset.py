@@ -14,12 +14,15 @@
   every configuration then gets those same prompts); a conversation's next
   turn is sent when its previous answer is complete. `--requests` counts
   turns (`TURNS` per conversation); each answer's length is the dataset's,
-  capped at --max-tokens, and the last turn's prompt fits in --max-len.
+  capped at --max-tokens, and the last turn's prompt fits in --max-len
+  (`bench goodput`'s `multiturn` workload, `multiturn`, replays the same
+  conversations, longer, by users who think between turns).
 
 The benchmarks whose variable is the prompt length (`goodput`, `chaos`,
 `migrate`) take prompts of given lengths (`prompts_of_lengths`): random token
 ids, or ShareGPT's conversations as text (every turn, in order), cut to each
-length: real text where only the length is chosen.
+length: real text where only the length is chosen (`goodput`'s
+`shared-prefix` cuts its system prompts and questions so).
 
 Seeded by --seed. With ``ignore_eos`` (as every `bench serve` request) each
 request yields exactly its output length.
@@ -135,9 +138,10 @@ class Conversations:
 
 
 def multiturn_workload(
-    model_dir: Path, requests: int, max_len: int, max_tokens: int, seed: int
+    model_dir: Path, requests: int, max_len: int, max_tokens: int, seed: int, turns: int = TURNS
 ) -> Conversations:
-    """`requests // TURNS` ShareGPT conversations (see the module); too few raises."""
+    """`requests // turns` ShareGPT conversations of `turns` turns (see the
+    module; `bench goodput`'s `multiturn` asks for more turns); too few raises."""
     from rapidkv.data.sharegpt import Exchange, exchanges, load
 
     chat_ids, text_tokens = chat_tokenizer(model_dir)
@@ -147,8 +151,8 @@ def multiturn_workload(
         answers = sum(min(e.answer_tokens, max_tokens) + TEMPLATE_TOKENS for e in chosen[:-1])
         return questions + answers <= max_len
 
-    count = requests // TURNS
-    chosen = exchanges(load().conversations, count, seed, TURNS, text_tokens, fits=fits)
+    count = requests // turns
+    chosen = exchanges(load().conversations, count, seed, turns, text_tokens, fits=fits)
     if len(chosen) < count:
         raise ValueError(f"ShareGPT has only {len(chosen)} conversations within the length limits")
     caps = [min(e.answer_tokens, max_tokens) for c in chosen for e in c]

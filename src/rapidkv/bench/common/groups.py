@@ -23,7 +23,12 @@ with it, `single` stays up through the round beside the others (`rapidkv.bench.s
 Every group starts with prefix caching off (`COMMON_ARGS`: a benchmark that
 sends the same prompts again would measure its cache) unless it is started
 with `prefix_caching` (`bench serve`, which empties the caches before each
-load), and `extra_args` appended to every server's command line.
+load; `bench goodput` with a workload of shared prefixes, before each rate),
+and `extra_args` appended to every server's command line. Started with
+`kv_events`, every server of the rapidkv group publishes vLLM's KV cache
+events over ZMQ on loopback ports of its own (`kv_events_args`); the
+adaptive routers learn where from the connector and keep their prefix index
+from them.
 `RunningGroup.stop` stops the fronts and the servers, by process group; the
 harness's watchdog stops them if this process dies.
 """
@@ -165,8 +170,26 @@ CONFIGS: dict[str, Config] = {
             "rapidkv",
             "router-adaptive",
             "rapidkv, both instances given to the router as --instance (either may prefill or "
-            "decode), --placement adaptive: local, PD or split per request (the router's "
-            "default SLOs unless the benchmark sets them, as `bench goodput` does)",
+            "decode), --placement adaptive: local, PD, split or fetch per request (the router's "
+            "default SLOs unless the benchmark sets them, as `bench goodput` does); with the "
+            "servers' KV events (prefix caching on), its placement knows what each instance "
+            "holds and may fetch a prefix from the one that holds it",
+            default=False,
+        ),
+        Config(
+            "rapidkv-adaptive-blind",
+            "rapidkv",
+            "router-adaptive-blind",
+            "rapidkv-adaptive with --no-prefix-index: placed as if no instance held any "
+            "prefix (the adaptive placement before it read the instances' KV events)",
+            default=False,
+        ),
+        Config(
+            "rapidkv-kv-aware-nofetch",
+            "rapidkv",
+            "router-adaptive-nofetch",
+            "rapidkv-adaptive with --no-prefix-fetch: placement counts the prefix hits each "
+            "instance would have, but never fetches a prefix from another instance",
             default=False,
         ),
         Config(
@@ -434,19 +457,28 @@ def start_group(
     fronts: set[str | None] | None = None,
     link: Any = None,
     prefix_caching: bool = False,
+    kv_events: bool = False,
 ) -> RunningGroup:
     """Start group `name` and wait until everything in it is healthy; of its
     HTTP fronts, only those named in `fronts` (all when None). With `link`
     (`harness.netns.NetnsLink`), rapidkv's P runs in its namespace A, D in B.
     With `prefix_caching`, the servers keep vLLM's default (prefix caching on)
-    and serve `/reset_prefix_cache` (`RunningGroup.reset_prefix_cache`)."""
+    and serve `/reset_prefix_cache` (`RunningGroup.reset_prefix_cache`); with
+    `kv_events` too, the rapidkv group's servers publish their KV cache
+    events (`kv_events_args`; other groups publish none)."""
     from rapidkv.harness import start_servers
 
+    if kv_events and not prefix_caching:
+        raise ValueError("kv_events: the servers publish KV events with prefix caching only")
     t0 = time.monotonic()
     args = tuple(extra_args) if prefix_caching else (*COMMON_ARGS, *extra_args)
     keyed, plan = _group_plan(name, model, log_dir, args, link)
     if prefix_caching:
         keyed = [(k, s.replace(env={**s.env, **RESET_ENV})) for k, s in keyed]
+    if kv_events and name == "rapidkv":
+        keyed = [
+            (k, s.replace(extra_args=(*s.extra_args, *kv_events_args(s.host)))) for k, s in keyed
+        ]
     cpus = helper_cpus(name)
     servers = start_servers([spec for _, spec in keyed], log_dir)
     group = RunningGroup(name, {key: s for (key, _), s in zip(keyed, servers, strict=True)})
@@ -474,6 +506,24 @@ def rapidkv_control(kv_transfer_config: Any) -> str:
 
     config = ConnectorConfig.from_extra(kv_transfer_config["kv_connector_extra_config"])
     return format_address(config.control_advertised_host, config.control_port)
+
+
+def kv_events_args(host: str) -> list[str]:
+    """vLLM's `--kv-events-config` for one server: its KV cache events
+    published over ZMQ on `host`, at a free port, with a replay endpoint at
+    another (`rapidkv.connector.connector.kv_events_publisher` names both to
+    a router)."""
+    import json
+
+    from rapidkv.harness import free_port
+
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://{host}:{free_port()}",
+        "replay_endpoint": f"tcp://{host}:{free_port()}",
+    }
+    return ["--kv-events-config", json.dumps(config)]
 
 
 PAIR_PAUSE_S = 1.2
@@ -572,6 +622,14 @@ def _group_plan(
                     [*router_argv("dual", p, d), "--no-split-prefill", "--no-prefill-first-token"],
                 ),
                 ("router-adaptive", [*adaptive, "--placement", "adaptive"]),
+                (
+                    "router-adaptive-blind",
+                    [*adaptive, "--placement", "adaptive", "--no-prefix-index"],
+                ),
+                (
+                    "router-adaptive-nofetch",
+                    [*adaptive, "--placement", "adaptive", "--no-prefix-fetch"],
+                ),
                 (
                     "router-adaptive-unshaped",
                     [*adaptive, "--placement", "adaptive", "--no-specialize"],

@@ -9,9 +9,11 @@ OpenAI SDK do (`include_usage=False`: without `stream_options`):
 - `poissonR`: open loop, requests sent at Poisson arrival times of R per second
   (`arrivals.poisson_arrivals`, seeded), whatever is still in flight.
 
-`run_load` also takes one `max_tokens` per prompt, and an open loop's arrival
+`run_load` also takes one `max_tokens` per prompt, an open loop's arrival
 times given outright (`bench goodput`: its own seeded arrivals, the same
-pattern at every rate).
+pattern at every rate), and conversations: a prompt that `follows` is sent
+only once the request before it has its whole answer, and a think time after
+it (`think_s`; in an open loop only the others arrive at their times).
 
 Each request records when each token arrived (client side), the response's
 rapidkv `xfer_id` header when a rapidkv router served it (and its
@@ -76,6 +78,7 @@ def run_load(
     arrivals: Sequence[float] | None = None,
     include_usage: bool = True,
     follows: Sequence[bool] | None = None,
+    think_s: float | Sequence[float] = 0.0,
 ) -> tuple[list[RequestResult], float]:
     """Send every prompt under `load`; results in prompt order and the wall time
     from the first request sent to the last response complete. With `cpus`, the
@@ -87,20 +90,25 @@ def run_load(
     for `stream_options: {"include_usage": true}`.
 
     `follows` (one per prompt; a conversation's later turns): a prompt that
-    follows is sent once the request before it has its whole answer, and only
-    then waits for a place in a closed loop; in an open loop only the others
-    arrive at Poisson times."""
-    if not isinstance(max_tokens, int) and len(max_tokens) != len(prompts):
+    follows is sent once the request before it has its whole answer (failed
+    or not) and `think_s` more seconds (one for all, or one per prompt: a
+    following prompt's), and only then waits for a place in a closed loop; in
+    an open loop only the others arrive at their times (the given `arrivals`
+    of following prompts are not read: `arrivals.session_arrivals` makes them
+    nan)."""
+    n = len(prompts)
+    if not isinstance(max_tokens, int) and len(max_tokens) != n:
         raise ValueError("give one max_tokens per prompt")
-    if arrivals is not None and (load.concurrency is not None or len(arrivals) != len(prompts)):
+    if arrivals is not None and (load.concurrency is not None or len(arrivals) != n):
         raise ValueError("arrivals: an open loop's, one per prompt")
-    if follows is not None and (len(follows) != len(prompts) or (follows and follows[0])):
+    if follows is not None and (len(follows) != n or (follows and follows[0])):
         raise ValueError("follows: one per prompt, the first following none")
-    if follows is not None and arrivals is not None:
-        raise ValueError("follows: with arrivals drawn here only")
+    thinks = [float(think_s)] * n if isinstance(think_s, int | float) else list(think_s)
+    if len(thinks) != n or not all(t >= 0 for t in thinks):
+        raise ValueError("think_s: >= 0 s, one for all prompts or one per prompt")
     run = _run(
         url, prompts, max_tokens, load, params, seed, timeout_s, on_done, arrivals, include_usage,
-        follows,
+        follows, thinks,
     )  # fmt: skip
     if cpus is None:
         return asyncio.run(run)
@@ -124,6 +132,7 @@ async def _run(
     given_arrivals: Sequence[float] | None = None,
     include_usage: bool = True,
     follows: Sequence[bool] | None = None,
+    thinks: Sequence[float] = (),
 ) -> tuple[list[RequestResult], float]:
     import httpx
 
@@ -179,6 +188,8 @@ async def _run(
         async def after_previous(i: int) -> None:
             if chained[i]:
                 await answered[i - 1].wait()
+                if thinks and thinks[i] > 0:
+                    await asyncio.sleep(thinks[i])
 
         async def sent(i: int) -> RequestResult:
             try:

@@ -14,6 +14,12 @@ The longest request (900 + 256 tokens) is past the 1024-token context the
 harness gives every server, so the benchmark starts every server with
 `--max-model-len` `MAX_MODEL_LEN` (the tiny model knows 2048 positions).
 
+`bench goodput` sweeps two more, whose requests share prefixes and need
+prefix caching: `shared_prefix` and `multiturn`. These two need none
+(`prefix_caching`): they send the same prompts again at every rate, so a
+run of them alone serves them without; in a run with the others, every
+server's cache is emptied before every rate.
+
 `default_rates` are the sweep (req/s) each workload gets without `--rates`,
 picked from what `single` sustained within the default SLOs on this
 machine's 2 cores (a first run, 24 requests per rate: goodput 3 req/s on
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import ClassVar
 
 MAX_MODEL_LEN = 1280
 
@@ -47,6 +54,7 @@ class Workload:
     default_rates: tuple[float, ...] = ()  # `bench goodput`'s sweep
     quick_rates: tuple[float, ...] = ()
     salt: int = 0  # keeps the workloads' draws apart under one --seed (0: serve's draws)
+    prefix_caching: ClassVar[bool] = False  # nothing shared: caching would measure the cache
 
     def __post_init__(self) -> None:
         prompts = 1 <= self.min_len <= self.max_len
@@ -56,6 +64,10 @@ class Workload:
     def seed(self, seed: int) -> int:
         """The seed of this workload's draws (prompt lengths, max_tokens, prompts)."""
         return seed + self.salt * 1_000_003
+
+    def requests(self, n: int) -> int:
+        """How many requests `--requests n` makes: n."""
+        return n
 
     def plan(self, n: int, seed: int) -> Plan:
         """`n` requests, drawn from `seed`: the same (n, seed) gives the same plan,

@@ -1,12 +1,30 @@
 """`rapidkv bench goodput`: the highest Poisson rate each configuration serves within SLOs.
 
 On the same two instances (one per core) as `bench serve`, each configuration
-(`serve.configs.CONFIGS`; by default `single`, `dp2`, tuned `vllm-nixl` 1P1D,
-`rapidkv` fixed 1P1D, i.e. today's router in dual dispatch, and
-`rapidkv-adaptive`: the same P/D pair given to the router as two `--instance`s
-with `--placement adaptive`) is swept over request rates on two workloads
-(`workloads`: *prefill-heavy*, prompts 128-900 tokens and 16 output tokens,
-`bench serve`'s; *chat*, prompts 100-900 and 32-256 output tokens).
+(`common.groups.CONFIGS`) is swept over request rates on each workload
+(`workloads`):
+
+- *prefill-heavy*, prompts 128-900 tokens and 16 output tokens (`bench
+  serve`'s), and *chat*, prompts 100-900 and 32-256 output tokens (by
+  default: both); their configurations by default `single`, `dp2`, tuned
+  `vllm-nixl` 1P1D, `rapidkv` fixed 1P1D, i.e. today's router in dual
+  dispatch, and `rapidkv-adaptive`: the same P/D pair given to the router as
+  two `--instance`s with `--placement adaptive`;
+- *shared-prefix* (`common.shared_prefix`: 4 groups, each a 1024-token
+  system prompt, each request its group's and a 30-60-token question) and
+  *multiturn* (`common.multiturn`: ShareGPT conversations of 4 turns, one
+  user each, every later turn sent a think time after the answer before it,
+  its prompt the history with `single`'s answers); their configurations by
+  default `dp2` and the adaptive router three ways: `rapidkv-adaptive-blind`
+  (`--no-prefix-index`: placed as if no instance held a prefix),
+  `rapidkv-kv-aware-nofetch` (`--no-prefix-fetch`: it counts each
+  instance's hits, never fetches) and `rapidkv-adaptive` (hits and fetches
+  from the instance holding a prefix). They are served with prefix caching
+  on, every server's cache emptied (`/reset_prefix_cache`) before every rate
+  of every configuration (and `single`'s c1), so that each starts cold, on
+  every workload of the run; the rapidkv pair's servers publish vLLM's KV
+  events (`--kv-events-config`, ZMQ on loopback ports), from which the
+  adaptive routers keep their prefix index.
 
 Groups are started one at a time, as in `bench serve` (never two serving at
 once: 2 cores), each swept on every workload and stopped. `single` comes
@@ -28,7 +46,9 @@ configurations alike (`--one-group-at-a-time`: each group started, swept and
 stopped in turn, only its own configurations interleaved). A rate
 sends all `--requests` of the workload once, open loop, at Poisson arrival
 times (`arrivals`: the same seeded pattern at every rate and on every
-configuration, scaled by the rate), greedy with `ignore_eos` so each request
+configuration, scaled by the rate; `multiturn`: its conversations start at
+rate / turns per second, `--requests` counts turns, rounded up to whole
+conversations), greedy with `ignore_eos` so each request
 yields exactly its `max_tokens`, streamed with `stream_options:
 {"include_usage": true}` (`--no-include-usage`: without). Every output is compared with `single`'s
 reference (hard mismatch / near-tie, `serve.stats.classify`).
@@ -41,8 +61,14 @@ curve is read, and DistServe's literal rule reported beside it).
 Output (`report`): tables per workload (stdout), a progress line (stderr),
 `--json PATH|-` (`workloads.<w>.configs.<c>.goodput_req_s`, `.attainment`
 per rate, `.rates.<rate>` with TTFT/TPOT p50/p90, requests, errors,
-mismatches and a rapidkv router's placements; the CPU model in `meta`) and
-`--plot PATH` (`plot`: attainment against rate). The exit status is 1 on a
+mismatches, the servers' prompt tokens by source and prefix-cache hit share,
+and a rapidkv router's placements by kind and its prompt tokens hit, fetched
+and computed (`router_counters`); the CPU model in `meta`) and `--plot PATH`
+(`plot`: attainment against rate; with prefix caching, hits against rate).
+The acceptance: `rapidkv-adaptive`'s goodput over the best baseline's
+(`options.baselines`: `dp2`, `vllm-nixl`, `rapidkv` on the length
+workloads; `dp2` and `rapidkv-adaptive-blind` on the shared prefixes). The
+exit status is 1 on a
 hard mismatch anywhere, no SLO for a workload, or `single` or a rapidkv
 configuration failing or having a failed request; a baseline that fails is
 reported, not fatal.
@@ -57,9 +83,9 @@ from collections.abc import Callable
 def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
     from rapidkv.bench.common.groups import CONFIGS
     from rapidkv.bench.common.options import add_numbers, add_served_options
-    from rapidkv.bench.common.workloads import WORKLOADS
-    from rapidkv.bench.goodput.options import DEFAULT_CONFIGS
+    from rapidkv.bench.goodput.options import DEFAULT_CONFIGS, PREFIX_CONFIGS
     from rapidkv.bench.goodput.run import run
+    from rapidkv.bench.goodput.workloads import DEFAULT_WORKLOADS, WORKLOADS
 
     def rates(attr: str) -> str:
         return "; ".join(
@@ -70,14 +96,19 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     add = parser.add_argument
     add(
         "--workloads",
-        default=",".join(WORKLOADS),
-        help=f"comma-separated, of {', '.join(WORKLOADS)} (default: %(default)s)",
+        default=",".join(DEFAULT_WORKLOADS),
+        help=f"comma-separated, of {', '.join(WORKLOADS)} (default: %(default)s; "
+        "shared-prefix and multiturn are served with prefix caching on, every cache emptied "
+        "before every rate, on every workload of the run; multiturn replays ShareGPT's "
+        "conversations whatever --dataset is)",
     )
     add(
         "--configs",
-        default=",".join(DEFAULT_CONFIGS),
-        help=f"comma-separated, of {', '.join(CONFIGS)} (default: %(default)s; `single` runs "
-        "anyway, for the references and the SLOs)",
+        default=None,
+        help=f"comma-separated, of {', '.join(CONFIGS)} (default: {','.join(DEFAULT_CONFIGS)} "
+        f"for prefill-heavy and chat, {','.join(PREFIX_CONFIGS)} for shared-prefix and "
+        "multiturn, those of every workload of the run; `single` runs anyway, for the "
+        "references and the SLOs)",
     )
     add(
         "--rates",
@@ -88,7 +119,13 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         f"a named list wins; default: {rates('default_rates')}; with --quick: "
         f"{rates('quick_rates')})",
     )
-    add("--requests", type=int, default=None, help="requests per rate (default 40; 8 quick)")
+    add(
+        "--requests",
+        type=int,
+        default=None,
+        help="requests per rate (default 40; 8 quick; multiturn: rounded up to whole "
+        "conversations)",
+    )
     add(
         "--warmup",
         type=int,

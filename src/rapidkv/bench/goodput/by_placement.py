@@ -2,13 +2,16 @@
 placed them, and its predictions against what the client measured. Pure: no I/O.
 
 Each request a rapidkv router served carries its ``x-rapidkv-placement``
-header: the kind (``local``, ``pd``, ``split``), the reason, and, from an
-adaptive router (`placement.Decision.header_value`), the TTFT and TPOT the
-policy predicted (a fixed router predicts nothing: its ratios are nan). Per kind:
-how many, the shares meeting each SLO, the measured p50s, and the median of
-measured over predicted for each of TTFT and TPOT (1: the policy saw it
-right; above 1: it was optimistic, and placed requests where they missed).
-Failed requests, and those without the header, are left out.
+header: the kind (``local``, ``pd``, ``split``, ``fetch``), the reason, and,
+from an adaptive router (`placement.Decision.header_value`), the prompt
+tokens its prefix index said the decoding instance (``hit``) and a fetch's
+or a PD's prefill instance (``prefill_hit``) hold cached (absent: 0), and
+the TTFT and TPOT the policy predicted (a fixed router predicts nothing: its
+ratios are nan). Per kind: how many, the shares meeting each SLO, the
+measured p50s, the mean hits, and the median of measured over predicted for
+each of TTFT and TPOT (1: the policy saw it right; above 1: it was
+optimistic, and placed requests where they missed). Failed requests, and
+those without the header, are left out.
 """
 
 from __future__ import annotations
@@ -32,6 +35,12 @@ def _number(fields: dict[str, str], key: str) -> float:
 def _median_ratio(measured: Sequence[float], predicted: Sequence[float]) -> float:
     ratios = [m / p for m, p in zip(measured, predicted, strict=True) if math.isfinite(m) and p > 0]
     return statistics.median(ratios) if ratios else math.nan
+
+
+def _mean_tokens(rows: Sequence[dict[str, str]], key: str) -> float:
+    values = [_number(f, key) if key in f else 0.0 for f in rows]
+    finite = [v for v in values if math.isfinite(v)]
+    return statistics.fmean(finite) if finite else math.nan
 
 
 def _p50(values: Sequence[float]) -> float:
@@ -61,6 +70,8 @@ def by_placement(
         row.update(
             ttft_p50_ms=_p50(ttft),
             tpot_p50_ms=_p50(tpot),
+            hit_tokens_mean=_mean_tokens([f for f, _ in rows], "hit"),
+            prefill_hit_tokens_mean=_mean_tokens([f for f, _ in rows], "prefill_hit"),
             ttft_measured_over_predicted=_median_ratio(
                 ttft, [_number(f, "ttft_ms") for f, _ in rows]
             ),

@@ -14,8 +14,20 @@ from rapidkv.bench.common.options import (
 )
 
 DEFAULT_CONFIGS = ("single", "dp2", "vllm-nixl", "rapidkv", "rapidkv-adaptive")
+"""`--configs`' default for the request length workloads."""
 BASELINES = ("dp2", "vllm-nixl", "rapidkv")
-"""What `rapidkv-adaptive`'s goodput is compared with (the issue's acceptance)."""
+"""What `rapidkv-adaptive`'s goodput is compared with on them (the issue's acceptance)."""
+PREFIX_CONFIGS = (
+    "dp2",
+    "rapidkv-adaptive-blind",
+    "rapidkv-kv-aware-nofetch",
+    "rapidkv-adaptive",
+)
+"""`--configs`' default for the workloads of shared prefixes (`single` runs
+anyway): least outstanding requests, and the adaptive placement blind to
+what the instances hold, aware of it without fetching, and with fetching."""
+PREFIX_BASELINES = ("dp2", "rapidkv-adaptive-blind")
+"""What `rapidkv-adaptive` (prefix index and fetch) is compared with on them."""
 ADAPTIVE = "rapidkv-adaptive"
 ADAPTIVE_FRONT = "router-adaptive"
 """The prefix of the adaptive router's fronts (`serve.configs`): started again
@@ -43,15 +55,20 @@ class Options:
     include_usage: bool = True  # stream_options: {"include_usage": true} on every request
     model: str = "tiny"  # options.MODELS, or a checkpoint's directory
     dataset: str = "random"  # the prompts of the workloads' lengths
+    prefix_caching: bool = False  # a workload shares prefixes: on, emptied before each rate
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Options:
         from rapidkv.bench.common.groups import CONFIGS
-        from rapidkv.bench.common.workloads import MAX_MODEL_LEN, WORKLOADS
+        from rapidkv.bench.common.workloads import MAX_MODEL_LEN
+        from rapidkv.bench.goodput.workloads import WORKLOADS
 
         workloads = tuple(w for w in args.workloads.split(",") if w)
-        configs = tuple(c for c in args.configs.split(",") if c)
         check_known(workloads, WORKLOADS, "workload")
+        if args.configs is None:
+            configs = default_configs(workloads)
+        else:
+            configs = tuple(c for c in args.configs.split(",") if c)
         check_known(configs, CONFIGS, "configuration")
         check_model(getattr(args, "model", "tiny"))
         if not workloads or not configs:
@@ -89,18 +106,44 @@ class Options:
             warmup=warmup,
             router_args=tuple(shlex.split(args.router_args)),
             together=not args.one_group_at_a_time,
+            prefix_caching=any(WORKLOADS[w].prefix_caching for w in workloads),
             **{**served, "server_args": (*max_len, *served["server_args"])},
         )
+
+    def count(self, workload: str) -> int:
+        """Requests per rate of `workload` (`multiturn`: whole conversations)."""
+        from rapidkv.bench.goodput.workloads import WORKLOADS
+
+        return int(WORKLOADS[workload].requests(self.requests))
 
     def units(self) -> int:
         """Progress units: one per request (references, `single`'s warm-up and
         c1, every configuration's warm-ups and sweeps)."""
-        per_workload = self.requests + self.warmup + self.requests  # reference, warm-up, c1
-        total = per_workload * len(self.workloads)
-        for c in self.configs:
-            for w in self.workloads:
-                total += (0 if c == "single" else self.warmup) + self.requests * len(self.rates[w])
+        total = 0
+        for w in self.workloads:
+            total += 2 * self.count(w) + self.warmup  # reference, c1; warm-up
+            for c in self.configs:
+                total += (0 if c == "single" else self.warmup) + self.count(w) * len(self.rates[w])
         return total
+
+
+def default_configs(workloads: tuple[str, ...]) -> tuple[str, ...]:
+    """`--configs`' default: each workload's (`DEFAULT_CONFIGS`, `PREFIX_CONFIGS`), in turn."""
+    from rapidkv.bench.goodput.workloads import WORKLOADS
+
+    out: list[str] = []
+    for w in workloads:
+        for c in PREFIX_CONFIGS if WORKLOADS[w].prefix_caching else DEFAULT_CONFIGS:
+            if c not in out:
+                out.append(c)
+    return tuple(out)
+
+
+def baselines(workload: str) -> tuple[str, ...]:
+    """What `ADAPTIVE` is compared with on `workload` (`BASELINES`, `PREFIX_BASELINES`)."""
+    from rapidkv.bench.goodput.workloads import WORKLOADS
+
+    return PREFIX_BASELINES if WORKLOADS[workload].prefix_caching else BASELINES
 
 
 def fixed_fronts(members: list[str]) -> set[str]:

@@ -3,8 +3,10 @@
 `build_report` turns what `run.Sweep` measured into the JSON document
 (docs/benchmarks.md lists its keys): per workload its SLOs and `single`'s c1,
 per configuration its goodput (`slo.goodput`), `attainment` per rate and, per
-rate, what the attainment was made of; then the issue's acceptance (adaptive's
-goodput over the best baseline's, per workload). `print_report` prints it as
+rate, what the attainment was made of (with prefix caching: the servers'
+prefix-cache hits and a rapidkv router's prompt tokens hit, fetched and
+computed); then the issue's acceptance (adaptive's goodput over the best
+baseline's, per workload: `options.baselines`). `print_report` prints it as
 tables.
 """
 
@@ -35,6 +37,10 @@ configurations and not on others."""
 ACCEPTANCE_RATIO = 1.1
 """rapidkv-adaptive's goodput over the best baseline's, on every workload."""
 
+CACHE_SOURCES = ("external", "local", "cached")
+"""vLLM's prompt tokens by source (`groups.PROMPT_TOKEN_SOURCES`): received
+through a connector, computed, found in the prefix cache."""
+
 SUMMARY_KEYS = ("p50", "p90", "p99", "mean", "max")
 
 
@@ -42,8 +48,8 @@ def build_report(
     sweep: SweepResult, opts: Options, log_dir: Path, wall_s: float, command: str | None
 ) -> dict[str, Any]:
     from rapidkv.bench.common.groups import CONFIGS
-    from rapidkv.bench.common.workloads import WORKLOADS
-    from rapidkv.bench.goodput.options import ADAPTIVE, BASELINES
+    from rapidkv.bench.goodput.options import ADAPTIVE, baselines
+    from rapidkv.bench.goodput.workloads import WORKLOADS
 
     workloads: dict[str, Any] = {}
     ok = True
@@ -64,6 +70,9 @@ def build_report(
             ok = False
         workloads[name] = {
             **WORKLOADS[name].summary(),
+            "requests": w.requests,
+            "prompt_tokens_sent": _lengths(w.prompts),
+            "prefix_caching": opts.prefix_caching,
             "rates": list(opts.rates[name]),
             "error": w.error,
             "slo": None
@@ -78,7 +87,7 @@ def build_report(
             },
             "single_c1": c1,
             "configs": configs,
-            "acceptance": acceptance(configs, BASELINES, ADAPTIVE, opts.rates[name]),
+            "acceptance": acceptance(configs, baselines(name), ADAPTIVE, opts.rates[name]),
         }
     if hard:
         ok = False
@@ -101,7 +110,9 @@ def build_report(
         "workloads": workloads,
         "acceptance": {
             "target": f"on every workload, {ADAPTIVE}'s goodput >= {ACCEPTANCE_RATIO:g}x the "
-            f"best of {', '.join(BASELINES)}; 0 hard mismatches",
+            "best of its baselines ("
+            + "; ".join(f"{w}: {', '.join(baselines(w))}" for w in workloads)
+            + "); 0 hard mismatches",
             "hard_mismatches_all_configs": hard,
             "met": bool(met) and all(met) and hard == 0,
         },
@@ -118,6 +129,45 @@ def _target() -> float:
 
 def _brief(summary: dict[str, float]) -> dict[str, float]:
     return {k: summary[k] for k in SUMMARY_KEYS}
+
+
+def _lengths(prompts: list[list[int]]) -> dict[str, float] | None:
+    """The prompts' lengths in tokens: min, max, mean (None without prompts)."""
+    if not prompts:
+        return None
+    lens = [len(p) for p in prompts]
+    return {"min": min(lens), "max": max(lens), "mean": sum(lens) / len(lens)}
+
+
+def pooled_sources(per_server: list[dict[str, float]]) -> dict[str, float]:
+    """Prompt tokens by source (`CACHE_SOURCES`), summed over servers (or rates)."""
+    return {k: sum(v.get(k, 0.0) for v in per_server) for k in CACHE_SOURCES}
+
+
+def cache_figures(
+    pooled: dict[str, float], sent: int, router: dict[str, float] | None
+) -> dict[str, Any]:
+    """What the prefix caches did: the servers' prompt tokens by source
+    (`pooled`, `CACHE_SOURCES`), `prefix_cache_hit_fraction` (of the prompt
+    tokens the servers counted, the share their caches served, as `bench
+    serve`'s `hit`: a prompt handed from P to D counts on both),
+    `cached_over_sent` (the same hits over `sent`, the prompt tokens of the
+    requests answered), and a rapidkv router's prompt tokens by where its
+    placement found them (`router_prefix_tokens`: hit, fetched, computed;
+    None for another front) with `fetched_fraction` (fetched over their sum)."""
+    counted = sum(pooled.values())
+    out: dict[str, Any] = {
+        "prompt_tokens_sent": sent,
+        "prompt_tokens_by_source": pooled,
+        "prefix_cache_hit_fraction": pooled["cached"] / counted if counted else math.nan,
+        "cached_over_sent": pooled["cached"] / sent if sent else math.nan,
+        "router_prefix_tokens": router,
+        "fetched_fraction": None,
+    }
+    if router is not None:
+        total = sum(router.values())
+        out["fetched_fraction"] = router.get("fetched", 0.0) / total if total else math.nan
+    return out
 
 
 def single_c1_report(w: WorkloadRun, tie: float = NEAR_TIE_MARGIN) -> dict[str, Any] | None:
@@ -183,6 +233,13 @@ def rate_report(run: Any, w: WorkloadRun, tie: float = NEAR_TIE_MARGIN) -> dict[
         near_tie_mismatches=s["near_tie_mismatches"],
         placements=run.placements,
         reasons=run.reasons,
+        prompt_tokens=run.prompt_tokens,
+        **cache_figures(
+            pooled_sources(list(run.prompt_tokens.values())),
+            sum(len(w.prompts[r.prompt_index]) for r in run.results if r.error is None),
+            run.prefix_tokens,
+        ),
+        reset_errors=run.reset_errors,
         by_placement=by_placement([r.placement for r in run.results], outcomes, w.slo)
         if run.placements is not None
         else None,
@@ -211,6 +268,7 @@ def config_report(c: ConfigRun, w: WorkloadRun, opts: Options) -> dict[str, Any]
     gp = goodput(by_rate) if w.slo is not None else goodput({})
     interval = goodput_interval(_attained(rates, opts.rates[w.name]))
     counted = list(rates.values())
+    routed = [v["router_prefix_tokens"] for v in counted if v["router_prefix_tokens"] is not None]
     return {
         "description": CONFIGS[c.name].description,
         "group": CONFIGS[c.name].group,
@@ -227,6 +285,12 @@ def config_report(c: ConfigRun, w: WorkloadRun, opts: Options) -> dict[str, Any]
         "errors": sum(v["errors"] for v in counted),
         "hard_mismatches": sum(v["hard_mismatches"] or 0 for v in counted),
         "near_tie_mismatches": sum(v["near_tie_mismatches"] or 0 for v in counted),
+        # over every rate: see cache_figures
+        **cache_figures(
+            pooled_sources([v["prompt_tokens_by_source"] for v in counted]),
+            sum(v["prompt_tokens_sent"] for v in counted),
+            {k: sum(r.get(k, 0.0) for r in routed) for k in routed[0]} if routed else None,
+        ),
         "rates": rates,
     }
 
@@ -302,9 +366,9 @@ def _attained(
 
 
 def meta(opts: Options, log_dir: Path, wall_s: float, command: str | None) -> dict[str, Any]:
-    from rapidkv.bench.common.groups import COMMON_ARGS
+    from rapidkv.bench.common.groups import COMMON_ARGS, CONFIGS
     from rapidkv.bench.common.provenance import machine_info
-    from rapidkv.bench.goodput.options import ARRIVAL_SALT
+    from rapidkv.bench.goodput.options import ARRIVAL_SALT, is_adaptive
     from rapidkv.harness.procs import cpu_model
 
     return {
@@ -327,7 +391,12 @@ def meta(opts: Options, log_dir: Path, wall_s: float, command: str | None) -> di
         "attainment_target": _target(),
         "timeout_s": opts.timeout,
         "include_usage": opts.include_usage,
-        "server_args": [*COMMON_ARGS, *opts.server_args],
+        "server_args": [*(() if opts.prefix_caching else COMMON_ARGS), *opts.server_args],
+        # every server's cache emptied before every rate (and single's c1)
+        "prefix_caching": opts.prefix_caching,
+        # the rapidkv group's servers publish --kv-events-config (ZMQ, loopback)
+        "kv_events": opts.prefix_caching
+        and any(is_adaptive(CONFIGS[c].front) for c in opts.configs),
         "near_tie_margin": near_tie_margin(opts.dtype),
         "wall_s": wall_s,
         "finished": time.strftime("%Y-%m-%d %H:%M:%S %z"),
@@ -367,26 +436,49 @@ def print_report(report: dict[str, Any], out: IO[str]) -> None:
                 f"{slo['attainment_target']:.0%} attaining both",
                 file=out,
             )
-        head = f"{'config':<18}{'rate':>6}{'offer':>7}{'attain':>8}{'ttft':>6}{'tpot':>6}"
+        caching = w.get("prefix_caching", False)
+        if caching:
+            print(
+                "prefix caching on, every server's cache emptied before every rate; hit: the "
+                "share of the prompt tokens the servers counted that their caches served; "
+                "tokens: a rapidkv router's prompt tokens hit / fetched / computed",
+                file=out,
+            )
+        width = max([18, *(len(k) + 1 for k in w["configs"])])
+        head = f"{'config':<{width}}{'rate':>6}{'offer':>7}{'attain':>8}{'ttft':>6}{'tpot':>6}"
         head += "".join(f"{h:>9}" for h, _, _ in cols)
-        head += f"{'req/s':>7}{'n':>4}{'err':>4}{'hard':>5}{'tie':>4}{'other':>6}  placements"
+        head += f"{'req/s':>7}{'n':>4}{'err':>4}{'hard':>5}{'tie':>4}{'other':>6}"
+        head += f"{'hit':>5}  placements" if caching else "  placements"
         print(f"{head}\n{'-' * len(head)}", file=out)
         for key, c in w["configs"].items():
             if c["error"]:
-                print(f"{key:<18}ERROR {c['error'].splitlines()[0][:110]}", file=out)
+                print(f"{key:<{width}}ERROR {c['error'].splitlines()[0][:110]}", file=out)
             for rk, s in c["rates"].items():
-                line = f"{key:<18}{rk:>6}{fmt(s['offered_req_s']):>7}"
+                line = f"{key:<{width}}{rk:>6}{fmt(s['offered_req_s']):>7}"
                 line += f"{_pct(s['attainment']):>8}{_pct(s.get('ttft_attainment')):>6}"
                 line += f"{_pct(s.get('tpot_attainment')):>6}"
                 line += "".join(f"{fmt(s[m][k]):>9}" for _, m, k in cols)
                 line += f"{fmt(s['throughput_req_s']):>7}{s['requests']:>4}{s['errors']:>4}"
                 line += f"{fmt(s['hard_mismatches'], 0):>5}{fmt(s['near_tie_mismatches'], 0):>4}"
                 line += f"{fmt(s['other_cpu_cores'], 2):>6}"
+                if caching:
+                    line += f"{_pct(s.get('prefix_cache_hit_fraction')):>5}"
                 if s["placements"]:
                     line += "  " + " ".join(f"{k} {v:.0f}" for k, v in s["placements"].items() if v)
+                tokens = s.get("router_prefix_tokens")
+                if caching and tokens:
+                    line += "; tokens " + "/".join(
+                        f"{tokens.get(k, 0.0):.0f}" for k in ("hit", "fetched", "computed")
+                    )
                 print(line, file=out)
         print("goodput (req/s):", file=out)
         for key, c in w["configs"].items():
+            if caching:
+                tokens = c.get("router_prefix_tokens") or {}
+                pulled = f", fetched {tokens.get('fetched', 0.0):.0f} tokens" if tokens else ""
+                hit = f" (hit {_pct(c.get('prefix_cache_hit_fraction'))}{pulled})"
+            else:
+                hit = ""
             extra = "" if c["goodput_bound"] == "within" else f" ({c['goodput_bound']})"
             if not c["attainment_monotonic"]:
                 extra += f" (not monotonic: DistServe's max rule {fmt(c['goodput_max_req_s'])})"
@@ -396,7 +488,7 @@ def print_report(report: dict[str, Any], out: IO[str]) -> None:
             iv = c.get("goodput_interval_req_s")
             if iv:
                 extra += f", 95 % [{fmt(iv[0])}, {fmt(iv[1])}]"
-            print(f"  {key:<18}{fmt(c['goodput_req_s']):>7}{extra}", file=out)
+            print(f"  {key:<{width}}{fmt(c['goodput_req_s']):>7}{extra}{hit}", file=out)
         a = w["acceptance"]
         why = f" ({a['why_not']})" if a["why_not"] else ""
         iv = a.get("interval")

@@ -18,6 +18,9 @@ class RateRun:
     placements: dict[str, float] | None = None  # a rapidkv router's, by kind
     reasons: dict[str, float] | None = None  # ... and by the policy's reason (or "fixed")
     learned: dict[str, Any] | None = None  # an adaptive router's models after the rate
+    prefix_tokens: dict[str, float] | None = None  # a rapidkv router's: hit, fetched, computed
+    prompt_tokens: dict[str, dict[str, float]] = field(default_factory=dict)  # per server
+    reset_errors: list[str] = field(default_factory=list)  # caches not emptied before it
     server_cpu_s: dict[str, float] = field(default_factory=dict)  # per process tree
     client_cpu_s: float = 0.0  # this process: the load generator
     other_cpu_s: float = 0.0  # everything else on the machine (noise: should be ~0)
@@ -39,8 +42,8 @@ class WorkloadRun:
     """One workload: its requests, `single`'s reference outputs and c1, its SLOs."""
 
     name: str
-    max_tokens: tuple[int, ...]
-    prompts: list[list[int]]
+    max_tokens: tuple[int, ...]  # one per request
+    prompts: list[list[int]]  # multiturn: empty until the reference pass makes them
     arrival_seed: int
     references: list[Any] | None = None  # serve.stats.Reference per prompt
     error: str | None = None  # why there is no reference or no SLO
@@ -48,6 +51,13 @@ class WorkloadRun:
     single_c1_wall_s: float = 0.0
     single_c1_other_cpu_s: float = 0.0  # noise while the SLOs' base was measured
     slo: Any = None  # slo.SLO
+    conversations: Any = None  # multiturn: dataset.Conversations, the prompts' makings
+    follows: list[bool] | None = None  # per request: sent after the one before is answered
+    think_s: tuple[float, ...] | None = None  # per request: after the answer it follows
+
+    @property
+    def requests(self) -> int:
+        return len(self.max_tokens)
 
 
 @dataclass

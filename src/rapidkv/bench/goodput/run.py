@@ -18,12 +18,7 @@ from rapidkv.bench.common.options import log_dir as make_log_dir
 from rapidkv.bench.common.progress import Progress
 from rapidkv.bench.common.provenance import git_describe
 from rapidkv.bench.common.run import command_line, finish, parse_options
-from rapidkv.bench.goodput.options import (
-    ARRIVAL_SALT,
-    Options,
-    fixed_fronts,
-    is_adaptive,
-)
+from rapidkv.bench.goodput.options import Options, fixed_fronts, is_adaptive
 from rapidkv.bench.goodput.results import ConfigRun, RateRun, SweepResult, WorkloadRun
 
 
@@ -62,24 +57,17 @@ class Sweep(SweepResult):
     (`serve.configs.GROUPS` order)."""
 
     def __init__(self, opts: Options, log_dir: Path, progress: Any) -> None:
-        from rapidkv.bench.common.dataset import prompts_of_lengths
         from rapidkv.bench.common.options import model_dir
-        from rapidkv.bench.common.workloads import WORKLOADS
+        from rapidkv.bench.goodput.workloads import requests_of
 
         self.opts = opts
         self.log_dir = log_dir
         self.progress = progress
         self.model_dir = model_dir(opts.model, opts.dtype)
-        self.workloads: dict[str, WorkloadRun] = {}
-        for name in opts.workloads:
-            w = WORKLOADS[name]
-            plan = w.plan(opts.requests, opts.seed)
-            prompts = prompts_of_lengths(
-                self.model_dir, plan.prompt_lens, w.seed(opts.seed), opts.dataset
-            )
-            self.workloads[name] = WorkloadRun(
-                name, plan.max_tokens, prompts, w.seed(opts.seed) + ARRIVAL_SALT
-            )
+        self.workloads: dict[str, WorkloadRun] = {
+            name: requests_of(name, self.model_dir, opts.requests, opts.seed, opts.dataset)
+            for name in opts.workloads
+        }
         self.configs = {name: ConfigRun(name) for name in opts.configs}
 
     def run(self) -> Sweep:
@@ -104,7 +92,7 @@ class Sweep(SweepResult):
         return self
 
     def config_units(self, name: str) -> int:
-        n = sum(len(self.opts.rates[w]) for w in self.workloads) * self.opts.requests
+        n = sum(len(self.opts.rates[w]) * self.opts.count(w) for w in self.workloads)
         return n + (0 if name == "single" else self.opts.warmup * len(self.workloads))
 
     def fail(self, members: list[str], why: str) -> None:
@@ -115,13 +103,23 @@ class Sweep(SweepResult):
     # -------------------------------------------------------------- groups
 
     def start(self, group_name: str, members: list[str], fronts: set[str | None]) -> Any:
-        """The started group, or the reason it did not start (its members fail)."""
-        from rapidkv.bench.common.groups import start_group
+        """The started group, or the reason it did not start (its members fail).
+        With prefix caching (a workload of shared prefixes), the rapidkv
+        group's servers publish their KV events when an adaptive router runs."""
+        from rapidkv.bench.common.groups import CONFIGS, start_group
 
         self.progress.stage(f"starting {group_name}")
+        caching = self.opts.prefix_caching
         try:
             group = start_group(
-                group_name, self.model_dir, self.log_dir, self.opts.server_args, fronts=fronts
+                group_name,
+                self.model_dir,
+                self.log_dir,
+                self.opts.server_args,
+                fronts=fronts,
+                prefix_caching=caching,
+                # the adaptive routers' prefix index reads them
+                kv_events=caching and any(is_adaptive(CONFIGS[m].front) for m in members),
             )
         except Exception as e:
             why = f"{group_name} did not start: {type(e).__name__}: {e}"
@@ -149,18 +147,20 @@ class Sweep(SweepResult):
         its own sweep when it is a configuration of the run."""
         from rapidkv.bench.common.groups import CONFIGS
 
-        n = self.opts.requests
         group = self.start("single", members, set())
         if isinstance(group, str):
             for w in self.workloads.values():
                 w.error = group[:4000]
-            self.progress.advance(len(self.workloads) * (2 * n + self.opts.warmup))
+                self.progress.advance(2 * w.requests + self.opts.warmup)
             self.progress.advance(sum(self.config_units(m) for m in members))
             return
         try:
             url = group.url(CONFIGS["single"])
             for w in self.workloads.values():
                 self.reference(w, url)
+                if not w.prompts:  # multiturn: its reference pass makes them, and failed
+                    self.progress.advance(w.requests + self.opts.warmup)
+                    continue
                 self.warm_up("single", w, url, CONFIGS["single"])
                 self.single_c1(w, url, group)
                 if w.slo is not None:
@@ -231,15 +231,12 @@ class Sweep(SweepResult):
         for w in self.workloads.values():
             live = [m for m in placed if not self.configs[m].error]
             skipped = [m for m in placed if m not in live]
-            self.progress.advance(
-                sum(self.opts.requests * len(self.opts.rates[w.name]) for _ in skipped)
-            )
+            per_config = w.requests * len(self.opts.rates[w.name])
+            self.progress.advance(per_config * len(skipped))
             if w.slo is None:
                 for m in live:
                     self.configs[m].rates.setdefault(w.name, {})
-                self.progress.advance(
-                    len(live) * (self.opts.requests * len(self.opts.rates[w.name]))
-                )
+                self.progress.advance(per_config * len(live))
                 continue
             for m in live:
                 if is_adaptive(CONFIGS[m].front):
@@ -250,7 +247,7 @@ class Sweep(SweepResult):
             for i, rate in enumerate(self.opts.rates[w.name]):
                 for m in live if i % 2 == 0 else live[::-1]:
                     if self.configs[m].error:  # failed, or timed out at a lower rate
-                        self.progress.advance(self.opts.requests)
+                        self.progress.advance(w.requests)
                         continue
                     guarded(m, self.measure, m, placed[m], w, rate)
 
@@ -270,18 +267,24 @@ class Sweep(SweepResult):
 
     def reference(self, w: WorkloadRun, url: str) -> None:
         """`single`'s greedy outputs with top-2 margins, at the workload's longest
-        `max_tokens`; each request's reference is its prefix of that."""
-        from rapidkv.bench.common.reference import take_references
+        `max_tokens`; each request's reference is its prefix of that. A
+        conversation's turns (`multiturn`) are asked turn after turn, and the
+        prompts are made of the answers (`take_conversation_references`)."""
+        from rapidkv.bench.common.reference import take_conversation_references, take_references
 
         self.progress.stage(f"{w.name}: reference (single, logprobs=2)")
         try:
-            refs = take_references(url, w.prompts, max(w.max_tokens), self.opts.timeout)
+            if w.conversations is not None:
+                w.prompts, w.references = take_conversation_references(
+                    url, w.conversations, self.opts.timeout
+                )
+            else:
+                refs = take_references(url, w.prompts, max(w.max_tokens), self.opts.timeout)
+                w.references = [r.prefix(m) for r, m in zip(refs, w.max_tokens, strict=True)]
         except Exception as e:
             w.error = f"reference pass failed: {type(e).__name__}: {e}"[:4000]
             self.progress.say(w.error)
-        else:
-            w.references = [r.prefix(m) for r, m in zip(refs, w.max_tokens, strict=True)]
-        self.progress.advance(len(w.prompts))
+        self.progress.advance(w.requests)
 
     def warm_up(self, name: str, w: WorkloadRun, url: str, config: Any) -> None:
         from rapidkv.bench.common.loads import warm_up
@@ -299,6 +302,7 @@ class Sweep(SweepResult):
             o.timeout,
             self.progress.advance,
             o.include_usage,
+            w.follows[:k] if w.follows else None,
         )
         for r in results:
             if r.error:
@@ -314,6 +318,7 @@ class Sweep(SweepResult):
         from rapidkv.bench.goodput.slo import derive, given
 
         self.progress.stage(f"{w.name}: single c1 (the SLOs)")
+        self.empty_caches("single", w, group)
         time.sleep(PAIR_PAUSE_S)  # vLLM spins on its queues for 1 s after a step
         cpu = CpuWindow(group)
         results, wall = run_load(
@@ -325,6 +330,7 @@ class Sweep(SweepResult):
             on_done=self.progress.advance,
             cpus=helper_cpus(CONFIGS["single"].group),
             include_usage=self.opts.include_usage,
+            follows=w.follows,  # a conversation in order; no think time at c1
         )
         w.single_c1, w.single_c1_wall_s = results, wall
         w.single_c1_other_cpu_s = cpu.close()[2]
@@ -344,20 +350,37 @@ class Sweep(SweepResult):
             w.error = f"{e} ({len(results) - len(ok)} of {len(results)} c1 requests failed)"
             self.progress.say(f"{w.name}: {w.error}")
 
+    def empty_caches(self, name: str, w: WorkloadRun, group: Any) -> list[str]:
+        """With prefix caching, empty every server's prefix cache of `group`
+        (every configuration starts cold at every rate); what failed."""
+        if not self.opts.prefix_caching:
+            return []
+        failed = group.reset_prefix_cache()
+        for why in failed:
+            self.progress.say(f"{w.name}: {name}: {why}")
+        return failed
+
     def measure(self, name: str, group: Any, w: WorkloadRun, rate: float) -> None:
-        """All the workload's requests on `name`, open loop at `rate`."""
-        from rapidkv.bench.common.arrivals import poisson_arrivals
+        """All the workload's requests on `name`, open loop at `rate` (a
+        conversation's later turns each after the answer before it and a
+        think time), from empty prefix caches; the servers' prompt tokens by
+        source and a rapidkv router's counters over the rate."""
+        from rapidkv.bench.common.arrivals import session_arrivals
         from rapidkv.bench.common.groups import CONFIGS, PAIR_PAUSE_S, helper_cpus
         from rapidkv.bench.common.loads import TIMEOUT, Load, run_load
+        from rapidkv.bench.goodput import router_counters
         from rapidkv.bench.goodput.slo import rate_key
 
         config = CONFIGS[name]
         self.progress.stage(f"{w.name}: {name} at {rate_key(rate)} req/s")
-        arrivals = poisson_arrivals(len(w.prompts), rate, w.arrival_seed)
+        follows = w.follows or [False] * w.requests
+        arrivals = session_arrivals(follows, rate, w.arrival_seed)
         url = group.url(config)
         router = (config.front or "").startswith("router")
+        reset_errors = self.empty_caches(name, w, group)
         time.sleep(PAIR_PAUSE_S)  # vLLM spins on its queues for 1 s after a step
-        before = placement_counts(url) if router else None
+        before = router_counters.read(url) if router else None
+        scraped = group.scrape()
         cpu = CpuWindow(group)
         results, wall = run_load(
             url,
@@ -370,15 +393,17 @@ class Sweep(SweepResult):
             cpus=helper_cpus(config.group),
             arrivals=arrivals,
             include_usage=self.opts.include_usage,
+            follows=w.follows,
+            think_s=w.think_s or 0.0,
         )
-        run = RateRun(rate, arrivals, results, wall)
+        run = RateRun(rate, arrivals, results, wall, reset_errors=reset_errors)
         run.server_cpu_s, run.client_cpu_s, run.other_cpu_s = cpu.close()
+        run.prompt_tokens = prompt_tokens_since(group, scraped)
         if before is not None:
-            after = placement_counts(url)
-            run.placements, run.reasons = (
-                {k: v - before[i].get(k, 0.0) for k, v in after[i].items()} for i in (0, 1)
-            )
-            run.learned = after[2] or None
+            counted = router_counters.read(url).since(before)
+            run.placements, run.reasons = counted.kinds, counted.reasons
+            run.prefix_tokens = counted.prefix_tokens
+            run.learned = counted.learned or None
         self.configs[name].rates.setdefault(w.name, {})[rate] = run
         if any(r.error and r.error.startswith(TIMEOUT) for r in results):
             why = (
@@ -414,28 +439,11 @@ class CpuWindow:
         return servers, client, busy - sum(servers.values()) - client
 
 
-PLACEMENT_KINDS = ("local", "pd", "split")
-
-
-def placement_counts(
-    router_url: str,
-) -> tuple[dict[str, float], dict[str, float], dict[str, Any]]:
-    """A rapidkv router's requests so far by placement kind and by reason, and
-    an adaptive router's learned costs as they are now (its /metrics:
-    ``{"step_ms": {"<url>": {"intercept": ms, "slope": ms}}, "transfer_ms":
-    {"<P url> -> <D url>": {...}}, ...}``, empty for a fixed router)."""
-    from rapidkv.harness import get_metrics
-
-    kinds = dict.fromkeys(PLACEMENT_KINDS, 0.0)
-    reasons: dict[str, float] = {}
-    learned: dict[str, Any] = {}
-    prefix = "rapidkv_router_model_"
-    for (name, labels), v in get_metrics(router_url).items():
-        lab = dict(labels)
-        if name == "rapidkv_router_placements_total":
-            kinds[lab["kind"]] = kinds.get(lab["kind"], 0.0) + v
-            reasons[lab["reason"]] = reasons.get(lab["reason"], 0.0) + v
-        elif name.startswith(prefix) and "term" in lab:
-            where = lab.get("instance") or f"{lab.get('prefill')} -> {lab.get('decode')}"
-            learned.setdefault(name.removeprefix(prefix), {}).setdefault(where, {})[lab["term"]] = v
-    return kinds, reasons, learned
+def prompt_tokens_since(group: Any, scraped: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per server of `group`, vLLM's prompt tokens by source (`external`,
+    `local`, `cached`: the prefix cache's hits) since its `scraped` /metrics."""
+    before = group.prompt_tokens(scraped)
+    return {
+        server: {src: v - before[server].get(src, 0.0) for src, v in counts.items()}
+        for server, counts in group.prompt_tokens().items()
+    }
