@@ -22,6 +22,11 @@ on that interface). This process creates the link, measures one plain TCP
 stream across it (`link.tcp`), runs the measurement in namespace A (the same
 command, `--netns-peer`), and removes the link. Needs root; says why not
 otherwise.
+
+With `--tp-from P --tp-to D` it measures instead what moving KV between
+tensor-parallel sizes costs: P's ranks send each head to the D rank that owns
+it (`kvt.head_map`: strided pieces of every block), next to the same KV moved
+whole at TP 1 -> 1, per head layout (`--head-layouts`; method in `tp.py`).
 """
 
 from __future__ import annotations
@@ -46,6 +51,20 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         "RATE (tc rate: 1gbit, 500mbit, ...); needs root",
     )
     parser.add_argument("--netns-peer", default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--tp-from",
+        type=int,
+        default=None,
+        help="measure P at this TP size sending to D at --tp-to (1, 2, 4, 8)",
+    )
+    parser.add_argument(
+        "--tp-to", type=int, default=None, help="D's TP size (with --tp-from; default 1)"
+    )
+    parser.add_argument(
+        "--head-layouts",
+        default="cpu,nhd",
+        help="with --tp-from/--tp-to: block layouts (cpu: vLLM CPU, nhd: GPU FlashAttention)",
+    )
     from rapidkv.bench.kvt.run import run
 
     return run

@@ -21,6 +21,8 @@ from rapidkv.bench.kvt.sender import (
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.tp_from is not None or args.tp_to is not None:
+        return run_tp(args)
     if args.netns_link is not None:
         return run_across_link(args)
     peer = json.loads(args.netns_peer) if args.netns_peer else None
@@ -33,6 +35,43 @@ def run(args: argparse.Namespace) -> int:
         receiver_cpu=args.receiver_cpu,
         progress=None if args.json else lambda msg: print(msg, file=sys.stderr),
         peer=peer,
+    )
+    print(json.dumps(result, indent=None if args.json else 2))
+    return 0
+
+
+def run_tp(args: argparse.Namespace) -> int:
+    """`--tp-from/--tp-to`: P at one TP size to D at another (`tp.py`)."""
+    from rapidkv.bench.kvt.tp import HEAD_LAYOUTS, TP_SIZES, measure_tp
+
+    tp_from = 1 if args.tp_from is None else args.tp_from
+    tp_to = 1 if args.tp_to is None else args.tp_to
+    layouts = [x for x in args.head_layouts.split(",") if x]
+    problems = [f"--tp-from {tp_from} is not one of {TP_SIZES}"] if tp_from not in TP_SIZES else []
+    if tp_to not in TP_SIZES:
+        problems.append(f"--tp-to {tp_to} is not one of {TP_SIZES}")
+    problems += [
+        f"--head-layouts: unknown {x!r} ({HEAD_LAYOUTS})" for x in layouts if x not in HEAD_LAYOUTS
+    ]
+    if not layouts:
+        problems.append("--head-layouts names none")
+    if args.netns_link is not None:
+        problems.append("--netns-link does not combine with --tp-from/--tp-to")
+    if args.repeats < 1:
+        problems.append("--repeats must be at least 1")
+    if problems:
+        for problem in problems:
+            print(f"rapidkv bench kvt: {problem}", file=sys.stderr)
+        return 2
+    result = measure_tp(
+        transports=[t for t in args.transports.split(",") if t],
+        head_layouts=layouts,
+        tp_from=tp_from,
+        tp_to=tp_to,
+        repeats=args.repeats,
+        sender_cpu=args.sender_cpu,
+        receiver_cpu=args.receiver_cpu,
+        progress=None if args.json else lambda msg: print(msg, file=sys.stderr),
     )
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
