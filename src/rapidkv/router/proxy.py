@@ -19,8 +19,9 @@ Where it runs comes from one of two placements:
 
 - ``--placement fixed``: D is the least outstanding available instance that
   may decode (ties in turn: `fleet.balance`), P the least outstanding other
-  instance that may prefill; in ``dual`` mode the prompt is split while P and
-  every instance that may decode have nothing else in flight (`split`);
+  instance that may prefill; in ``dual`` mode (with ``split_prefill``, the
+  default) the prompt of a request `split.splittable` allows is split while P
+  and every instance that may decode have nothing else in flight (`split`);
 - ``--placement adaptive``: once the start-up discoveries settled (block
   sizes, max_num_seqs), `placement.placer.Placer` decides local, PD or split
   (and the head's size) from learned costs and the SLOs; 503 if no instance
