@@ -74,3 +74,65 @@ def test_bench_goodput_sweeps_single_and_rapidkv_adaptive_and_matches(tmp_path: 
     assert (tmp_path / "goodput.png").stat().st_size > 0
     assert "result: OK" in proc.stdout
     print(f"bench goodput smoke: {elapsed:.0f}s")
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_goodput_on_shared_prefixes_serves_from_emptied_caches_with_kv_events(
+    tmp_path: Path,
+) -> None:
+    """`--quick` on `shared-prefix` and `multiturn` (5 requests, i.e. 2
+    conversations of 4 turns), `rapidkv-adaptive` only:
+    prefix caching on (every cache emptied before every rate), the rapidkv
+    pair publishing KV events, a conversation's prompts made by `single`'s
+    answers, every request answered as the reference, and the servers'
+    prompt tokens and the router's counters in the JSON."""
+    out = tmp_path / "goodput.json"
+    proc, elapsed = run_bench(
+        "goodput",
+        "--quick",
+        "--workloads",
+        "shared-prefix,multiturn",
+        "--configs",
+        "rapidkv-adaptive",
+        "--requests",
+        "5",
+        "--rates",
+        "shared-prefix=2,4",
+        "--rates",
+        "multiturn=1,2",
+        "--json",
+        str(out),
+        "--plot",
+        str(tmp_path / "goodput.png"),
+        "--log-dir",
+        str(tmp_path / "logs"),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["ok"] is True and report["meta"]["prefix_caching"] is True
+    assert report["meta"]["kv_events"] is True
+    assert report["acceptance"]["hard_mismatches_all_configs"] == 0
+    for name, requests in (("shared-prefix", 5), ("multiturn", 8)):  # 2 conversations of 4
+        w = report["workloads"][name]
+        assert w["error"] is None and w["requests"] == requests, name
+        assert w["single_c1"]["requests"] == requests and w["single_c1"]["errors"] == 0
+        c = w["configs"]["rapidkv-adaptive"]
+        assert c["error"] is None and c["errors"] == 0 and len(c["rates"]) == 2, name
+        for s in c["rates"].values():
+            assert s["requests"] == requests and s["hard_mismatches"] == 0, name
+            assert s["reset_errors"] == [] and sum(s["placements"].values()) == requests
+            assert set(s["router_prefix_tokens"]) == {"hit", "fetched", "computed"}
+            assert set(s["prompt_tokens"]) == {"prefill", "decode"}
+            # every prompt token was computed, received or found in a cache somewhere
+            counted = sum(s["prompt_tokens_by_source"].values())
+            assert counted >= s["prompt_tokens_sent"] > 0
+            assert 0.0 <= s["prefix_cache_hit_fraction"] <= 1.0
+    assert report["workloads"]["multiturn"]["prompt_tokens_sent"]["max"] <= 1024 + 64
+    logs = {p.name: p.read_text() for p in (tmp_path / "logs").rglob("rapidkv-*.log")}
+    assert sorted(logs) == ["rapidkv-decode.log", "rapidkv-prefill.log"]
+    assert all("--kv-events-config" in text for text in logs.values())
+    assert "--no-enable-prefix-caching" not in logs["rapidkv-prefill.log"]
+    assert (tmp_path / "goodput.png").stat().st_size > 0
+    print(f"bench goodput prefix smoke: {elapsed:.0f}s")

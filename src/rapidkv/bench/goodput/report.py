@@ -466,7 +466,7 @@ def print_report(report: dict[str, Any], out: IO[str]) -> None:
                 if s["placements"]:
                     line += "  " + " ".join(f"{k} {v:.0f}" for k, v in s["placements"].items() if v)
                 tokens = s.get("router_prefix_tokens")
-                if caching and tokens:
+                if caching and tokens and any(tokens.values()):  # a router with an index
                     line += "; tokens " + "/".join(
                         f"{tokens.get(k, 0.0):.0f}" for k in ("hit", "fetched", "computed")
                     )
@@ -475,7 +475,7 @@ def print_report(report: dict[str, Any], out: IO[str]) -> None:
         for key, c in w["configs"].items():
             if caching:
                 tokens = c.get("router_prefix_tokens") or {}
-                pulled = f", fetched {tokens.get('fetched', 0.0):.0f} tokens" if tokens else ""
+                pulled = f", fetched {tokens['fetched']:.0f} tokens" if any(tokens.values()) else ""
                 hit = f" (hit {_pct(c.get('prefix_cache_hit_fraction'))}{pulled})"
             else:
                 hit = ""
