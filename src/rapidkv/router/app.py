@@ -15,13 +15,16 @@
                             ``degraded`` while one is)
 ``GET /metrics``            the router's Prometheus metrics
 ``/admin/...``              with an admin token only (`admin`): running
-                            requests, drain and undrain an instance
+                            requests, migrate one, drain and undrain an
+                            instance
 anything else               404 (405 for a known path with the wrong method),
                             as an OpenAI-format JSON error
 =========================== ================================================
 
-The upstream HTTP client lives on the serving loop: it is opened at lifespan
-startup and closed (with background prefill requests cancelled) at shutdown.
+The upstream HTTP client (the fleet's) lives on the serving loop: it is
+opened at lifespan startup and closed (with background prefill requests
+cancelled) at shutdown; a router given ``--etcd`` follows the fleet's
+membership from then on.
 """
 
 from __future__ import annotations

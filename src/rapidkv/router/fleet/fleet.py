@@ -17,8 +17,9 @@ elsewhere: placement, a fan-out's follower, a migration's destination) until
 
 - *Health*: a request that got no status line marks its instance down
   (`mark_down`); its ``/health`` is then probed every ``probe_interval_s``
-  until it answers 200, and the instance is asked again where its control
-  plane listens (`addresses`) before it is marked up.
+  until it answers 200 and, with discovery on, one that needs it (a prefill
+  instance without a configured control address; any, for adaptive
+  placement) has been asked again what it is (`addresses`): then it is up.
 - *Discovery*: `addresses` holds what each instance told of itself (control
   address, block size, max_num_seqs); `discover_all` asks every instance that
   needs it at start-up.
