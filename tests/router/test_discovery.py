@@ -8,6 +8,7 @@ from rapidkv.router.config import Instance
 from rapidkv.router.fleet.discovery import (
     Discovered,
     DiscoveryError,
+    KVEvents,
     control_from_answer,
     discovered_from_answer,
     probe_body,
@@ -62,3 +63,45 @@ def test_block_size_and_max_num_seqs_come_with_the_address_when_valid() -> None:
         assert discovered_from_answer(P, odd) == Discovered("127.0.0.1:9100", None, None)
     with pytest.raises(DiscoveryError):
         discovered_from_answer(P, {"kv_transfer_params": {"rapidkv": {"max_num_seqs": 8}}})
+
+
+def test_the_identity_and_the_kv_event_publisher_come_with_the_address() -> None:
+    full = answer("127.0.0.1:9100")
+    full["kv_transfer_params"]["rapidkv"].update(
+        instance_id="p-1",
+        incarnation="abc",
+        kv_events={
+            "endpoint": "tcp://*:5557",
+            "replay_endpoint": "tcp://127.0.0.1:5558",
+            "topic": "kv",
+        },
+    )
+    found = discovered_from_answer(P, full)
+    assert found.identity == "p-1/abc"
+    assert found.kv_events == KVEvents("tcp://10.1.2.3:5557", "tcp://127.0.0.1:5558", "kv")
+    assert found.model_root is None  # only a probe asks /v1/models
+
+
+@pytest.mark.parametrize(
+    ("events", "expected"),
+    [
+        ({"endpoint": "tcp://0.0.0.0:5557"}, KVEvents("tcp://10.1.2.3:5557")),
+        ({"endpoint": "tcp://[::]:5557"}, KVEvents("tcp://10.1.2.3:5557")),
+        ({"endpoint": "tcp://[fe80::1]:5557"}, KVEvents("tcp://[fe80::1]:5557")),
+        (
+            {"endpoint": "tcp://*:5557", "replay_endpoint": "ipc:///x"},
+            KVEvents("tcp://10.1.2.3:5557"),
+        ),
+        ({"endpoint": "ipc:///tmp/kv"}, None),  # not reachable from another process's host
+        ({"endpoint": "tcp://*:0"}, None),  # a port the OS picked: nobody can tell which
+        ({"endpoint": "tcp://*:http"}, None),
+        ({"endpoint": 5557}, None),
+        ("tcp://*:5557", None),
+    ],
+)
+def test_a_publisher_is_taken_only_where_this_side_can_connect(
+    events: object, expected: KVEvents | None
+) -> None:
+    full = answer("127.0.0.1:9100")
+    full["kv_transfer_params"]["rapidkv"]["kv_events"] = events
+    assert discovered_from_answer(P, full).kv_events == expected

@@ -156,3 +156,15 @@ def test_hits_never_make_an_option_predicted_slower(
         same = Placement(p.kind, p.prefill, p.decode, p.head_tokens)
         if same in cold:
             assert o.ttft_ms <= cold[same].ttft_ms + 1e-6
+
+
+def test_a_draining_holder_lends_its_prefix_but_serves_nothing_itself() -> None:
+    draining = InstanceLoad(block_size=BLOCK, draining=True)
+    request = Request(1800, splittable=True, cached=(1760, 0))
+    d = decide([draining, IDLE], Models(2), request, LOOSE, Policy(ttft_headroom=0.0))
+    assert (d.kind, d.prefill, d.decode) == ("fetch", 0, 1)
+    for o in options([draining, IDLE], Models(2), request):
+        assert o.placement.decode == 1
+        assert o.placement.kind == "fetch" or o.placement.prefill == 1
+    down = InstanceLoad(block_size=BLOCK, healthy=False)
+    assert "fetch" not in {o.placement.kind for o in options([down, IDLE], Models(2), request)}

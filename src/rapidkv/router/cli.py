@@ -104,6 +104,29 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         "an instance pinned to prefill always may)",
     )
     parser.add_argument(
+        "--no-prefix-index",
+        dest="prefix_index",
+        action="store_false",
+        help="adaptive placement: ignore what the instances hold in their prefix caches (by "
+        "default the router follows the vLLM KV events of every instance that publishes them, "
+        "--kv-events-config with the zmq publisher, and counts each instance's cached prefix)",
+    )
+    parser.add_argument(
+        "--no-prefix-fetch",
+        dest="prefix_fetch",
+        action="store_false",
+        help="adaptive placement with the prefix index: never send a prefix one instance holds "
+        "to another that computes the rest and decodes",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="the served model's tokenizer directory, for the prefix index's text and chat "
+        "prompts (default: the model directory an instance's /v1/models names, when it "
+        "exists on this host; token-id prompts need none)",
+    )
+    parser.add_argument(
         "--ttft-headroom",
         type=float,
         default=0.5,
@@ -215,6 +238,9 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         tpot_margin=args.tpot_margin,
         specialize=args.specialize,
         idle_crossings=args.idle_crossings,
+        prefix_index=args.prefix_index,
+        prefix_fetch=args.prefix_fetch,
+        tokenizer=args.tokenizer,
         secret=read_secret(args.secret_file) if args.secret_file is not None else None,
         admin_token=(
             read_secret(args.admin_token_file).decode()

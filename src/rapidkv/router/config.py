@@ -145,6 +145,16 @@ class RouterConfig:
     # adaptive: PD and split compute a prompt on an instance of role any only
     # while it holds no request (`Policy.idle_crossings`)
     idle_crossings: bool = True
+    # adaptive: follow the instances' vLLM KV events (those whose discovery
+    # names a publisher) and place each request knowing what each instance
+    # holds in its prefix cache (`fleet.prefix_caches`)
+    prefix_index: bool = True
+    # adaptive with the index: a prefix one instance holds may be sent to the
+    # decoder (a fetch: `Policy.fetch`)
+    prefix_fetch: bool = True
+    # the tokenizer's directory for text and chat prompts (None: the model
+    # directory an instance's /v1/models names, when it exists on this host)
+    tokenizer: str | None = None
     # ask prefill instances configured without a control address for it
     discover: bool = True
     # dual dispatch: P's first token opens the client's stream when it may (see `stitch`)

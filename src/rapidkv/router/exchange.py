@@ -44,6 +44,8 @@ class Exchange:
     decision: Decision | None = None  # adaptive placement's, for the request
     output_events: int = 0  # streamed output events relayed (about the tokens)
     estimated_tokens: int = 0  # the prompt's length as placement estimated it
+    prompt_ids: list[int] | None = None  # its token ids, when the router knows them
+    cached: tuple[int, ...] = ()  # per instance index, the prompt's tokens it holds cached
     output_tokens: int = 0  # the output it asks for, as placement read it
     decode_index: int = -1  # the instance that decodes it now (counted outstanding)
     # why it cannot be migrated (None: it can, once `relay` exists)

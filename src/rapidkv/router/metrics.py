@@ -37,9 +37,17 @@ base URL):
 - ``rapidkv_router_placements_total{kind,reason}``: requests by where they
   ran: ``kind`` ``local`` (one instance), ``pd`` (prompt on one, decode on
   another), ``split`` (the prompt's head on one, the rest and the decode on
-  another); ``reason`` ``fixed`` (``--placement fixed``) or the adaptive
-  policy's (`placement.policy.Reason`). The same is in each answer's
+  another), ``fetch`` (a split whose head one instance holds cached: its KV
+  is sent, the rest computed where it decodes); ``reason`` ``fixed``
+  (``--placement fixed``) or the adaptive policy's
+  (`placement.policy.Reason`). The same is in each answer's
   ``x-rapidkv-placement`` header.
+- ``rapidkv_router_prefix_tokens_total{kind}``: adaptive placement's prompt
+  tokens by what became of them, as placed: ``hit`` (found in the prefix
+  cache of the instance computing that part), ``fetched`` (sent from the
+  cache of an instance that holds them: a fetch) and ``computed``; the three
+  add up to the prompts' tokens (but for the one token vLLM computes of a
+  prompt it holds whole, counted both as hit and computed).
 - ``rapidkv_router_without_prefill_total``: dual or serial requests served by D
   alone because no prefill instance was up.
 - ``rapidkv_router_migrations_total{outcome}``: live migrations (``ok``,
@@ -74,6 +82,7 @@ OUTCOMES = (
 FIRST_TOKEN_SOURCES = ("prefill", "decode", "continuation")
 MIGRATION_OUTCOMES = ("ok", "failed", "refused")
 UPSTREAM_ERROR_KINDS = ("status", "connect", "stream", "discovery")
+PREFIX_TOKEN_KINDS = ("hit", "fetched", "computed")
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
@@ -175,6 +184,15 @@ class RouterMetrics:
             ["kind", "reason"],
             registry=r,
         )
+        self.prefix_tokens = Counter(
+            "rapidkv_router_prefix_tokens",
+            "Adaptive placement's prompt tokens by what became of them: hit (in the prefix "
+            "cache where computed), fetched (sent from an instance's cache), computed",
+            ["kind"],
+            registry=r,
+        )
+        for kind in PREFIX_TOKEN_KINDS:
+            self.prefix_tokens.labels(kind)
         self.first_token = Counter(
             "rapidkv_router_first_token",
             "Streamed dual-dispatch answers by the source of their first token",

@@ -114,6 +114,7 @@ from rapidkv.router.exchange import CountingSend, Exchange
 from rapidkv.router.fanout.plan import plan
 from rapidkv.router.fanout.relay import FanOut
 from rapidkv.router.fleet.fleet import Fleet
+from rapidkv.router.fleet.prefix_caches import PrefixCachesCollector
 from rapidkv.router.metrics import RouterMetrics
 from rapidkv.router.migration.bodies import local_body, migratable, streamed
 from rapidkv.router.migration.controller import MigrationController
@@ -167,6 +168,8 @@ class Router:
                     self._placer.shape,
                 )
             )
+        if self.fleet.prefix_caches is not None:
+            self.metrics.registry.register(PrefixCachesCollector(self.fleet.prefix_caches))
         self._exchanges: dict[str, Exchange] = {}  # requests being served, by xfer_id
         self.migrations = MigrationController(
             self.fleet, self._exchanges, self.metrics, self._placer
@@ -287,12 +290,18 @@ class Router:
         # fixed: P by least outstanding, split while idle
         p_index: int | Literal["least"] | None = "least"
         split: float | Literal["auto"] | None = "auto"
+        fetch = 0
         if self._placer is not None:
             await self.fleet.addresses.settled()
             splits = self.config.split_prefill and splittable(body, ex.endpoint)
             splits = splits and client_transfer_kv_mode(body) in (None, "substep")
+            caches = self.fleet.prefix_caches
+            if caches is not None:
+                ex.prompt_ids, ex.cached = caches.lookup(body, ex.endpoint, len(self.fleet.members))
             try:
-                decision, request = self._placer.decide(body, ex.endpoint, splits)
+                decision, request = self._placer.decide(
+                    body, ex.endpoint, splits, ex.prompt_ids, ex.cached
+                )
             except NoPlacement as e:
                 await send_error(send, 503, f"no instance can take the request: {e}")
                 return "unavailable"
@@ -305,6 +314,8 @@ class Router:
             if decision.kind == "split":
                 ex.estimated_tokens = max(ex.estimated_tokens, decision.head_tokens + 1)
                 split = decision.head_tokens / ex.estimated_tokens
+            elif decision.kind == "fetch":
+                fetch = decision.head_tokens
         else:
             d_index = self.fleet.acquire("decode")
         ex.decode = self.fleet.member(d_index).instance
@@ -315,7 +326,7 @@ class Router:
         counted = CountingSend(send, ex)
         try:
             outcome = await self._route_to(
-                ex, body, raw, receive, counted, mode, d_index, p_index, split
+                ex, body, raw, receive, counted, mode, d_index, p_index, split, fetch
             )
             return outcome
         finally:
@@ -351,12 +362,15 @@ class Router:
         d_index: int,
         p_choice: int | Literal["least"] | None,
         split: float | Literal["auto"] | None,
+        fetch: int = 0,
     ) -> str:
         """Dispatch `ex`, whose decode instance is `d_index`, its prompt computed
         on `p_choice` (an index; None: locally on D; ``least``: the least busy of
         the other instances that may prefill). `split`: ``auto`` (split while P
         and D are idle), None (never), or the head's share of the prompt.
-        Returns the outcome."""
+        `fetch`: the head `p_choice` holds cached and sends (a fetch: P is sent
+        the head and one token more, so that it hits the whole head and
+        computes that one token). Returns the outcome."""
         assert ex.decode is not None
         if mode != "local" and p_choice is None:
             mode = "local"
@@ -398,7 +412,9 @@ class Router:
                 head, ids = 0, None
                 try:
                     ex.prefill = await self.fleet.addresses.with_control(ex.prefill, ex.xfer_id)
-                    if split == "auto":
+                    if fetch and ex.prompt_ids is not None and self._can_split(ex, body):
+                        head, ids = fetch, ex.prompt_ids
+                    elif split == "auto":
                         if mode == "dual" and self._may_split(ex, body, p_index, d_index):
                             head, ids = await self._split_point(ex, body)
                     elif split is not None and self._can_split(ex, body):
@@ -406,7 +422,9 @@ class Router:
                 except BaseException:
                     self.fleet.let_go(p_index)
                     raise
-                self._dispatched(ex, "split" if head else "pd", p_index, d_index, head)
+                fetched = bool(fetch) and head == fetch
+                kind = "fetch" if fetched else "split" if head else "pd"
+                self._dispatched(ex, kind, p_index, d_index, head)
                 if head:
                     assert ids is not None
                     stitching = False  # P's token ends the head, not the prompt
@@ -421,7 +439,7 @@ class Router:
                         asyncio.get_running_loop().create_future(),
                     )
                 p_content = encode(
-                    head_body(body, ex.xfer_id, ids, head)
+                    head_body(body, ex.xfer_id, ids, head + 1 if fetched else head)
                     if head and ids is not None
                     else prefill_body(body, ex.endpoint, ex.xfer_id, first_token=stitching)
                 )
@@ -521,15 +539,36 @@ class Router:
             self.metrics.placements.labels(kind, "fixed").inc()
             ex.placement = f"kind={kind};prefill={p_index};decode={d_index};reason=fixed"
             return
-        placement = Placement(kind, p_index, d_index, head)  # type: ignore[arg-type]
+        placement = Placement(  # with what the index said the two instances hold
+            kind,  # type: ignore[arg-type]
+            p_index,
+            d_index,
+            head,
+            0 if kind == "local" else _hit(ex.cached, p_index),
+            _hit(ex.cached, d_index),
+        )
         ex.decision = dataclasses.replace(ex.decision, placement=placement)
         self.metrics.placements.labels(kind, ex.decision.reason).inc()
         ex.placement = ex.decision.header_value()
         prompt_tokens = max(ex.estimated_tokens, head + 1)
+        self._count_prefix_tokens(placement, prompt_tokens)
         self._placer.dispatched(ex.xfer_id, placement, prompt_tokens, ex.output_tokens)
+
+    def _count_prefix_tokens(self, placement: Placement, prompt_tokens: int) -> None:
+        """The prompt's tokens by what became of them (`metrics`: hit, fetched, computed)."""
+        computed = sum(placement.work(prompt_tokens).values())
+        fetched = placement.transferred(prompt_tokens) if placement.kind == "fetch" else 0
+        tokens = self.metrics.prefix_tokens
+        tokens.labels("computed").inc(computed)
+        tokens.labels("fetched").inc(fetched)
+        tokens.labels("hit").inc(max(prompt_tokens - computed - fetched, 0))
 
 
 # ---------------------------------------------------------------------- ASGI helpers
+
+
+def _hit(cached: tuple[int, ...], index: int) -> int:
+    return cached[index] if index < len(cached) else 0
 
 
 def _content_length(scope: Scope) -> int | None:

@@ -510,9 +510,10 @@ def rapidkv_control(kv_transfer_config: Any) -> str:
 
 def kv_events_args(host: str) -> list[str]:
     """vLLM's `--kv-events-config` for one server: its KV cache events
-    published over ZMQ on `host`, at a free port, with a replay endpoint at
-    another (`rapidkv.connector.connector.kv_events_publisher` names both to
-    a router)."""
+    published over ZMQ at a free port, with a replay endpoint at another on
+    `host` (`rapidkv.connector.connector.kv_events_publisher` names both to a
+    router). The publisher's endpoint is a wildcard: vLLM binds only those (a
+    host makes it connect out); a router reads it as the instance's host."""
     import json
 
     from rapidkv.harness import free_port
@@ -520,7 +521,7 @@ def kv_events_args(host: str) -> list[str]:
     config = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": f"tcp://{host}:{free_port()}",
+        "endpoint": f"tcp://*:{free_port()}",
         "replay_endpoint": f"tcp://{host}:{free_port()}",
     }
     return ["--kv-events-config", json.dumps(config)]

@@ -113,7 +113,8 @@ class Addresses:
         if known or not config.discover:
             return inst
         try:
-            control, block_size, _ = await asyncio.shield(self.probe(inst))
+            found = await asyncio.shield(self.probe(inst))
+            control, block_size = found.control, found.block_size
         except DiscoveryError as e:
             if inst.control is not None:
                 return inst  # configured address; no block size: no split prefills

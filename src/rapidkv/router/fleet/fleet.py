@@ -28,6 +28,11 @@ elsewhere: placement, a fan-out's follower, a migration's destination) until
   leaves (out of its pools: no new request; those it serves run on).
 - *Draining*: `drain` stops (or resumes) new requests to a member; what it
   serves runs to its end.
+- *Prefix caches*: with adaptive placement and the prefix index on, each
+  member whose discovery names a KV-event publisher is followed
+  (`prefix_caches`); one marked down or that left is forgotten at once, and
+  one whose KV-event stream breaks is marked down (its engine most likely
+  died: it is probed, and followed again once it answers).
 - *Transfers*: each decode member's connector counters are read every
   ``transfer_check_interval_s`` (`transfer_watcher`): ``ok``, ``degraded``
   or ``unknown``.
@@ -56,6 +61,7 @@ from rapidkv.router.fleet.balance import LeastOutstanding
 from rapidkv.router.fleet.discovery import Discovered, DiscoveryError
 from rapidkv.router.fleet.health import InstanceHealth
 from rapidkv.router.fleet.membership_diff import Left, MembershipDiff
+from rapidkv.router.fleet.prefix_caches import PrefixCaches
 from rapidkv.router.fleet.transfer_watcher import TransferWatcher
 from rapidkv.router.metrics import RouterMetrics
 from rapidkv.router.placement.placer import Placer
@@ -89,6 +95,11 @@ class Fleet:
         self.addresses = Addresses(
             config, metrics, lambda: self.http, self._found if placer is not None else None
         )
+        self.prefix_caches: PrefixCaches | None = None
+        if placer is not None and config.prefix_index:
+            self.prefix_caches = PrefixCaches(
+                config.tokenizer, lambda i: self.mark_down(i, "its KV-event stream broke")
+            )
         self._transfers = TransferWatcher(
             config,
             metrics,
@@ -120,6 +131,8 @@ class Fleet:
             task.cancel()
         await asyncio.gather(*self._probes, self.addresses.close(), return_exceptions=True)
         await self._transfers.close()
+        if self.prefix_caches is not None:
+            await self.prefix_caches.close()
         if self._http is not None:
             await self._http.close()
 
@@ -237,6 +250,8 @@ class Fleet:
         self.metrics.instance_up.labels(member.label, member.instance.url).set(0)
         if self._placer is not None:
             self._placer.set_healthy(index, False)
+        if self.prefix_caches is not None:
+            self.prefix_caches.forget(index)  # followed again once rediscovered
         task = asyncio.create_task(self._probe(index))
         self._probes.add(task)
         task.add_done_callback(self._probes.discard)
@@ -274,11 +289,14 @@ class Fleet:
 
     def _found(self, url: str, found: Discovered) -> None:
         """Placement learns an instance's block size (split heads are whole
-        blocks) and its max_num_seqs (beyond which requests wait)."""
+        blocks) and its max_num_seqs (beyond which requests wait); its KV
+        events are followed (it answered: down or not; not once it left)."""
         index = self.index_of(url)
         if index is not None and self._placer is not None:
             self._placer.set_block_size(index, found.block_size)
             self._placer.set_max_num_seqs(index, found.max_num_seqs)
+        if index is not None and self.prefix_caches is not None and index not in self._retired:
+            self.prefix_caches.found(index, url, found)
 
     # ------------------------------------------------------------------ draining
 
@@ -363,6 +381,8 @@ class Fleet:
         self.metrics.instance_up.labels(member.label, url).set(0)
         if self._placer is not None:
             self._placer.set_healthy(index, False)
+        if self.prefix_caches is not None:
+            self.prefix_caches.forget(index)
         log.warning(
             "%s instance %s left the fleet (its etcd record is gone): no new request goes there",
             member.label,

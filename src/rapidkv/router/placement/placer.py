@@ -23,10 +23,13 @@ The fleet calls `set_healthy`, `set_draining`, `set_block_size` and
 `set_max_num_seqs` as it learns them, and `join` when an instance joins
 through etcd or comes back.
 
-A request's prompt length is estimated before it is tokenized: token ids are
-counted, text is taken as `CHARS_PER_TOKEN` characters a token (the policy
-needs magnitudes, not counts). Its output length is its ``max_tokens`` (or
-``max_completion_tokens``), `DEFAULT_OUTPUT_TOKENS` without one.
+A request's prompt length is its token ids' count when the router knows them
+(`fleet.prefix_caches`: token-id prompts, or text and chat through the
+model's tokenizer), else estimated: text is taken as `CHARS_PER_TOKEN`
+characters a token (the policy needs magnitudes, not counts); what each
+instance holds of it in its prefix cache comes with the ids. Its output
+length is its ``max_tokens`` (or ``max_completion_tokens``),
+`DEFAULT_OUTPUT_TOKENS` without one.
 """
 
 from __future__ import annotations
@@ -105,6 +108,7 @@ def adaptive_placer(config: RouterConfig) -> Placer | None:
             ttft_headroom=config.ttft_headroom,
             tpot_margin=config.tpot_margin,
             idle_crossings=config.idle_crossings,
+            fetch=config.prefix_fetch,
             stitch=config.prefill_first_token and config.dispatch == "dual",
         ),
         Specializer() if config.specialize else None,
@@ -128,12 +132,22 @@ class Placer:
         self.models = Models(len(members))
         self.shape = shape
 
-    def decide(self, body: Body, endpoint: Endpoint, splittable: bool) -> tuple[Decision, Request]:
+    def decide(
+        self,
+        body: Body,
+        endpoint: Endpoint,
+        splittable: bool,
+        prompt_ids: list[int] | None = None,
+        cached: tuple[int, ...] = (),
+    ) -> tuple[Decision, Request]:
         """The decision for this request and the request as placement saw it
-        (its estimated prompt tokens, the output it asks for);
-        `placement.NoPlacement` if no available instance can decode it."""
-        tokens = estimate_prompt_tokens(body, endpoint)
-        request = Request(tokens, requested_output_tokens(body), splittable)
+        (its prompt tokens, counted from `prompt_ids` when given, else
+        estimated; the output it asks for; per instance index the prompt's
+        leading tokens it holds cached, `cached`); `placement.NoPlacement` if
+        no available instance can decode it."""
+        tokens = len(prompt_ids) if prompt_ids else estimate_prompt_tokens(body, endpoint)
+        cached = tuple(min(c, tokens) for c in cached)
+        request = Request(tokens, requested_output_tokens(body), splittable, cached)
         if self.shape is not None:
             self.shape.arrived(time.monotonic(), tokens, request.output_tokens)
             self.shape.apply(self.fleet, self.roles, self.models, self.slo.tpot_ms)

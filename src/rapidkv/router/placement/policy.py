@@ -27,7 +27,9 @@ that are healthy and not draining:
   tokens in its prefix cache (whole blocks, leaving ``j`` at least one token,
   more than ``j`` holds, at least `Policy.split_min_tokens`), sends their KV
   and ``j`` computes the rest: a split whose head is a cache hit. ``i`` may be
-  busy (its part is one token), but not in a split of its own, as for a split.
+  busy (its part is one token), or draining (it takes no request of its own,
+  but lends what it holds: a drain before a restart moves the conversations'
+  prefixes instead of recomputing them), but not in a split of its own.
 
 Every prediction counts only what each instance computes: ``P`` less the
 prompt's leading tokens it holds cached (`Request.cached`, from the router's
@@ -376,7 +378,8 @@ def options(
                 if head > request.hit(j):  # else the decoder holds the head: nothing to split
                     out.append(p.split(i, j, head))
     if policy.fetch and request.splittable:
-        for i in up:  # a holder lends a cached prefix, busy or not: its part is a cache hit
+        lenders = [k for k, load in enumerate(loads) if load.healthy]  # draining ones too
+        for i in lenders:  # a holder lends a cached prefix, busy or not: its part is a hit
             for j in decoders:
                 head = p.fetched_head(i, j)
                 if i != j and head and not (loads[i].splits or loads[j].splits):
