@@ -25,7 +25,7 @@ class Scripted(Router):
         self.placements = placements
         self.events: list[tuple[str, str, float]] = []
 
-    def place(self, rid: str, prompt: int, output: int, now_ms: float) -> Placement:
+    def place(self, rid: str, prompt: int, output: int, now_ms: float, cached=()) -> Placement:
         self.events.append(("dispatch", rid, now_ms))
         return self.placements[int(rid[1:])]
 

@@ -151,3 +151,42 @@ def test_a_fit_that_cannot_be_read_warns_and_runs(
 def test_bad_options_are_refused(args: list[str]) -> None:
     with pytest.raises(SystemExit):
         run_cli(args)
+
+
+def test_the_workloads_of_shared_prefixes_report_hits_and_fetches(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "prefix.json"
+    argv = ["--workloads", "shared-prefix,multiturn", "--sizes", "2", "--requests", "20"]
+    argv += ["--refine", "0", "--tokenizer", "chars", "--cache-blocks", "200", "--json", str(path)]
+    assert run_cli(argv) == 0
+    printed = capsys.readouterr().out
+    assert "prefix caches (200 blocks an instance)" in printed
+    report = json.loads(path.read_text())
+    assert report["options"]["policies"]["shared-prefix"] == [
+        "dp",
+        "adaptive-blind",
+        "adaptive-nofetch",
+        "adaptive",
+    ]
+    assert report["fit"]["prefix_cache_blocks"] == 200
+    for name in ("shared-prefix", "multiturn"):
+        w = report["workloads"][name]
+        assert w["prefix_caching"] and w["cache_blocks"] == 200
+        for s in w["sizes"]["2"]["policies"].values():
+            for p in s["points"]:
+                t = p["prefix_tokens"]
+                assert 0 <= t["hit_fraction"] <= 1 and set(t["placed"]) == {
+                    "hit",
+                    "fetched",
+                    "computed",
+                }
+    rows = [r for r in report["summary"] if r["workload"] == "multiturn"]
+    assert len(rows) == 4 and all(r["hit_fraction"] is not None for r in rows)
+    assert report["workloads"]["multiturn"]["sizes"]["2"]["requests"] == 400  # whole conversations
+
+
+def test_cache_options_are_checked() -> None:
+    for bad in (["--cache-blocks", "0"], ["--kv-cache-bytes", "lots"], ["--tokenizer", "/nope"]):
+        with pytest.raises(SystemExit):
+            run_cli([*SMALL, "--sizes", "2", *bad])

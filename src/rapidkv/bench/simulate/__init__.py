@@ -7,8 +7,13 @@ measurements (`fit`), behind a router (`routers`) that runs the same policies
 as the real one: ``dp`` and ``fixed-pd`` with the router's own balancer, and
 ``adaptive`` with the real `router.placement.decide`, `FleetState` and
 `Models`, fed the events the real router feeds them. Workloads and arrivals
-are `bench goodput`'s (`workload`); `goodput` sweeps Poisson rates that scale
-with the fleet and finds the highest whose attainment of both SLOs is >= 90 %;
+are `bench goodput`'s (`workload`); on its workloads of shared prefixes
+(`prefix_workloads`: `shared-prefix`, `multiturn`) every instance has a
+prefix cache (`prefix_cache`: blocks keyed by content, LRU, vLLM's hit
+rule), the adaptive routers are told what each holds (blind, aware, aware
+and fetching), and a fetch moves a held prefix to the decoder. `goodput`
+sweeps Poisson rates that scale with the fleet and finds the highest whose
+attainment of both SLOs is >= 90 %;
 `report` prints goodput per fleet size, total and per instance, and writes the
 JSON and a plot; `compare` puts the simulator's predictions next to a real
 `bench goodput` run at 2 instances; `check` puts the fit next to the
@@ -34,10 +39,17 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     add(
         "--policies",
         default=None,
-        help="dp, fixed-pd, nixl, adaptive, adaptive-fit-priors, adaptive-unshaped, "
-        "adaptive-busy-crossings; comma-separated (dp,fixed-pd,adaptive)",
+        help="dp, fixed-pd, nixl, adaptive, adaptive-blind, adaptive-nofetch, "
+        "adaptive-fit-priors, adaptive-unshaped, adaptive-busy-crossings; comma-separated "
+        "(dp,fixed-pd,adaptive; on shared-prefix and multiturn "
+        "dp,adaptive-blind,adaptive-nofetch,adaptive)",
     )
-    add("--workloads", default=None, help="prefill-heavy, chat; comma-separated (both)")
+    add(
+        "--workloads",
+        default=None,
+        help="prefill-heavy, chat, shared-prefix, multiturn; comma-separated "
+        "(prefill-heavy,chat; the last two with prefix caching)",
+    )
     add(
         "--requests",
         type=int,
@@ -70,6 +82,37 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         metavar="N",
         help="requests each simulated engine runs at once (the fit's, 8; with --compare, "
         "the real run's --max-num-seqs when its server args give one)",
+    )
+    add(
+        "--kv-cache-bytes",
+        default=None,
+        metavar="BYTES",
+        help="each instance's KV memory, as vLLM reads --kv-cache-memory-bytes "
+        "(the harness's 256M = 2**28 bytes), for its prefix cache's blocks",
+    )
+    add(
+        "--kv-bytes-per-token",
+        type=int,
+        default=None,
+        metavar="N",
+        help="KV bytes a token takes, every layer's K and V (the fit's: 4096, the tiny "
+        "float32 model; SmolLM2-135M 23040 in bf16, 46080 in float32)",
+    )
+    add(
+        "--cache-blocks",
+        type=int,
+        default=None,
+        metavar="N",
+        help="blocks each prefix cache holds (default: KV memory // (block size x KV bytes "
+        "a token), less vLLM's null block)",
+    )
+    add(
+        "--tokenizer",
+        default="auto",
+        metavar="auto|chars|DIR",
+        help="multiturn's token counts: SmolLM2's tokenizer when its checkpoint is built "
+        "here (auto, as the real runs), a checkpoint directory, or 4 characters a token "
+        "(chars) (%(default)s)",
     )
     add(
         "--refine",

@@ -14,7 +14,8 @@
 and, for every workload the simulator knows (`workload.WORKLOADS`) and every
 configuration it can map to a policy (`policy_for`: ``dp2`` -> ``dp``,
 ``vllm-nixl*`` -> ``nixl``, ``*adaptive*`` -> ``adaptive`` (``*-unshaped``:
-``adaptive-unshaped``, ``*-busy-crossings``: ``adaptive-busy-crossings``), ``*-local``
+``adaptive-unshaped``, ``*-busy-crossings``: ``adaptive-busy-crossings``,
+``*-blind``: ``adaptive-blind``), ``*-nofetch`` -> ``adaptive-nofetch``, ``*-local``
 (two replicas behind the router) -> ``dp``, any other ``rapidkv*`` ->
 ``fixed-pd``, ``single`` -> ``dp`` on one instance, sent directly:
 `target_for`), simulates the same rates with the same SLOs
@@ -34,7 +35,13 @@ moves a goodput by a whole step. Each configuration therefore also has its
 *crossing* (`crossing`: where attainment falls through 90 %, linear between
 the last pass and the first miss, as `bench goodput`'s
 `goodput_interpolated_req_s`), measured and simulated, with its own error
-(`crossing_relative_error`, `crossing_within`, and `crossing_within` over all). Where the real
+(`crossing_relative_error`, `crossing_within`, and `crossing_within` over all). On the workloads of
+shared prefixes (`shared-prefix`, `multiturn`: prefix caching, every cache
+empty at each rate, `bench goodput`'s arrivals and conversations) each
+configuration also has the prefix caches' hit share over all its rates,
+measured (`prefix_cache_hit_fraction`: of the prompt tokens the servers
+counted, the share their caches served) and simulated, and the share of the
+router's prompt tokens it fetched (`fetched_fraction`). Where the real
 run gives its goodput's bootstrap interval (`goodput_interval_req_s`, from
 `bench goodput` since 2026-12-04), each configuration also says whether the
 simulated goodput lies inside it (`inside_interval`): the sampling noise of
@@ -73,8 +80,10 @@ def target_for(config: str) -> Target | None:
     c = config.lower()
     if c == "single":
         return Target("dp", 1, routed=False, shared_core=False)
+    if c.endswith("-nofetch"):  # rapidkv-kv-aware-nofetch
+        return Target("adaptive-nofetch")
     if "adaptive" in c:
-        for variant in ("unshaped", "busy-crossings"):
+        for variant in ("unshaped", "busy-crossings", "blind"):
             if c.endswith(f"-{variant}"):
                 return Target(f"adaptive-{variant}")
         return Target("adaptive")
@@ -161,6 +170,7 @@ def compare(
     min_requests: int = 400,
     slo_override: tuple[float | None, float | None] = (None, None),
     progress: Callable[[str], None] = lambda _: None,
+    tokenizer: str = "auto",
 ) -> dict[str, Any]:
     """The comparison of the module docstring."""
     skipped: list[str] = []
@@ -181,8 +191,9 @@ def compare(
             continue
         count = _requests_per_rate(real, wdata)
         slo, slo_source = _slo(wdata.get("slo") or real.get("slo"), slo_override)
+        caching = bool(getattr(workload, "prefix_caching", False))
         if slo is None:
-            slo, _ = reference_slo(fit, workload, seed)
+            slo, _ = reference_slo(fit, workload, seed, tokenizer)
             slo = SLO(slo_override[0] or slo.ttft_ms, slo_override[1] or slo.tpot_ms)
             slo_source = "simulated single c1 (the run gave none)"
         wout: dict[str, Any] = {
@@ -205,7 +216,9 @@ def compare(
             if measured is None:
                 measured = goodput_rule(measured_att)
             interval = _interval(cdata.get("goodput_interval_req_s"))
-            specs = requests(workload, count or max(min_requests, requests_per_instance * n), seed)
+            specs = requests(
+                workload, count or max(min_requests, requests_per_instance * n), seed, tokenizer
+            )
             points = {}
             for rate in sorted(measured_att):
                 progress(f"compare {wname} {cname} ({policy}, {n} instances): {rate:g} req/s")
@@ -219,6 +232,7 @@ def compare(
                     slo,
                     routed=target.routed,
                     shared_core=target.shared_core and n == 2,
+                    workload=workload if caching else None,
                 )
             sim_att = {r: p.attainment for r, p in points.items()}
             simulated = goodput_rule(sim_att)
@@ -251,6 +265,8 @@ def compare(
                 if interval is None
                 else interval[0] <= simulated <= interval[1],
             }
+            if caching:
+                wout["configs"][cname]["prefix"] = _prefix_figures(cdata, points.values())
         out["workloads"][wname] = wout
     defined = [abs(e) for e in errors if e is not None]
     out["max_abs_error"] = max(defined) if len(defined) == len(errors) and defined else None
@@ -282,6 +298,14 @@ def table(result: dict[str, Any]) -> str:
                 f"  {e:>9s}  {c['measured']['crossing_req_s']:7.2f} / "
                 f"{c['simulated']['crossing_req_s']:<7.2f} {ce:>9s}{where}"
             )
+            if "prefix" in c:
+                m, s = c["prefix"]["measured"], c["prefix"]["simulated"]
+                lines.append(
+                    f"{'':14s} {'':19s} prefix-cache hits {_pct(m['prefix_cache_hit_fraction'])}"
+                    f" / {_pct(s['prefix_cache_hit_fraction'])}, router's tokens fetched "
+                    f"{_pct(m['fetched_fraction'])} / {_pct(s['fetched_fraction'])}"
+                    " (measured / simulated)"
+                )
     for s in result.get("skipped", []):
         lines.append(f"skipped: {s}")
     tol = f"{100 * result.get('tolerance', TOLERANCE):.0f} %"
@@ -290,6 +314,31 @@ def table(result: dict[str, Any]) -> str:
     verdict = "yes" if result.get("crossing_within") else "no"
     lines.append(f"every crossing's error within {tol}: {verdict}")
     return "\n".join(lines)
+
+
+def _prefix_figures(cdata: dict[str, Any], points: Any) -> dict[str, Any]:
+    """The prefix caches' hit share and the router's fetched share over every
+    rate, measured (the real run's, None where it has none) and simulated."""
+    cached = external = computed = 0
+    fetched = placed = 0
+    for p in points:
+        t = p.prefix
+        cached += t["instances"]["cached"]
+        external += t["instances"]["external"]
+        computed += t["instances"]["computed"]
+        fetched += t["placed"]["fetched"]
+        placed += sum(t["placed"].values())
+    counted = cached + external + computed
+    return {
+        "measured": {
+            "prefix_cache_hit_fraction": _float(cdata.get("prefix_cache_hit_fraction")),
+            "fetched_fraction": _float(cdata.get("fetched_fraction")),
+        },
+        "simulated": {
+            "prefix_cache_hit_fraction": cached / counted if counted else None,
+            "fetched_fraction": fetched / placed if placed else None,
+        },
+    }
 
 
 def _slo(given: Any, override: tuple[float | None, float | None]) -> tuple[SLO | None, str]:
@@ -303,6 +352,10 @@ def _slo(given: Any, override: tuple[float | None, float | None]) -> tuple[SLO |
     if override[0] or override[1]:
         return SLO(ttft, tpot), "the real run's, and the options where given"
     return SLO(ttft, tpot), "the real run's"
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.0f} %"
 
 
 def _interval(v: Any) -> tuple[float, float] | None:

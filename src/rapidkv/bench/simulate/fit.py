@@ -56,7 +56,15 @@ the model chunks a closed loop of four prompts (~2,050 tokens) over two steps
 and falls out of step, and puts `single`'s c4 TPOT p50 at 11.0 ms against
 the 7.6 measured (TTFT 165 against 185); with 4096, 7.6 and 185 (`check`).
 `block_size` 128 is the CPU backend's (a split head is whole 128-token
-blocks). `http_ms` (1 ms, a direct request's HTTP front and stream) is
+blocks). The prefix cache (the workloads of shared prefixes only) holds
+`cache_blocks`: vLLM's ``kv_cache_bytes // (block_size * kv_bytes_per_token)``
+less its null block, from the harness's ``--kv-cache-memory-bytes 256M``
+(2**28 bytes, as vLLM reads ``M``) and the model's KV a token, every layer's
+K and V (`harness.server.kv_bytes_per_token`): 4,096 bytes for the tiny
+float32 model of the default fit (511 blocks, 65,408 tokens), 23,040 for
+SmolLM2-135M in bf16 (90 blocks, 11,520 tokens), 46,080 in float32 (44
+blocks); `bench simulate --kv-cache-bytes`, `--kv-bytes-per-token` and
+`--cache-blocks` set them. `http_ms` (1 ms, a direct request's HTTP front and stream) is
 assumed, not measured: it only moves cost between the fitted prefill's fixed
 and per-token parts.
 
@@ -83,6 +91,8 @@ from pathlib import Path
 from typing import Any
 
 KV_MS_PER_TOKEN = 0.0005  # ~2 KiB of tiny-model KV a token at ~4 GB/s
+KV_CACHE_BYTES = 256 * 2**20  # `harness.server.ServerSpec.kv_cache_memory_bytes`, "256M"
+KV_BYTES_PER_TOKEN = 4096  # the tiny float32 model: 4 layers x (K, V) x 2 heads x 64 x 4 bytes
 
 
 @dataclass(frozen=True)
@@ -118,6 +128,9 @@ class Fit:
     split_handoff_ms: float = 9.0
     shared_core_ms: float = 12.0
     split_fraction: float = 0.55  # the fixed router's head share (`RouterConfig.split_fraction`)
+    kv_cache_bytes: int = KV_CACHE_BYTES  # the harness's --kv-cache-memory-bytes 256M
+    kv_bytes_per_token: int = KV_BYTES_PER_TOKEN  # every layer's K and V of one token
+    prefix_cache_blocks: int = 0  # blocks a prefix cache holds (0: from the two above)
     source: str = "defaults"
     measurements: Measurements = field(default_factory=Measurements)
 
@@ -129,6 +142,16 @@ class Fit:
             raise ValueError(f"token budget, sequences and block size must be >= 1: {self}")
         if not 0 < self.split_fraction < 1:
             raise ValueError(f"split_fraction must be in (0, 1): {self.split_fraction}")
+
+    @property
+    def cache_blocks(self) -> int:
+        """The blocks an instance's prefix cache holds: `prefix_cache_blocks`
+        when set, else vLLM's count for `kv_cache_bytes` (`prefix_cache.blocks_of`)."""
+        if self.prefix_cache_blocks:
+            return self.prefix_cache_blocks
+        from rapidkv.bench.simulate.prefix_cache import blocks_of
+
+        return blocks_of(self.kv_cache_bytes, self.block_size, self.kv_bytes_per_token)
 
     def step_time(self, seqs: int, prefill_tokens: int) -> float:
         """One engine step with `seqs` requests in it computing `prefill_tokens` prompt tokens."""

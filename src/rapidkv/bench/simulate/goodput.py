@@ -10,27 +10,33 @@ SLOs (`reference_slo`): `TTFT_FACTOR` x and `TPOT_FACTOR` x the TTFT and TPOT
 p50 of one instance, sent directly, at concurrency 1, on the workload's
 requests: here simulated with the fit, on `REFERENCE_REQUESTS` requests whose
 prompts are evenly spread over the workload's range (`workload.spread`), so
-that the SLOs do not move with a sample's median.
+that the SLOs do not move with a sample's median. On the workloads of shared
+prefixes, as `bench goodput` takes them: its default `PREFIX_REFERENCE_REQUESTS`
+requests of the workload (whole conversations, in order), with prefix
+caching, from an empty cache: a p50 mostly of hits (a group's later
+requests, a conversation's later turns).
 
 Rates (`sweep`): per instance, doubling from `START_PER_INSTANCE` req/s until
 a rate fails (halving instead when the first fails, down to
 `LOWEST_PER_INSTANCE`), then `refine` bisections between the highest rate
 that passed and the lowest that failed above it; each rate is ``n`` times the
 per-instance rate, so the sweep scales with the fleet. Each rate runs the same
-requests with the same arrival pattern, scaled (`workload.poisson_arrivals`).
+requests with the same arrival pattern, scaled (`workload.arrival_times`),
+from empty prefix caches (`bench goodput` empties them before every rate).
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rapidkv.bench.simulate.engine import Outcome, simulate
+from rapidkv.bench.simulate.engine import Outcome, Simulation, simulate
 from rapidkv.bench.simulate.fit import Fit
 from rapidkv.bench.simulate.routers import make_router
-from rapidkv.bench.simulate.workload import Spec, Workload, poisson_arrivals, spread
+from rapidkv.bench.simulate.workload import Spec, arrival_times, requests, spread
 from rapidkv.router.placement import SLO
 
 TARGET = 0.9
@@ -40,6 +46,7 @@ START_PER_INSTANCE = 1.0
 LOWEST_PER_INSTANCE = 0.125
 HIGHEST_PER_INSTANCE = 256.0
 REFERENCE_REQUESTS = 1000
+PREFIX_REFERENCE_REQUESTS = 40  # bench goodput's --requests default
 
 
 def meets(o: Outcome, slo: SLO) -> bool:
@@ -70,11 +77,17 @@ def quantile(values: Sequence[float], q: float) -> float | None:
     return percentile(xs, q * 100) if xs else None
 
 
-def reference_slo(fit: Fit, workload: Workload, seed: int = 0) -> tuple[SLO, dict[str, float]]:
+def reference_slo(
+    fit: Fit, workload: Any, seed: int = 0, tokenizer: str = "auto"
+) -> tuple[SLO, dict[str, float]]:
     """The SLOs of the module docstring, and the single-instance c1 p50s they come from."""
-    specs = spread(workload, REFERENCE_REQUESTS, seed)
+    caching = bool(getattr(workload, "prefix_caching", False))
+    if caching:
+        specs = requests(workload, PREFIX_REFERENCE_REQUESTS, seed, tokenizer)
+    else:
+        specs = spread(workload, REFERENCE_REQUESTS, seed)
     router = make_router("dp", 1, fit, SLO())
-    out = simulate(fit, 1, router, specs, concurrency=1, routed=False)
+    out = simulate(fit, 1, router, specs, concurrency=1, routed=False, prefix_caching=caching)
     ttft = quantile([o.ttft_ms for o in out if o.ttft_ms is not None], 0.5)
     tpot = quantile([o.tpot_ms for o in out if o.tpot_ms is not None], 0.5)
     assert ttft is not None and tpot is not None
@@ -96,6 +109,7 @@ class Point:
     placements: dict[str, int]
     misses: dict[str, int]  # requests missing only TTFT, only TPOT, both
     router: dict[str, Any] = field(default_factory=dict, compare=False)  # not deterministic
+    prefix: dict[str, Any] = field(default_factory=dict)  # `Simulation.prefix_tokens`
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -107,6 +121,7 @@ class Point:
             "placements": self.placements,
             "misses": self.misses,
             "router": self.router,
+            **({"prefix_tokens": self.prefix} if self.prefix else {}),
         }
 
 
@@ -121,18 +136,29 @@ def run_point(
     *,
     routed: bool = True,
     shared_core: bool = False,
+    workload: Any = None,
 ) -> Point:
-    """`specs` at `rate` req/s (Poisson, seeded) on `n` instances under
-    `policy` (`routed`: through a router; `shared_core`: as on the 2-core
-    testbed, `engine`)."""
+    """`specs` at `rate` req/s (Poisson, seeded; `workload`'s arrivals and
+    prefix caching when given, `workload.arrival_times`) on `n` instances
+    under `policy` (`routed`: through a router; `shared_core`: as on the
+    2-core testbed, `engine`)."""
     router = make_router(policy, n, fit, slo)
-    arrivals = poisson_arrivals(len(specs), rate, seed)
-    out = simulate(fit, n, router, specs, arrivals=arrivals, routed=routed, shared_core=shared_core)
+    arrivals = arrival_times(workload, specs, rate, seed)
+    sim = Simulation(
+        fit,
+        n,
+        router,
+        routed=routed,
+        shared_core=shared_core,
+        prefix_caching=bool(getattr(workload, "prefix_caching", False)),
+    )
+    out = sim.run(specs, arrivals=arrivals)
     ttfts = [o.ttft_ms for o in out if o.ttft_ms is not None]
     tpots = [o.tpot_ms for o in out if o.tpot_ms is not None]
     latency = fit.http_ms + (fit.router_ms if routed else 0.0)
     ends = [o.arrival_ms + o.e2e_ms - latency for o in out if o.e2e_ms is not None]
-    span_s = (max(ends) - min(o.arrival_ms for o in out)) / 1000 if ends else 0.0
+    sent = [o.arrival_ms for o in out if not math.isnan(o.arrival_ms)]
+    span_s = (max(ends) - min(sent)) / 1000 if ends else 0.0
     misses: Counter[str] = Counter()
     for o in out:
         ttft_ok = o.ttft_ms is not None and o.ttft_ms <= slo.ttft_ms
@@ -150,6 +176,7 @@ def run_point(
         placements=dict(sorted(router.kinds.items())),
         misses=dict(sorted(misses.items())),
         router=router.diagnostics(),
+        prefix=sim.prefix_tokens(),
     )
 
 

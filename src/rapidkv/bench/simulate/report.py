@@ -8,16 +8,28 @@ JSON (`build`), every figure simulated:
                     "tpot_p50_ms", "measured_tpot_p50_ms", "in_fit"}, ...],
      "workloads": {"<workload>": {
          "slo": {"ttft_ms", "tpot_ms", "source", "single_c1_ttft_p50_ms", "single_c1_tpot_p50_ms"},
+         "prefix_caching": bool, "cache_blocks": N,       # the latter with prefix caching
          "sizes": {"<n>": {"requests": N, "policies": {"<policy>": {
              "goodput_req_s", "goodput_per_instance_req_s",
              "attainment": {"<rate>": fraction},
              "points": [{"rate", "attainment", "ttft_ms": {"p50", "p90"}, "tpot_ms": {...},
                          "throughput_req_s", "placements": {kind: count},
                          "misses": {"ttft"|"tpot"|"both": count},
-                         "router": {...}}]}}}}}},
+                         "router": {...},
+                         "prefix_tokens": {                # with prefix caching
+                             "instances": {"cached", "external", "computed"},
+                             "hit_fraction", "placed": {"hit", "fetched", "computed"},
+                             "evictions", "cache_blocks"}}]}}}}}},
      "summary": [{"workload", "instances", "policy", "goodput_req_s",
-                  "goodput_per_instance_req_s"}],
+                  "goodput_per_instance_req_s",
+                  "hit_fraction", "fetched_fraction"}],  # the last two: prefix caching
      "compare": {...}}                                   # with --compare only
+
+With prefix caching, a policy's ``hit_fraction`` and ``fetched_fraction``
+in the summary and the table are those of the rate of its goodput (the
+highest passing rate; its lowest rate when none passes): of the prompt
+tokens the instances counted, the share their caches served; of the prompt
+tokens the router placed, the share it fetched from another instance's cache.
 
 ``points[].router`` is the only part that is not a function of the options:
 the adaptive router's mean wall time per `decide` on this machine
@@ -61,16 +73,34 @@ def summary(workloads: dict[str, Any]) -> list[dict[str, Any]]:
     for wname, w in workloads.items():
         for n, size in sorted(w["sizes"].items(), key=lambda kv: int(kv[0])):
             for policy, s in size["policies"].items():
-                rows.append(
-                    {
-                        "workload": wname,
-                        "instances": int(n),
-                        "policy": policy,
-                        "goodput_req_s": s["goodput_req_s"],
-                        "goodput_per_instance_req_s": s["goodput_per_instance_req_s"],
-                    }
-                )
+                row = {
+                    "workload": wname,
+                    "instances": int(n),
+                    "policy": policy,
+                    "goodput_req_s": s["goodput_req_s"],
+                    "goodput_per_instance_req_s": s["goodput_per_instance_req_s"],
+                }
+                if w.get("prefix_caching"):
+                    row.update(prefix_at_goodput(s))
+                rows.append(row)
     return rows
+
+
+def prefix_at_goodput(s: dict[str, Any]) -> dict[str, float | None]:
+    """The hit and fetched shares at the rate of a sweep's goodput (its lowest
+    rate when none passes); None where the point has no prefix figures."""
+    points = s.get("points") or []
+    if not points:
+        return {"hit_fraction": None, "fetched_fraction": None}
+    at = [p for p in points if p["rate"] <= s["goodput_req_s"]] or points[:1]
+    t = max(at, key=lambda p: p["rate"]).get("prefix_tokens")
+    if not t:
+        return {"hit_fraction": None, "fetched_fraction": None}
+    placed = sum(t["placed"].values())
+    return {
+        "hit_fraction": t["hit_fraction"],
+        "fetched_fraction": t["placed"]["fetched"] / placed if placed else 0.0,
+    }
 
 
 def table(report: dict[str, Any]) -> str:
@@ -104,6 +134,21 @@ def table(report: dict[str, Any]) -> str:
             if adaptive:
                 row += f"  {_decide_ms(size['policies'].get(adaptive)):>9s}"
             lines.append(row)
+        if w.get("prefix_caching"):
+            lines.append(
+                f"prefix caches ({w.get('cache_blocks', '?')} blocks an instance) at each "
+                "goodput: the instances' prompt tokens their caches served / the router's "
+                "prompt tokens fetched"
+            )
+            for n, size in sorted(w["sizes"].items(), key=lambda kv: int(kv[0])):
+                row = f"{n:>9s}  {'':>8s}"
+                for p in policies:
+                    s = size["policies"].get(p)
+                    f = prefix_at_goodput(s) if s else {}
+                    hit, fetched = f.get("hit_fraction"), f.get("fetched_fraction")
+                    cell = "-" if hit is None else f"{100 * hit:.0f} % / {100 * fetched:.0f} %"
+                    row += f"  {cell:>18s}"
+                lines.append(row)
         lines.append("")
     return "\n".join(lines).rstrip()
 

@@ -32,6 +32,20 @@ token), `finished` (D's answer over). Policies (`POLICIES`):
   placement's (`Priors()`; the transfer prior unchanged): a what-if, for a
   router that knew its instances before observing them.
 
+With prefix caching (`engine`'s ``prefix_caching``), `place` is told per
+instance the prompt's leading tokens its cache holds (``cached``): ``adaptive``
+passes them to `decide` as `Request.cached` (the real router's prefix index,
+fetching with `Policy.fetch`: `rapidkv-adaptive`); two more policies are the
+real router's other two on the workloads of shared prefixes:
+
+- ``adaptive-blind``: ``adaptive`` with ``cached`` always empty (the
+  router's ``--no-prefix-index``: `rapidkv-adaptive-blind`);
+- ``adaptive-nofetch``: ``adaptive`` that counts the hits but never fetches
+  (`Policy(fetch=False)`, ``--no-prefix-fetch``: `rapidkv-kv-aware-nofetch`).
+
+``dp`` and the fixed routers never look at ``cached`` (`dp2` knows nothing
+of the caches: its hits are luck).
+
 A router never sees the simulation's truth (`Fit`): the adaptive one starts
 from the placement's own priors and learns, as the real one does.
 """
@@ -65,6 +79,8 @@ PolicyName = Literal[
     "fixed-pd",
     "nixl",
     "adaptive",
+    "adaptive-blind",
+    "adaptive-nofetch",
     "adaptive-fit-priors",
     "adaptive-unshaped",
     "adaptive-busy-crossings",
@@ -84,7 +100,11 @@ class Router:
         self.n = n
         self.kinds: Counter[str] = Counter()
 
-    def place(self, rid: str, prompt: int, output: int, now_ms: float) -> Placement:
+    def place(
+        self, rid: str, prompt: int, output: int, now_ms: float, cached: tuple[int, ...] = ()
+    ) -> Placement:
+        """Where request `rid` runs; `cached`: per instance, the prompt's leading
+        tokens its prefix cache holds (empty without prefix caching)."""
         raise NotImplementedError
 
     def prefill_done(self, rid: str, now_ms: float) -> None:
@@ -111,7 +131,9 @@ class LocalRouter(Router):
         self.balancer = LeastOutstanding(n)
         self.where: dict[str, int] = {}
 
-    def place(self, rid: str, prompt: int, output: int, now_ms: float) -> Placement:
+    def place(
+        self, rid: str, prompt: int, output: int, now_ms: float, cached: tuple[int, ...] = ()
+    ) -> Placement:
         i = self.balancer.acquire(turn="decode")
         self.where[rid] = i
         self.kinds["local"] += 1
@@ -138,7 +160,9 @@ class FixedPdRouter(Router):
         self.balancer = LeastOutstanding(n)
         self.where: dict[str, tuple[int, int]] = {}
 
-    def place(self, rid: str, prompt: int, output: int, now_ms: float) -> Placement:
+    def place(
+        self, rid: str, prompt: int, output: int, now_ms: float, cached: tuple[int, ...] = ()
+    ) -> Placement:
         b = self.balancer
         d = b.acquire(self.decode_pool, turn="decode")
         p = b.acquire(self.prefill_pool, turn="prefill")
@@ -174,8 +198,10 @@ class AdaptiveRouter(Router):
         policy: Policy | None = None,
         priors: Priors | None = None,
         shaping: Shaping | None = DEFAULT_SHAPING,
+        blind: bool = False,
     ) -> None:
         super().__init__(n)
+        self.blind = blind  # never told what the instances hold (--no-prefix-index)
         self.slo = slo
         self.policy = Policy() if policy is None else policy
         self.fleet = FleetState(n)
@@ -188,12 +214,15 @@ class AdaptiveRouter(Router):
         self.reasons: Counter[str] = Counter()
         self.decide_s = 0.0
 
-    def place(self, rid: str, prompt: int, output: int, now_ms: float) -> Placement:
+    def place(
+        self, rid: str, prompt: int, output: int, now_ms: float, cached: tuple[int, ...] = ()
+    ) -> Placement:
         t = time.perf_counter()
         if self.shape is not None:
             self.shape.arrived(now_ms / 1000, prompt, output)
             self.shape.apply(self.fleet, ("any",) * self.n, self.models, self.slo.tpot_ms)
-        d = decide(self.fleet, self.models, Request(prompt, output, True), self.slo, self.policy)
+        request = Request(prompt, output, True, () if self.blind else cached)
+        d = decide(self.fleet, self.models, request, self.slo, self.policy)
         self.decide_s += time.perf_counter() - t
         self.kinds[d.kind] += 1
         self.reasons[d.reason] += 1
@@ -247,6 +276,14 @@ def make_router(policy: str, n: int, fit: Fit, slo: SLO) -> Router:
         return FixedPdRouter(n, fit, nixl=True)
     if policy == "adaptive":
         return AdaptiveRouter(n, fit, slo)
+    if policy == "adaptive-blind":
+        router = AdaptiveRouter(n, fit, slo, blind=True)
+        router.name = policy
+        return router
+    if policy == "adaptive-nofetch":
+        router = AdaptiveRouter(n, fit, slo, policy=Policy(fetch=False))
+        router.name = policy
+        return router
     if policy == "adaptive-unshaped":
         router = AdaptiveRouter(n, fit, slo, shaping=None)
         router.name = policy

@@ -17,12 +17,17 @@ import rapidkv.bench.simulate.report as report
 from rapidkv.bench.common.options import check_known
 from rapidkv.bench.simulate.fit import DEFAULT_FIT, Fit, load_fit
 from rapidkv.bench.simulate.goodput import reference_slo, run_point, sweep
+from rapidkv.bench.simulate.prefix_cache import parse_bytes
 from rapidkv.bench.simulate.routers import POLICIES
-from rapidkv.bench.simulate.workload import WORKLOADS, requests
+from rapidkv.bench.simulate.workload import LENGTH_WORKLOADS, WORKLOADS, requests
 from rapidkv.router.placement import SLO
 
 DEFAULT_SIZES = (2, 4, 8, 16, 32, 64)
 DEFAULT_POLICIES = ("dp", "fixed-pd", "adaptive")
+PREFIX_POLICIES = ("dp", "adaptive-blind", "adaptive-nofetch", "adaptive")
+"""The default policies on the workloads of shared prefixes: `bench goodput`'s
+`dp2`, `rapidkv-adaptive-blind`, `rapidkv-kv-aware-nofetch`, `rapidkv-adaptive`."""
+DEFAULT_WORKLOADS = tuple(LENGTH_WORKLOADS)
 QUICK_SIZES = (2, 4, 8)
 REQUESTS = 50  # per instance and run
 MIN_REQUESTS = 400  # per run, whatever the fleet size
@@ -33,7 +38,7 @@ QUICK_MIN_REQUESTS = 100
 @dataclass(frozen=True)
 class Options:
     sizes: tuple[int, ...]
-    policies: tuple[str, ...]
+    policies: tuple[str, ...] | None  # None: per workload, `policies_for`
     workloads: tuple[str, ...]
     requests: int  # per instance and run
     min_requests: int
@@ -41,11 +46,18 @@ class Options:
     seed: int
     ttft_slo_ms: float | None
     tpot_slo_ms: float | None
+    tokenizer: str = "auto"
+
+    def policies_for(self, workload: str) -> tuple[str, ...]:
+        """The policies run on `workload`: `--policies`, else its defaults."""
+        if self.policies is not None:
+            return self.policies
+        return PREFIX_POLICIES if workload not in LENGTH_WORKLOADS else DEFAULT_POLICIES
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "sizes": list(self.sizes),
-            "policies": list(self.policies),
+            "policies": {w: list(self.policies_for(w)) for w in self.workloads},
             "workloads": list(self.workloads),
             "requests_per_instance": self.requests,
             "min_requests": self.min_requests,
@@ -53,15 +65,16 @@ class Options:
             "seed": self.seed,
             "ttft_slo_ms": self.ttft_slo_ms,
             "tpot_slo_ms": self.tpot_slo_ms,
+            "tokenizer": self.tokenizer,
         }
 
 
 def options(args: argparse.Namespace) -> Options:
     sizes = _ints(args.sizes) if args.sizes else (QUICK_SIZES if args.quick else DEFAULT_SIZES)
-    policies = tuple(_names(args.policies)) if args.policies else DEFAULT_POLICIES
-    workloads = tuple(_names(args.workloads)) if args.workloads else tuple(WORKLOADS)
+    policies = tuple(_names(args.policies)) if args.policies else None
+    workloads = tuple(_names(args.workloads)) if args.workloads else DEFAULT_WORKLOADS
     try:
-        check_known(policies, POLICIES, "policy (--policies)")
+        check_known(policies or (), POLICIES, "policy (--policies)")
         check_known(workloads, WORKLOADS, "workload (--workloads)")
     except ValueError as e:
         raise SystemExit(str(e)) from None
@@ -72,6 +85,20 @@ def options(args: argparse.Namespace) -> Options:
         raise SystemExit("--requests must be >= 1")
     if args.max_num_seqs is not None and args.max_num_seqs < 1:
         raise SystemExit("--max-num-seqs must be >= 1")
+    for name in ("cache_blocks", "kv_bytes_per_token"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    if args.kv_cache_bytes is not None:
+        try:
+            if parse_bytes(args.kv_cache_bytes) < 1:
+                raise ValueError("must be >= 1 byte")
+        except ValueError as e:
+            raise SystemExit(f"--kv-cache-bytes {args.kv_cache_bytes}: {e}") from None
+    if args.tokenizer not in ("auto", "chars") and not Path(args.tokenizer).is_dir():
+        raise SystemExit(
+            f"--tokenizer: auto, chars or a checkpoint directory, not {args.tokenizer}"
+        )
     for name in ("ttft_slo_ms", "tpot_slo_ms"):
         value = getattr(args, name)
         if value is not None and not value > 0:
@@ -86,7 +113,21 @@ def options(args: argparse.Namespace) -> Options:
         seed=args.seed,
         ttft_slo_ms=args.ttft_slo_ms,
         tpot_slo_ms=args.tpot_slo_ms,
+        tokenizer=args.tokenizer,
     )
+
+
+def with_cache_options(fit: Fit, args: argparse.Namespace) -> Fit:
+    """`fit` with the prefix cache's size from `--kv-cache-bytes`,
+    `--kv-bytes-per-token` and `--cache-blocks` where given."""
+    changes: dict[str, int] = {}
+    if args.kv_cache_bytes is not None:
+        changes["kv_cache_bytes"] = parse_bytes(args.kv_cache_bytes)
+    if args.kv_bytes_per_token is not None:
+        changes["kv_bytes_per_token"] = args.kv_bytes_per_token
+    if args.cache_blocks is not None:
+        changes["prefix_cache_blocks"] = args.cache_blocks
+    return dataclasses.replace(fit, **changes) if changes else fit
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
         slots = compare.max_num_seqs_of(real)
     if slots is not None:
         fit = dataclasses.replace(fit, max_num_seqs=slots)
+    fit = with_cache_options(fit, args)
     for w in warnings:
         print(f"warning: {w}", file=sys.stderr)
     say = _progress()
@@ -123,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
             min_requests=opts.min_requests,
             slo_override=(opts.ttft_slo_ms, opts.tpot_slo_ms),
             progress=say,
+            tokenizer=opts.tokenizer,
         )
     else:
         workloads = {w: simulate_workload(w, fit, opts, say) for w in opts.workloads}
@@ -162,31 +205,46 @@ def run(args: argparse.Namespace) -> int:
 def simulate_workload(name: str, fit: Fit, opts: Options, say: Any) -> dict[str, Any]:
     """Every size and policy of one workload: the ``workloads.<name>`` of the JSON."""
     workload = WORKLOADS[name]
-    ref_slo, ref = reference_slo(fit, workload, opts.seed)
+    ref_slo, ref = reference_slo(fit, workload, opts.seed, opts.tokenizer)
     slo = SLO(opts.ttft_slo_ms or ref_slo.ttft_ms, opts.tpot_slo_ms or ref_slo.tpot_ms)
     given = [k for k, v in (("TTFT", opts.ttft_slo_ms), ("TPOT", opts.tpot_slo_ms)) if v]
     source = (
         f"{', '.join(given)} from the options, else " if given else ""
     ) + "4x / 1.5x single's c1 p50s, simulated"
+    caching = workload.prefix_caching
     sizes: dict[str, Any] = {}
     for n in opts.sizes:
-        count = max(opts.min_requests, opts.requests * n)
-        specs = requests(workload, count, opts.seed)
+        specs = requests(
+            workload, max(opts.min_requests, opts.requests * n), opts.seed, opts.tokenizer
+        )
         policies: dict[str, Any] = {}
-        for policy in opts.policies:
+        for policy in opts.policies_for(name):
             if policy in ("fixed-pd", "nixl") and n < 2:
                 continue
 
             def evaluate(rate: float, n: int = n, policy: str = policy, specs: Any = specs) -> Any:
                 say(f"{name}: {n} instances, {policy}, {rate:g} req/s")
-                return run_point(fit, n, policy, specs, rate, opts.seed, slo)
+                return run_point(
+                    fit,
+                    n,
+                    policy,
+                    specs,
+                    rate,
+                    opts.seed,
+                    slo,
+                    workload=workload if caching else None,
+                )
 
             policies[policy] = sweep(evaluate, n, opts.refine).as_dict()
-        sizes[str(n)] = {"requests": count, "policies": policies}
-    return {
+        sizes[str(n)] = {"requests": len(specs), "policies": policies}
+    out: dict[str, Any] = {
         "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms, "source": source, **ref},
+        "prefix_caching": caching,
         "sizes": sizes,
     }
+    if caching:
+        out["cache_blocks"] = fit.cache_blocks
+    return out
 
 
 def _progress() -> Any:
