@@ -121,3 +121,17 @@ def test_a_goodput_json_gives_single_c1_and_the_prompt_range(tmp_path: Path) -> 
     assert m.single_c4_tpot_p50 == Measurements().single_c4_tpot_p50
     assert any("single c4" in w for w in warnings)
     assert not any("prompt_len" in w for w in warnings)
+
+
+def test_the_smollm2_preset_is_fitted_from_its_documented_figures() -> None:
+    from rapidkv.bench.simulate.check import fit_check, measured_from
+    from rapidkv.bench.simulate.fit import PRESETS, load_fit
+
+    fit, warnings = load_fit("smollm2")
+    assert fit is PRESETS["smollm2"] and warnings == []
+    assert fit.cache_blocks == 90  # 256 MiB of bf16 SmolLM2 KV in 128-token blocks, less one
+    assert fit.single_tpot() == pytest.approx(43.3)
+    assert fit.single_ttft(514) == pytest.approx(274.3)
+    rows = {(r["config"], r["load"]): r for r in fit_check(fit, measured_from("smollm2"))}
+    assert rows[("single", "c4")]["measured_ttft_p50_ms"] == 881.5
+    assert rows[("single", "c1")]["ttft_p50_ms"] == pytest.approx(274.3)

@@ -238,3 +238,25 @@ def test_the_real_runs_prefix_configurations_map_to_the_policies() -> None:
         assert c["requests"] == 40
         assert c["prefix"]["measured"]["prefix_cache_hit_fraction"] == 0.8
         assert 0 < c["prefix"]["simulated"]["prefix_cache_hit_fraction"] < 1
+
+
+def test_a_warm_up_is_served_but_not_counted() -> None:
+    specs = requests(SHARED_PREFIX, 160, 0)
+    slo, _ = reference_slo(FIT, SHARED_PREFIX, 0)
+    cold = run_point(FIT, 8, "dp", specs[80:], 16.0, 0, slo, workload=SHARED_PREFIX)
+    warm = run_point(FIT, 8, "dp", specs, 16.0, 0, slo, workload=SHARED_PREFIX, warm_up=80)
+    assert sum(warm.placements.values()) == 80 == sum(cold.placements.values())
+    counted = sum(warm.prefix["instances"].values())
+    assert counted == sum(cold.prefix["instances"].values())  # the same 80 requests' tokens
+    assert warm.prefix["hit_fraction"] > cold.prefix["hit_fraction"]
+    assert warm.attainment > cold.attainment  # dp's cold system prompts miss the TTFT SLO
+
+
+def test_a_sweep_may_start_higher() -> None:
+    from rapidkv.bench.simulate.goodput import Point, sweep
+
+    def evaluate(rate: float) -> Point:
+        return Point(rate, 1.0 if rate <= 40 else 0.0, None, None, None, None, 0, {}, {})
+
+    assert min(sweep(evaluate, 8, 0, start=4.0).points) == 32.0
+    assert sweep(evaluate, 8, 2, start=4.0).goodput == 40.0

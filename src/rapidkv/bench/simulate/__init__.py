@@ -56,6 +56,14 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         default=None,
         help="requests per instance in each run, at least 400 a run (50; --quick 10, 100)",
     )
+    add(
+        "--min-requests",
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests a run has at least, whatever the fleet size (400; --quick 100; "
+        "40 with --requests 20 at 2 instances: bench goodput's default run)",
+    )
     add("--seed", type=int, default=0, help="requests and arrivals (%(default)s)")
     add(
         "--ttft-slo-ms",
@@ -73,7 +81,8 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         "--fit",
         default=None,
         metavar="PATH",
-        help="fit the instances from this bench serve / bench goodput / bench simulate JSON",
+        help="fit the instances from this bench serve / bench goodput / bench simulate JSON, "
+        "or smollm2 (SmolLM2-135M bf16's bench serve figures in docs/benchmarks.md)",
     )
     add(
         "--max-num-seqs",
@@ -113,6 +122,22 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         help="multiturn's token counts: SmolLM2's tokenizer when its checkpoint is built "
         "here (auto, as the real runs), a checkpoint directory, or 4 characters a token "
         "(chars) (%(default)s)",
+    )
+    add(
+        "--warm-up",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with prefix caching: N requests per instance served before the measured ones, "
+        "not counted (warm caches; %(default)s: every rate starts cold, as bench goodput's)",
+    )
+    add(
+        "--start",
+        type=float,
+        default=1.0,
+        metavar="R",
+        help="each sweep's first rate, req/s per instance (%(default)s; higher: fewer rates "
+        "on a large fleet)",
     )
     add(
         "--refine",

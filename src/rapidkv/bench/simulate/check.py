@@ -5,7 +5,8 @@
 and ``c4`` through the simulator for the configurations it can model
 (`CONFIGS`) and returns their TTFT and TPOT p50s next to the measured ones
 (`MEASURED`: docs/benchmarks.md, the tiny float32 "Latest run", 2026-12-01;
-or, after ``--fit PATH``, the same figures from that file when it has them).
+after ``--fit smollm2``, `MEASURED_SMOLLM2`; after ``--fit PATH``, the same
+figures from that file when it has them).
 Of these, `single`'s c1 TTFT and TPOT and c4 TPOT, `rapidkv-whole`'s and
 `vllm-nixl`'s c1 TTFT are the fit's inputs (``in_fit``), and so is
 `rapidkv-whole`'s c4 TTFT, which `Fit.shared_core_ms` was chosen to meet;
@@ -52,6 +53,21 @@ MEASURED: dict[tuple[str, str], tuple[float, float]] = {
     ("rapidkv-whole", "c4"): (157.3, 5.6),
 }
 
+# the same for SmolLM2-135M bf16: docs/benchmarks.md, "SmolLM2-135M, random prompts", 2026-12-06
+MEASURED_SMOLLM2: dict[tuple[str, str], tuple[float, float]] = {
+    ("single", "c1"): (274.3, 43.3),
+    ("single", "c4"): (881.5, 50.2),
+    ("dp2", "c1"): (266.7, 43.1),
+    ("dp2", "c4"): (401.3, 49.6),
+    ("vllm-nixl", "c1"): (344.9, 45.0),
+    ("vllm-nixl", "c4"): (1225.4, 52.7),
+    ("rapidkv", "c1"): (191.4, 46.0),
+    ("rapidkv", "c4"): (686.1, 60.2),
+    ("rapidkv-whole", "c1"): (313.1, 49.1),
+    ("rapidkv-whole", "c4"): (586.5, 60.9),
+}
+MEASURED_BY_PRESET = {"smollm2": MEASURED_SMOLLM2}  # `fit.PRESETS`' figures
+
 IN_FIT = {
     ("single", "c1", "ttft"),
     ("single", "c1", "tpot"),
@@ -66,9 +82,12 @@ Figures = dict[tuple[str, str], tuple[float | None, float | None]]
 
 
 def measured_from(path: str | Path | None) -> Figures:
-    """`MEASURED`, or the same figures from a `bench serve --json` file (None where it has none)."""
+    """`MEASURED`, a preset's (`MEASURED_BY_PRESET`), or the same figures from a
+    `bench serve --json` file (None where it has none)."""
     if path is None:
         return dict(MEASURED)
+    if str(path) in MEASURED_BY_PRESET:
+        return dict(MEASURED_BY_PRESET[str(path)])
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError):

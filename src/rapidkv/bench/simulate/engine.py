@@ -136,6 +136,8 @@ class Simulation:
             for i in range(n)
         ]
         self.placed_tokens: Counter[str] = Counter()  # prompt tokens hit / fetched / computed
+        self.kinds: Counter[str] = Counter()  # placements by kind
+        self.count_from = 0  # requests before this index are a warm-up: not counted
         self.latency_ms = fit.http_ms + (fit.router_ms if routed else 0.0)
         self.shared_core = shared_core
         self.now_ms = 0.0
@@ -226,7 +228,8 @@ class Simulation:
         ]
 
     def prefix_tokens(self) -> dict[str, Any]:
-        """What the prefix caches did: the instances' prompt tokens by source
+        """What the prefix caches did (the requests from `count_from` on, but
+        evictions: the whole run's): the instances' prompt tokens by source
         (cached, external, computed; a PD's prompt counts on both), the share
         of them the caches served (`hit_fraction`), the router's prompt tokens
         hit / fetched / computed as its placements counted them (the real
@@ -265,7 +268,9 @@ class Simulation:
             )
         pl = self.router.place(req.rid, spec.prompt, spec.output, now_ms, cached=cached)
         req.placement = pl
-        self._count_placed(pl, spec.prompt)
+        if k >= self.count_from:
+            self.kinds[pl.kind] += 1
+            self._count_placed(pl, spec.prompt)
         held = cached[pl.decode] if cached else 0  # what D holds: it is not sent
         prefiller, decoder = self.instances[pl.prefill], self.instances[pl.decode]
         if pl.kind == "local":
@@ -293,6 +298,7 @@ class Simulation:
 
     def _keyed(self, req: _Request, part: Part) -> Part:
         """`part` with its blocks' keys (prefix caching), else as it is."""
+        part.counted = req.index >= self.count_from
         if not self.prefix_caching:
             return part
         block = self.fit.block_size

@@ -16,13 +16,18 @@ requests of the workload (whole conversations, in order), with prefix
 caching, from an empty cache: a p50 mostly of hits (a group's later
 requests, a conversation's later turns).
 
-Rates (`sweep`): per instance, doubling from `START_PER_INSTANCE` req/s until
+Rates (`sweep`): per instance, doubling from `START_PER_INSTANCE` req/s (or
+`start`: `bench simulate --start`, fewer rates on a large fleet) until
 a rate fails (halving instead when the first fails, down to
 `LOWEST_PER_INSTANCE`), then `refine` bisections between the highest rate
 that passed and the lowest that failed above it; each rate is ``n`` times the
 per-instance rate, so the sweep scales with the fleet. Each rate runs the same
 requests with the same arrival pattern, scaled (`workload.arrival_times`),
 from empty prefix caches (`bench goodput` empties them before every rate).
+`run_point`'s `warm_up`: that many requests before the measured ones, served
+the same way but not counted (their outcomes, their prefix figures included,
+are left out): caches that have served the workload a while, where the real
+runs start every rate cold.
 """
 
 from __future__ import annotations
@@ -137,11 +142,12 @@ def run_point(
     routed: bool = True,
     shared_core: bool = False,
     workload: Any = None,
+    warm_up: int = 0,
 ) -> Point:
     """`specs` at `rate` req/s (Poisson, seeded; `workload`'s arrivals and
     prefix caching when given, `workload.arrival_times`) on `n` instances
     under `policy` (`routed`: through a router; `shared_core`: as on the
-    2-core testbed, `engine`)."""
+    2-core testbed, `engine`); the first `warm_up` of them not counted."""
     router = make_router(policy, n, fit, slo)
     arrivals = arrival_times(workload, specs, rate, seed)
     sim = Simulation(
@@ -152,7 +158,9 @@ def run_point(
         shared_core=shared_core,
         prefix_caching=bool(getattr(workload, "prefix_caching", False)),
     )
-    out = sim.run(specs, arrivals=arrivals)
+    if warm_up:
+        sim.count_from = warm_up
+    out = sim.run(specs, arrivals=arrivals)[warm_up:]
     ttfts = [o.ttft_ms for o in out if o.ttft_ms is not None]
     tpots = [o.tpot_ms for o in out if o.tpot_ms is not None]
     latency = fit.http_ms + (fit.router_ms if routed else 0.0)
@@ -173,7 +181,7 @@ def run_point(
         tpot_p50_ms=quantile(tpots, 0.5),
         tpot_p90_ms=quantile(tpots, 0.9),
         throughput_req_s=len(ends) / span_s if span_s > 0 else 0.0,
-        placements=dict(sorted(router.kinds.items())),
+        placements=dict(sorted(sim.kinds.items())),
         misses=dict(sorted(misses.items())),
         router=router.diagnostics(),
         prefix=sim.prefix_tokens(),
@@ -205,7 +213,9 @@ class Sweep:
         }
 
 
-def sweep(evaluate: Callable[[float], Point], n: int, refine: int = 3) -> Sweep:
+def sweep(
+    evaluate: Callable[[float], Point], n: int, refine: int = 3, start: float = START_PER_INSTANCE
+) -> Sweep:
     """The rates of the module docstring, each evaluated once (`evaluate(rate)`)."""
     s = Sweep(n)
 
@@ -215,7 +225,7 @@ def sweep(evaluate: Callable[[float], Point], n: int, refine: int = 3) -> Sweep:
             s.points[rate] = evaluate(rate)
         return s.points[rate].attainment >= TARGET
 
-    r = START_PER_INSTANCE
+    r = start
     lo: float | None = None
     hi: float | None = None
     if ok(r):

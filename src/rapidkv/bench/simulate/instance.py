@@ -76,6 +76,7 @@ class Part:
     __slots__ = (
         "alloc",
         "answer_keys",
+        "counted",
         "decoding",
         "external",
         "external_sent",
@@ -107,6 +108,7 @@ class Part:
         self.keys: Sequence[int] | None = None  # None: no prefix caching for this part
         self.answer_keys: Sequence[int] = ()
         self.alloc: Allocation | None = None
+        self.counted = True  # in `Instance.tokens` (not a warm-up's)
 
     def with_keys(self, keys: Sequence[int], answer_keys: Sequence[int] = ()) -> Part:
         """This part with its blocks' keys (see the class docstring); itself."""
@@ -230,9 +232,10 @@ class Instance:
         p.alloc = alloc
         have = max(saved, p.external)
         p.prefill_left = p.tokens - have
-        self.tokens["cached"] += saved
-        self.tokens["external"] += have - saved
-        self.tokens["computed"] += p.prefill_left
+        if p.counted:
+            self.tokens["cached"] += saved
+            self.tokens["external"] += have - saved
+            self.tokens["computed"] += p.prefill_left
         cache.cache(alloc, p.keys[: have // block])
         return True
 

@@ -16,7 +16,7 @@ import rapidkv.bench.simulate.compare as compare
 import rapidkv.bench.simulate.report as report
 from rapidkv.bench.common.options import check_known
 from rapidkv.bench.simulate.fit import DEFAULT_FIT, Fit, load_fit
-from rapidkv.bench.simulate.goodput import reference_slo, run_point, sweep
+from rapidkv.bench.simulate.goodput import START_PER_INSTANCE, reference_slo, run_point, sweep
 from rapidkv.bench.simulate.prefix_cache import parse_bytes
 from rapidkv.bench.simulate.routers import POLICIES
 from rapidkv.bench.simulate.workload import LENGTH_WORKLOADS, WORKLOADS, requests
@@ -47,6 +47,8 @@ class Options:
     ttft_slo_ms: float | None
     tpot_slo_ms: float | None
     tokenizer: str = "auto"
+    warm_up: int = 0  # per instance, before the measured requests (prefix caching)
+    start: float = START_PER_INSTANCE
 
     def policies_for(self, workload: str) -> tuple[str, ...]:
         """The policies run on `workload`: `--policies`, else its defaults."""
@@ -66,6 +68,8 @@ class Options:
             "ttft_slo_ms": self.ttft_slo_ms,
             "tpot_slo_ms": self.tpot_slo_ms,
             "tokenizer": self.tokenizer,
+            "warm_up_per_instance": self.warm_up,
+            "start_per_instance": self.start,
         }
 
 
@@ -95,6 +99,10 @@ def options(args: argparse.Namespace) -> Options:
                 raise ValueError("must be >= 1 byte")
         except ValueError as e:
             raise SystemExit(f"--kv-cache-bytes {args.kv_cache_bytes}: {e}") from None
+    if args.min_requests is not None and args.min_requests < 1:
+        raise SystemExit("--min-requests must be >= 1")
+    if args.warm_up < 0 or not args.start > 0:
+        raise SystemExit("--warm-up must be >= 0 and --start > 0")
     if args.tokenizer not in ("auto", "chars") and not Path(args.tokenizer).is_dir():
         raise SystemExit(
             f"--tokenizer: auto, chars or a checkpoint directory, not {args.tokenizer}"
@@ -108,12 +116,16 @@ def options(args: argparse.Namespace) -> Options:
         policies=policies,
         workloads=workloads,
         requests=per_instance,
-        min_requests=QUICK_MIN_REQUESTS if args.quick else MIN_REQUESTS,
+        min_requests=args.min_requests
+        if args.min_requests is not None
+        else (QUICK_MIN_REQUESTS if args.quick else MIN_REQUESTS),
         refine=2 if args.quick else args.refine,
         seed=args.seed,
         ttft_slo_ms=args.ttft_slo_ms,
         tpot_slo_ms=args.tpot_slo_ms,
         tokenizer=args.tokenizer,
+        warm_up=args.warm_up,
+        start=args.start,
     )
 
 
@@ -214,15 +226,17 @@ def simulate_workload(name: str, fit: Fit, opts: Options, say: Any) -> dict[str,
     caching = workload.prefix_caching
     sizes: dict[str, Any] = {}
     for n in opts.sizes:
-        specs = requests(
-            workload, max(opts.min_requests, opts.requests * n), opts.seed, opts.tokenizer
-        )
+        count = workload.requests(max(opts.min_requests, opts.requests * n))
+        warm = workload.requests(opts.warm_up * n) if caching and opts.warm_up else 0
+        specs = requests(workload, warm + count, opts.seed, opts.tokenizer)
         policies: dict[str, Any] = {}
         for policy in opts.policies_for(name):
             if policy in ("fixed-pd", "nixl") and n < 2:
                 continue
 
-            def evaluate(rate: float, n: int = n, policy: str = policy, specs: Any = specs) -> Any:
+            def evaluate(
+                rate: float, n: int = n, policy: str = policy, specs: Any = specs, warm: int = warm
+            ) -> Any:
                 say(f"{name}: {n} instances, {policy}, {rate:g} req/s")
                 return run_point(
                     fit,
@@ -233,10 +247,11 @@ def simulate_workload(name: str, fit: Fit, opts: Options, say: Any) -> dict[str,
                     opts.seed,
                     slo,
                     workload=workload if caching else None,
+                    warm_up=warm,
                 )
 
-            policies[policy] = sweep(evaluate, n, opts.refine).as_dict()
-        sizes[str(n)] = {"requests": len(specs), "policies": policies}
+            policies[policy] = sweep(evaluate, n, opts.refine, opts.start).as_dict()
+        sizes[str(n)] = {"requests": count, "warm_up": warm, "policies": policies}
     out: dict[str, Any] = {
         "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms, "source": source, **ref},
         "prefix_caching": caching,
