@@ -71,6 +71,7 @@ E2E_ORDER = (
     "test_pd_netns.py",
     "test_pd_bf16.py",
     "test_pd_smollm2.py",
+    "test_kv_aware.py",
     "test_model_outputs_vary.py",
 )
 

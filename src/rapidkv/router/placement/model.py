@@ -41,10 +41,12 @@ same time) only saves time from about 130 prompt tokens on (and `policy` asks
 it to save more than `Policy.tie_ms`): short prompts stay local.
 
 Invariants:
-- predictions are finite and never negative (a fit below 0 predicts 0);
+- predictions are finite and never negative (a fit below 0 predicts 0), and
+  never fall as their x grows (a slope below 0 is fitted as a flat line);
 - a model changes only through ``observe_*`` / `learn`: reading predicts only;
-- a fit is the exact minimiser of the weighted squared error over its prior's
-  two pseudo-observations and its decayed observations.
+- a fit is the exact minimiser, among lines of slope >= 0, of the weighted
+  squared error over its prior's two pseudo-observations and its decayed
+  observations.
 """
 
 from __future__ import annotations
@@ -93,7 +95,8 @@ Observation = PrefillObservation | TransferObservation | DecodeObservation
 
 
 class LinearCost:
-    """``ms = intercept + slope * x``, fitted by exponentially weighted least squares.
+    """``ms = intercept + slope * x``, fitted by exponentially weighted least
+    squares with ``slope >= 0`` (a cost never falls as its x grows).
 
     Each observation's weight is multiplied by `decay` at every later
     observation (memory of about ``1 / (1 - decay)`` observations). The prior is
@@ -149,7 +152,10 @@ class LinearCost:
         det = w * sxx - sx * sx  # > 0: the prior has weight at two distinct x
         if not det > 0:
             return
-        self._slope = (w * sxy - sx * sy) / det
+        # no cost falls as its x grows (more tokens, a bigger batch): a fit
+        # whose slope is below 0 (a few noisy observations) is the best flat
+        # line, the weighted mean, instead (least squares with slope >= 0)
+        self._slope = max((w * sxy - sx * sy) / det, 0.0)
         self._intercept = (sy - self._slope * sx) / w
 
     def predict(self, x: float) -> float:

@@ -84,7 +84,10 @@ included): taking each running one halfway through its output, the first of
     default dual dispatch), P's answer is the client's first token:
     ``Q_i + pf_i(P) + step_i(b_i + 1)``, and the wait from it to D's first
     token is the new request's TPOT, spread over its ``L - 1`` gaps
-  - split: ``max(Q_i + pf_i(H) + xfer_ij(H), Q_j + pf_j(T)) + step_j(b_j + 1)``
+  - split: ``max(Q_i + pf_i(H) + xfer_ij(H), Q_j + pf_j(T)) + step_j(b_j + 1)``;
+    a fetch the same without ``pf_i(H)``: its head is in ``i``'s cache, its
+    KV crosses from ``i``'s admission on (``i``'s one computed token stalls
+    ``i``'s decodes all the same)
 
 - TPOT, of the decodes of every instance the option touches, the worst: on an
   instance with ``b_k`` decodes and ``e`` (1 on the decoder, else 0) added,
@@ -594,9 +597,11 @@ class _Predictor:
         placement = Placement(kind, i, j, head, self.hit(i), self.hit(j))
         work = placement.work(self.tokens)
         pf_head = self.m.prefill_ms(i, work[i])
-        head_ready = (
-            self.queue[i] + pf_head + self.m.transfer_ms(i, j, placement.transferred(self.tokens))
-        )
+        # a fetch's head is final once its holder admits the request (cache
+        # hits): it crosses while the holder computes its one token
+        computed = 0.0 if kind == "fetch" else pf_head
+        head_ready = self.queue[i] + computed
+        head_ready += self.m.transfer_ms(i, j, placement.transferred(self.tokens))
         tail_done = self.queue[j] + self.m.prefill_ms(j, work[j])
         end = max(head_ready, tail_done)
         ttft = end + self.first_step(j)
