@@ -556,7 +556,7 @@ def test_a_cost_never_falls_with_its_x_and_ignores_non_finite_observations() -> 
         line.observe(x, 100 - x)  # decreasing with x: noise the fit must not follow
     assert line.slope == 0.0 and line.predict(10_000) == line.predict(1) > 0
     # the flat line is the weighted mean, the best line of slope >= 0
-    w, sx, sy, _, _ = (p + q for p, q in zip(line._prior, line._data, strict=True))
+    w, _, sy, _, _ = (p + q for p, q in zip(line._prior, line._data, strict=True))
     assert line.intercept == pytest.approx(sy / w)
     below = LinearCost(-5.0, 0.0, prior_x=100)
     assert below.predict(3) == 0.0  # a fit below 0 predicts 0

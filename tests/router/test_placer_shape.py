@@ -54,3 +54,21 @@ def test_a_loose_tpot_keeps_the_roles_as_configured() -> None:
     assert "local" in serve(p, 40)[-10:]
     assert p.shape is not None and not p.shape.specialized and p.shape.switches == 0
     assert [load.role for load in p.fleet.view()] == ["any", "any"]
+
+
+def test_the_shape_counts_only_the_prompt_work_no_instance_holds_cached() -> None:
+    """A burst of conversations' next turns: 500-token prompts of which every
+    instance holds 480 cached. The fleet's shape sees 20-token prompts and
+    stays as configured, where the same burst uncached specialises it."""
+    p = placer(9.0)
+    for k in range(40):
+        decision, request = p.decide(
+            body(500), "completions", False, list(range(1, 501)), (480, 480)
+        )
+        p.dispatched(f"r{k}", decision.placement, request.prompt_tokens, request.output_tokens)
+        if decision.kind != "local":
+            p.prefill_done(f"r{k}", ok=False)
+        p.finished(f"r{k}", 16, ok=False)
+    assert p.shape is not None and p.shape.prompt_tokens == pytest.approx(20)
+    assert not p.shape.specialized
+    assert [load.role for load in p.fleet.view()] == ["any", "any"]

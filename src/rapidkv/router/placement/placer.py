@@ -149,7 +149,10 @@ class Placer:
         cached = tuple(min(c, tokens) for c in cached)
         request = Request(tokens, requested_output_tokens(body), splittable, cached)
         if self.shape is not None:
-            self.shape.arrived(time.monotonic(), tokens, request.output_tokens)
+            # the prompt work the fleet has to do: what no instance holds cached
+            # (a conversation's next turn is a few tokens, not its history)
+            work = max(tokens - max(cached, default=0), 1)
+            self.shape.arrived(time.monotonic(), work, request.output_tokens)
             self.shape.apply(self.fleet, self.roles, self.models, self.slo.tpot_ms)
         return decide(self.fleet, self.models, request, self.slo, self.policy), request
 
