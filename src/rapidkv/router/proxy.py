@@ -23,16 +23,20 @@ Where it runs comes from one of two placements:
   default) the prompt of a request `split.splittable` allows is split while P
   and every instance that may decode have nothing else in flight (`split`);
 - ``--placement adaptive``: once the start-up discoveries settled (block
-  sizes, max_num_seqs), `placement.placer.Placer` decides local, PD or split
-  (and the head's size) from learned costs and the SLOs; 503 if no instance
-  can take the request. It is told where the request really went, when P is
-  done, D's first token and the end, and learns from them.
+  sizes, max_num_seqs), `placement.placer.Placer` decides local, PD, split
+  or fetch (and the head's size) from learned costs, the SLOs and, with the
+  prefix index (`fleet.prefix_caches`), the prompt's token ids and what each
+  instance holds of them cached; 503 if no instance can take the request. It
+  is told where the request really went, when P is done, D's first token and
+  the end, and learns from them.
 
 It is then dispatched by the configured mode:
 
 - ``dual``: P's request is started in the background (`prefill`), and D's at
   once, without waiting for P. A split sends P only a block-aligned head of
   the prompt (as token ids, from P's ``/tokenize``) while D computes the tail;
+  a fetch is a split whose head P holds cached: P is sent the head and one
+  token more (the ids the router tokenized), so that it hits the whole head;
 - ``serial``: P's request is sent and its answer awaited, then D's is sent
   (the conventional flow, for comparison);
 - ``local``: D alone computes the prompt; it is sent the client's bytes

@@ -1,4 +1,5 @@
-"""placement: where a request runs (local, PD or split), from measured costs.
+"""placement: where a request runs (local, PD, split or fetch), from measured costs
+and what each instance holds in its prefix cache.
 
 A pure core (no I/O, no clock, no asyncio), driven by the router through its
 shell, `placer` (`Placer`: the router's events in, with the clock's
@@ -17,7 +18,7 @@ timestamps, decisions out; imported from `placement.placer`, not from here):
 What `placer` does with them, in short:
 
     fleet, models = FleetState(n), Models(n)
-    d = decide(fleet, models, Request(prompt_tokens, max_tokens, splittable), slo)
+    d = decide(fleet, models, Request(prompt_tokens, max_tokens, splittable, cached), slo)
     fleet.on_dispatch(xfer_id, d.placement, prompt_tokens, time.monotonic(), max_tokens)
     response.headers["x-rapidkv-placement"] = d.header_value()
     ...
