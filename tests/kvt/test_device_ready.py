@@ -166,7 +166,7 @@ def wait_for(cond, timeout: float = 10) -> None:
         time.sleep(0.002)
 
 
-def test_no_byte_of_a_layer_leaves_before_its_event(tmp_path) -> None:
+def test_no_byte_of_a_layer_leaves_before_its_event() -> None:
     ready = GatedReady()
     src_mem, src_layout = memory(fill=True)
     dst_mem, dst_layout = memory(fill=False)
@@ -186,11 +186,11 @@ def test_no_byte_of_a_layer_leaves_before_its_event(tmp_path) -> None:
         src.begin_step(1, [Task("x", peer, (1, 2), (5, 6), 0, 32, True)])
         for layer in range(LAYERS):
             src.layer_done(layer)
-        time.sleep(0.2)
+        wait_for(lambda: len(ready.waited) >= 1)  # the owner waits on layer 0's event
         assert not dst_mem.any(), "bytes left before their layer's event completed"
         ready.gates[0].set()
         wait_for(lambda: bool(dst_mem[0].any()))
-        time.sleep(0.1)
+        wait_for(lambda: len(ready.waited) >= 2)  # and then on layer 1's
         assert not dst_mem[1:].any()
         ready.gates[1].set()
         ready.gates[2].set()

@@ -20,8 +20,11 @@ for layer i's event also covers every layer before it.
   (all of one kind and device, or a clear error).
 - `layer_ready_for(tensor, num_layers)`: the right one of the two above.
 
-The connector's worker side makes one `layer_ready_for(first_kv_cache)` and
-passes it to `KvtWorker(ready=...)`; nothing else of kvt knows about CUDA.
+Whoever builds a `KvtWorker` over CUDA KV caches makes one
+`layer_ready_for(first_kv_cache)` and passes it as `KvtWorker(ready=...)`
+(`scripts/device-check` does); the connector's worker side does not yet: it
+registers its caches as DRAM and passes no `ready`. Nothing else of kvt knows
+about CUDA.
 Only this module imports torch, and only for CUDA tensors.
 """
 

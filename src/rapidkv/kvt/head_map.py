@@ -4,8 +4,9 @@ source rank's block go where in a destination rank's block.
 Theory of operation
 -------------------
 Pure: layouts in (`LayerLayout`s whose `Heads` say which KV heads each rank's
-blocks hold and where, as every rank's handshake entry carries them), byte runs
-out. Nothing here touches memory or a transport.
+blocks hold and where, as a rank's handshake entry may carry them: the
+connector does not fill them in yet, so two instances of different TP sizes
+are refused), byte runs out. Nothing here touches memory or a transport.
 
 Every KV head lives on the ranks that own it under vLLM's split (`rank_heads`):
 with at least as many heads as ranks each rank holds `heads / tp` consecutive

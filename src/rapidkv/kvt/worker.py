@@ -531,13 +531,21 @@ class KvtWorker:
                 self._fail_pieces(group, f"unknown peer {peer}")
                 self._peer_failed(peer, "unknown peer")
                 continue
-            descs = np.concatenate(
-                [
-                    self._descs(known, layer, tracked.task)
-                    for tracked, first, stop in group
-                    for layer in range(first, stop)
+            peer_layout, pieces = known  # pieces None: blocks move whole (the same TP)
+            mine, theirs = self.layout.layers, peer_layout.layers
+            if pieces is None:
+                parts = [
+                    layer_descs(mine[i], theirs[i], t.task.src_blocks, t.task.dst_blocks)
+                    for t, first, stop in group
+                    for i in range(first, stop)
                 ]
-            )
+            else:
+                parts = [
+                    piece_descs(mine[i], theirs[i], pieces[i], t.task.src_blocks, t.task.dst_blocks)
+                    for t, first, stop in group
+                    for i in range(first, stop)
+                ]
+            descs = np.concatenate(parts)
             write_id = self._next_write
             self._next_write += 1
             t_post = time.perf_counter()
@@ -564,18 +572,6 @@ class KvtWorker:
                 self._tracker.posted(write_id, write.pieces)
             if self.on_posted is not None:
                 self.on_posted(job.kind, job.t_event, t_post, nbytes)
-
-    def _descs(
-        self,
-        peer: tuple[Layout, tuple[tuple[Piece, ...], ...] | None],
-        layer: int,
-        task: Task,
-    ) -> np.ndarray:
-        layout, pieces = peer
-        src, dst = self.layout.layers[layer], layout.layers[layer]
-        if pieces is None:
-            return layer_descs(src, dst, task.src_blocks, task.dst_blocks)
-        return piece_descs(src, dst, pieces[layer], task.src_blocks, task.dst_blocks)
 
     def _peer_failed(self, peer: str, why: str) -> None:
         if self.on_peer_failed is not None:
