@@ -301,7 +301,9 @@ class Router:
             splits = splits and client_transfer_kv_mode(body) in (None, "substep")
             caches = self.fleet.prefix_caches
             if caches is not None:
-                ex.prompt_ids, ex.cached = caches.lookup(body, ex.endpoint, len(self.fleet.members))
+                ex.prompt_ids, ex.cached = await caches.lookup(
+                    body, ex.endpoint, len(self.fleet.members)
+                )
             try:
                 decision, request = self._placer.decide(
                     body, ex.endpoint, splits, ex.prompt_ids, ex.cached

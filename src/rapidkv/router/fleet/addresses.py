@@ -15,8 +15,9 @@ connector's control plane listens, its block size and max_num_seqs.
 
 Every successful probe, and every address learnt from an answer, is told to
 `on_found` (the fleet's adaptive placement learns block sizes and
-max_num_seqs from it). With ``discover`` off nothing is asked: instances are
-used as configured.
+max_num_seqs from it, and its prefix index follows the KV events it
+names). With ``discover`` off nothing is asked: instances are used as
+configured.
 """
 
 from __future__ import annotations

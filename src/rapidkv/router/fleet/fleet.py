@@ -127,12 +127,15 @@ class Fleet:
 
     async def close(self) -> None:
         """Stop probing and watching, close the HTTP client."""
+        if (
+            self.prefix_caches is not None
+        ):  # first: a link that breaks as it closes marks no one down
+            self.prefix_caches.stop_telling()
+            await self.prefix_caches.close()
         for task in self._probes:
             task.cancel()
         await asyncio.gather(*self._probes, self.addresses.close(), return_exceptions=True)
         await self._transfers.close()
-        if self.prefix_caches is not None:
-            await self.prefix_caches.close()
         if self._http is not None:
             await self._http.close()
 
@@ -360,6 +363,12 @@ class Fleet:
         self.addresses.forget(record.url)  # its record says where it listens
         if self._placer is not None:
             self._placer.join(index, member)
+        if self.prefix_caches is not None:
+            # a process new to the index (or restarted): its old blocks go, and
+            # a probe names its KV-event publisher (etcd records do not)
+            self.prefix_caches.forget(index)
+            if self.config.discover:
+                self.addresses.probe(instance)
         log.info(
             "%s instance %s is in the fleet (etcd; control %s, block size %d, instance %s)",
             member.label,

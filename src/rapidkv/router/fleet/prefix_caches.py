@@ -39,7 +39,7 @@ from prometheus_client.registry import Collector
 from rapidkv.router.fleet.discovery import Discovered
 from rapidkv.router.kvindex import KVIndexService, Member
 from rapidkv.router.prompt_tokens import PromptTokens
-from rapidkv.router.rewrite import Body, Endpoint
+from rapidkv.router.rewrite import Body, Endpoint, token_ids
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +93,10 @@ class PrefixCaches:
         self._spawn(self._service.add(member))
         log.info("prefix index: following %s's KV events at %s", url, events.endpoint)
 
+    def stop_telling(self) -> None:
+        """From now on a broken link is told to no one (the fleet is closing)."""
+        self._on_lost = None
+
     def _link(self, key: str, up: bool) -> None:
         """A followed member's KV-event link went up or down: down, its process
         most likely died (vLLM's publisher lives as long as its engine)."""
@@ -109,12 +113,19 @@ class PrefixCaches:
             self._service.index.leave(key)  # at once: no placement reads it from now
             self._spawn(self._service.remove(key))
 
-    def lookup(
+    async def lookup(
         self, body: Body, endpoint: Endpoint, members: int
     ) -> tuple[list[int] | None, tuple[int, ...]]:
-        """The prompt's token ids (None: not known here) and, per member index
-        below `members`, how many of its leading tokens that member holds."""
-        ids = self.tokens.ids(body, endpoint)
+        """The prompt's token ids (None: not known here, or no member followed)
+        and, per member index below `members`, how many of its leading tokens
+        that member holds. A text or chat prompt is tokenized on a thread (the
+        tokenizer's first load too), not on the serving loop."""
+        if self._service is None or not self._keys:
+            return None, ()
+        given = token_ids(body.get("prompt")) if endpoint == "completions" else None
+        ids = list(given) if given is not None else None
+        if ids is None:
+            ids = await asyncio.to_thread(self.tokens.ids, body, endpoint)
         if ids is None or self._service is None or not self._keys:
             return ids, ()
         blocks = self._service.index.match(ids)
@@ -131,16 +142,17 @@ class PrefixCaches:
         if self._service is None:
             return {}
         index = self._service.index
+        members = set(index.members())
         out = {}
         for key in list(self._keys.values()):
-            if key in index.members():
+            if key in members:
                 synced = index.synced(key)
                 out[key] = (len(index.blocks(key)) if synced else 0, synced)
         return out
 
     async def close(self) -> None:
         """Stop every subscription."""
-        if self._tasks:
+        while self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._service is not None:
             await self._service.close()
