@@ -295,7 +295,7 @@ def test_the_report_has_hits_pulled_tokens_and_the_prefix_baselines(tmp_path: Pa
     assert "--no-enable-prefix-caching" not in report["meta"]["server_args"]
     entry = report["workloads"]["shared-prefix"]
     assert entry["prefix_caching"] is True and entry["groups"] == 4 and entry["requests"] == 2
-    assert entry["prompt_tokens_sent"] == {"min": 60, "max": 100, "mean": 80.0}
+    assert entry["prompt_len_sent"] == {"min": 60, "max": 100, "mean": 80.0}
     dp2 = entry["configs"]["dp2"]
     r1 = dp2["rates"]["1"]
     assert r1["prefix_cache_hit_fraction"] == pytest.approx(100 / 160)

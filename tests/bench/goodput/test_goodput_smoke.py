@@ -129,7 +129,7 @@ def test_bench_goodput_on_shared_prefixes_serves_from_emptied_caches_with_kv_eve
             counted = sum(s["prompt_tokens_by_source"].values())
             assert counted >= s["prompt_tokens_sent"] > 0
             assert 0.0 <= s["prefix_cache_hit_fraction"] <= 1.0
-    assert report["workloads"]["multiturn"]["prompt_tokens_sent"]["max"] <= 1024 + 64
+    assert report["workloads"]["multiturn"]["prompt_len_sent"]["max"] <= 1024 + 64
     logs = {p.name: p.read_text() for p in (tmp_path / "logs").rglob("rapidkv-*.log")}
     assert sorted(logs) == ["rapidkv-decode.log", "rapidkv-prefill.log"]
     assert all("--kv-events-config" in text for text in logs.values())

@@ -15,8 +15,8 @@ harness gives every server, so the benchmark starts every server with
 `--max-model-len` `MAX_MODEL_LEN` (the tiny model knows 2048 positions).
 
 `bench goodput` sweeps two more, whose requests share prefixes and need
-prefix caching: `shared_prefix` and `multiturn`. These two need none
-(`prefix_caching`): they send the same prompts again at every rate, so a
+prefix caching: `shared_prefix` and `multiturn`. This module's two need
+none (`prefix_caching`): they send the same prompts again at every rate, so a
 run of them alone serves them without; in a run with the others, every
 server's cache is emptied before every rate.
 

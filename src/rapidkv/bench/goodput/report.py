@@ -71,7 +71,7 @@ def build_report(
         workloads[name] = {
             **WORKLOADS[name].summary(),
             "requests": w.requests,
-            "prompt_tokens_sent": _lengths(w.prompts),
+            "prompt_len_sent": _lengths(w.prompts),
             "prefix_caching": opts.prefix_caching,
             "rates": list(opts.rates[name]),
             "error": w.error,
