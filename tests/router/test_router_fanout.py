@@ -48,6 +48,9 @@ def test_a_batch_is_one_pd_request_per_prompt_merged_in_order(
     # each prompt its own transfer: P computed both, D loads each
     assert len({s.kv_transfer_params["rapidkv"]["xfer_id"] for s in seen}) == 2
     assert all(s.kv_transfer_params["do_remote_prefill"] for s in seen)
+    # P's requests run in the background (dual dispatch): one may reach P after
+    # the client's answer; both do, and no more
+    settled(router)
     assert len(p.requests("/v1/completions")) == 2
     # the choices in prompt order, each the answer to its own prompt
     assert (
