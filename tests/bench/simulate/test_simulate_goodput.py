@@ -185,7 +185,7 @@ def test_fit_priors_start_the_models_from_the_simulation_costs() -> None:
 
 
 def test_adaptive_concentrates_on_the_instances_it_has_learned() -> None:
-    """What the simulator finds (docs/benchmarks.md, rapidkv bench simulate):
+    """What the simulator finds (docs/benchmarks/simulate.md):
     an instance never observed keeps the placement's prior (0.12 ms a prompt
     token), one observed learns the fit's 0.094, and `decide` ranks TTFT before
     load, so at low load a 16-instance fleet decodes on its first few instances

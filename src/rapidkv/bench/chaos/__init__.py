@@ -17,7 +17,7 @@ instance (`single`, run first); after the run the pair is quiesced and each
 instance's free blocks, vLLM's running/waiting and the connector's gauges are
 read (`run`). `report` prints a summary and the JSON, and says whether the run
 passed: no hung request, no leaked block, no mismatch, every failure a clear
-error (docs/benchmarks.md, "rapidkv bench chaos").
+error (docs/benchmarks/chaos.md).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ drawn requests. The interval is the central `level` of those ratios;
 `p_met` is the share of resamples in which the ratio reaches the acceptance's.
 
 Invariant: the same attainment lists and seed give the same interval. What it
-cannot show is the machine's drift between runs (docs/benchmarks.md: the same
+cannot show is the machine's drift between runs (docs/benchmarks/goodput.md: the same
 `dp2` measured 4 to 12 req/s in runs hours apart): it is a lower bound on the
 uncertainty of a ratio, not the whole of it.
 """

@@ -1,7 +1,7 @@
 """`rapidkv bench goodput`: the report, as JSON and as the terminal's summary.
 
 `build_report` turns what `run.Sweep` measured into the JSON document
-(docs/benchmarks.md lists its keys): per workload its SLOs and `single`'s c1,
+(docs/benchmarks/goodput.md lists its keys): per workload its SLOs and `single`'s c1,
 per configuration its goodput (`slo.goodput`), `attainment` per rate and, per
 rate, what the attainment was made of (with prefix caching: the servers'
 prefix-cache hits and a rapidkv router's prompt tokens hit, fetched and

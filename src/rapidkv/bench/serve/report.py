@@ -1,7 +1,7 @@
 """`rapidkv bench serve`: the report, as JSON and as the terminal's summary table.
 
 `build_report` turns what `serve.ModelResult` measured into the JSON document
-(`docs/benchmarks.md` lists its keys); `print_report` prints the table, the
+(`docs/benchmarks/serve.md` lists its keys); `print_report` prints the table, the
 noise warnings, start-up times and the issue's acceptance ratios.
 """
 

@@ -20,7 +20,7 @@ JSON and a plot; `compare` puts the simulator's predictions next to a real
 `bench serve` figures it came from.
 
 Pure Python, no vLLM, no server: it runs anywhere the package imports.
-docs/benchmarks.md, "rapidkv bench simulate", describes the model and its
+docs/benchmarks/simulate.md describes the model and its
 assumptions.
 """
 
@@ -82,7 +82,7 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         default=None,
         metavar="PATH",
         help="fit the instances from this bench serve / bench goodput / bench simulate JSON, "
-        "or smollm2 (SmolLM2-135M bf16's bench serve figures in docs/benchmarks.md)",
+        "or smollm2 (SmolLM2-135M bf16's bench serve figures in docs/benchmarks/serve.md)",
     )
     add(
         "--max-num-seqs",

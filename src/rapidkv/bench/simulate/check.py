@@ -4,7 +4,7 @@
 [128, 900] tokens, in a seeded order, 16 output tokens) at its loads ``c1``
 and ``c4`` through the simulator for the configurations it can model
 (`CONFIGS`) and returns their TTFT and TPOT p50s next to the measured ones
-(`MEASURED`: docs/benchmarks.md, the tiny float32 "Latest run", 2026-12-01;
+(`MEASURED`: docs/benchmarks/history.md, the tiny float32 bench serve run of 2026-12-01;
 after ``--fit smollm2``, `MEASURED_SMOLLM2`; after ``--fit PATH``, the same
 figures from that file when it has them).
 Of these, `single`'s c1 TTFT and TPOT and c4 TPOT, `rapidkv-whole`'s and
@@ -39,7 +39,7 @@ CONFIGS: dict[str, tuple[int, bool, Callable[[Fit], Router]]] = {
     "rapidkv-whole": (2, True, lambda fit: FixedPdRouter(2, fit, split=False)),
 }
 
-# (config, load) -> (TTFT p50, TPOT p50), ms: docs/benchmarks.md, tiny float32, 2026-12-01
+# (config, load) -> (TTFT p50, TPOT p50), ms: docs/benchmarks/history.md, tiny float32, 2026-12-01
 MEASURED: dict[tuple[str, str], tuple[float, float]] = {
     ("single", "c1"): (54.9, 5.4),
     ("single", "c4"): (184.6, 7.6),
@@ -53,7 +53,7 @@ MEASURED: dict[tuple[str, str], tuple[float, float]] = {
     ("rapidkv-whole", "c4"): (157.3, 5.6),
 }
 
-# the same for SmolLM2-135M bf16: docs/benchmarks.md, "SmolLM2-135M, random prompts", 2026-12-06
+# the same for SmolLM2-135M bf16: docs/benchmarks/serve.md, "SmolLM2-135M, random prompts"
 MEASURED_SMOLLM2: dict[tuple[str, str], tuple[float, float]] = {
     ("single", "c1"): (274.3, 43.3),
     ("single", "c4"): (881.5, 50.2),

@@ -42,10 +42,10 @@ The fit (`fit_from`), from `Measurements`:
   the router and the client take, per request, from the core of instance 0
   (P's) while it computes. 12 ms is where `rapidkv-whole`'s simulated c4
   TTFT p50 meets the measured 157.3 ms (`check`; 0 ms gives 129); the
-  router's own share was measured at 4.1 ms a request (docs/benchmarks.md),
+  router's own share was measured at 4.1 ms a request (docs/benchmarks/history.md),
   the client's and P's HTTP front's are the rest. Not refitted from `--fit`.
 
-Defaults (`Measurements()`): docs/benchmarks.md, "Latest run (2026-12-01, tiny
+Defaults (`Measurements()`): docs/benchmarks/history.md, "Latest run (2026-12-01, tiny
 float32 model, 64 prompts, --rounds 2, paired)": `single` TTFT p50 54.9 ms at
 c1, TPOT p50 5.4 at c1 and 7.6 at c4; `rapidkv-whole` c1 TTFT p50 59.2;
 `vllm-nixl` c1 TTFT p50 75.6; prompts uniform in [128, 900]. `max_num_seqs`
@@ -69,7 +69,7 @@ assumed, not measured: it only moves cost between the fitted prefill's fixed
 and per-token parts.
 
 `--fit smollm2` (`PRESETS`) is the fit of the same figures for SmolLM2-135M
-in bf16, from docs/benchmarks.md's "SmolLM2-135M, random prompts" run
+in bf16, from docs/benchmarks/serve.md's "SmolLM2-135M, random prompts" run
 (2026-12-06, at `37d4681`, one round, prompts 128-900 tokens: `single` c1
 TTFT p50 274.3 ms, TPOT p50 43.3 at c1 and 50.2 at c4, `rapidkv-whole` c1
 TTFT 313.1, `vllm-nixl` c1 TTFT 344.9), with SmolLM2's KV (23,040 bytes a
@@ -221,13 +221,15 @@ PRESETS: dict[str, Fit] = {
                 routed_c1_ttft_p50=313.1,
                 nixl_c1_ttft_p50=344.9,
             ),
-            source="smollm2 (docs/benchmarks.md, SmolLM2-135M bf16, random prompts, 2026-12-06)",
+            source=(
+                "smollm2 (docs/benchmarks/serve.md, SmolLM2-135M bf16, random prompts, 2026-12-06)"
+            ),
         ),
         kv_bytes_per_token=SMOLLM2_KV_BYTES_PER_TOKEN,
         transfer_ms_per_token=SMOLLM2_KV_BYTES_PER_TOKEN / 4e9 * 1000,
     )
 }
-"""Fits by name (`--fit NAME`), from figures docs/benchmarks.md gives (the module docstring)."""
+"""Fits by name (`--fit NAME`), from figures docs/benchmarks/ gives (the module docstring)."""
 
 # Measurements field -> (configurations tried in order, load, metric)
 _WANTED: dict[str, tuple[tuple[str, ...], str, str]] = {

@@ -21,7 +21,7 @@ Observations come from `state.FleetState`'s events (`PrefillObservation`,
 takes the decode step out of the prefill and transfer observations with the
 current decode model; or directly through ``observe_*``.
 
-Priors (`Priors`, from docs/benchmarks.md: the tiny model, float32, on one core
+Priors (`Priors`, from docs/benchmarks/ (bench serve): the tiny model, float32, on one core
 of the 2-core machine; bf16 on AMX is about 3x faster, so before any
 observation prefills look slower than they may be, which only makes crossing
 less attractive):

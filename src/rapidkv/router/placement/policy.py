@@ -54,7 +54,7 @@ against 36 (replicas 36); at 9 and 12 ms and on chat the same, but for
 one point a sweep step under (chat, 12 ms, seed 2: 4.5 against 5). One real
 run (`bench goodput`, 2026-12-04 21:33, SLOs 250 / 18 ms) did not tell the
 two apart: 12 against 14 req/s on prefill-heavy, 7 and 7 on chat, inside
-each other's intervals (docs/benchmarks.md).
+each other's intervals (docs/benchmarks/history.md).
 
 If no instance qualifies by role, a ``local`` on an available ``decode``
 instance is the only option (as today's router sends a request to D alone when
@@ -146,7 +146,7 @@ serves goodput: a request counts when it meets both SLOs, so a TTFT below
 half its SLO gains nothing from being lower, while every crossing costs TPOT
 somewhere (a split's decoder holds its decodes for the whole tail) and
 carries costs the models do not see. Measured (`bench goodput`, 23:10 run,
-docs/benchmarks.md): minimising TTFT alone split 40 of 60 prompts at 4 req/s
+docs/benchmarks/history.md): minimising TTFT alone split 40 of 60 prompts at 4 req/s
 and lost TPOT where `dp2`, all local, did not. `keep_free` lets a fleet
 specialise when the TPOT SLO is tight: with every instance holding decodes,
 any prompt stalls someone (a 16-token answer has ~60 ms of stall to spare

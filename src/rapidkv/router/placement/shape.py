@@ -49,7 +49,7 @@ off 0.5, or 0.5 / 0.35) gain a step at 9 and 12 ms and lose one to four at
 32 / 64 instances, with `Policy.idle_crossings` and `Policy.free_split`: 11 /
 26 / 60 / 112 / 240 / 512 req/s (fixed P/D 11 / 28 / 64 / 120 / 256 / 576,
 replicas 5 / 16 / 40 / 88 / 192 / 448); chat level with replicas from 4 instances on
-(docs/benchmarks.md, the default simulated run).
+(docs/benchmarks/simulate.md, the default simulated run).
 
 Pure: every call takes its time (monotonic seconds) as an argument.
 """
