@@ -1,6 +1,7 @@
-"""The `/metrics` export's pure parts: per-step payloads from running totals,
-vLLM's aggregate/reset of them, the Prometheus series they feed, and what the
-scheduler side hands them (its control-plane server's refusals included)."""
+"""The `/metrics` export's pure parts: per-step payloads from running totals
+and observed values, vLLM's aggregate/reset of them, the Prometheus series
+they feed, and what the scheduler side hands them (its control-plane server's
+refusals included)."""
 
 from __future__ import annotations
 
@@ -18,13 +19,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogg
 from rapidkv.connector.config import ConnectorConfig
 from rapidkv.connector.connector import RapidKVConnector
 from rapidkv.connector.metrics import (
+    BYTES_BUCKETS,
+    SECONDS_BUCKETS,
     STATS_INTERVAL_S,
     RapidKVPromMetrics,
     StatsCadence,
     StatsDelta,
+    buckets_for,
     series_name,
     stats_due,
 )
+from rapidkv.connector.observations import Observations
 from rapidkv.connector.scheduler_side import SchedulerSide
 
 pytestmark = pytest.mark.unit
@@ -55,14 +60,17 @@ def test_increments_cover_each_growth_once_and_gauges_go_when_they_change() -> N
     assert d.take({"a": 2.0, "z": 0.0}, {"g": 1.0}) == {
         "counters": {"a": 2.0, "z": 0.0},  # z: its series exists before it counts
         "gauges": {"g": 1.0},
+        "histograms": {},
     }
-    assert d.take({"a": 2.0, "z": 0.0}, {"g": 1.0}) == {"counters": {}, "gauges": {}}
-    assert d.take({"a": 5.0, "b": 1.0}, {"g": 0.0}) == {
+    nothing = {"counters": {}, "gauges": {}, "histograms": {}}
+    assert d.take({"a": 2.0, "z": 0.0}, {"g": 1.0}) == nothing
+    assert d.take({"a": 5.0, "b": 1.0}, {"g": 0.0}, {"t_seconds": [0.5], "u": []}) == {
         "counters": {"a": 3.0, "b": 1.0},
         "gauges": {"g": 0.0},
+        "histograms": {"t_seconds": [0.5]},  # a name without values is left out
     }
     # a total that went down (never, for a counter) is resynced, not exported negative
-    assert d.take({"a": 1.0, "b": 1.0}, {"g": 0.0}) == {"counters": {}, "gauges": {}}
+    assert d.take({"a": 1.0, "b": 1.0}, {"g": 0.0}) == nothing
     assert d.take({"a": 4.0, "b": 1.0}, {"g": 0.0})["counters"] == {"a": 3.0}
 
 
@@ -79,9 +87,11 @@ def test_a_busy_connector_ships_one_payload_an_interval_and_the_idle_one_at_once
     leaves no block held."""
     levels = {"free_blocks": 10.0}
     totals = {"transfers_ok": 0.0}
+    observations = Observations()
     sched = SimpleNamespace(
         gauges=lambda: dict(levels),
         counter_totals=lambda: dict(totals),
+        take_observations=observations.take,
         holds_blocks=lambda: levels["free_blocks"] < 63.0,
     )
     clock = [100.0]
@@ -93,11 +103,14 @@ def test_a_busy_connector_ships_one_payload_an_interval_and_the_idle_one_at_once
         clock[0] += 0.01
         levels["free_blocks"] = 10.0 + step % 7
         totals["transfers_ok"] += 1 if step in (17, 30) else 0
+        if step in (17, 30):
+            observations.observe("transfer_seconds", step / 1000)
         stats = c.get_kv_connector_stats()
         if stats is not None:
             shipped[step] = stats.data
     assert list(shipped) == [0, 100]  # the first step, then one interval later
     assert shipped[100]["counters"] == {"transfers_ok": 2.0}  # both, once
+    assert shipped[100]["histograms"] == {"transfer_seconds": [0.017, 0.030]}
     clock[0] += 0.01
     levels["free_blocks"] = 63.0  # the last request let go of its blocks
     idle = c.get_kv_connector_stats()
@@ -156,16 +169,29 @@ def test_summed_increments_equal_the_totals_however_vllm_groups_them(
 
 def test_aggregating_never_changes_the_payloads_it_was_built_from() -> None:
     """vLLM hands the same payload dict to its logging and prom loggers."""
-    first = {"counters": {"a": 1.0}, "gauges": {"g": 1.0}}
-    second = {"counters": {"a": 2.0, "b": 1.0}, "gauges": {"g": 0.0}}
+    first = {"counters": {"a": 1.0}, "gauges": {"g": 1.0}, "histograms": {"t_seconds": [1.0]}}
+    second = {"counters": {"a": 2.0, "b": 1.0}, "gauges": {"g": 0.0}, "histograms": {}}
+    third = {"counters": {}, "gauges": {}, "histograms": {"t_seconds": [2.0, 6.0]}}
     acc = RapidKVConnector.build_kv_connector_stats(first)
-    acc.aggregate(RapidKVConnector.build_kv_connector_stats(second))
-    assert acc.data == {"counters": {"a": 3.0, "b": 1.0}, "gauges": {"g": 0.0}}
-    assert first == {"counters": {"a": 1.0}, "gauges": {"g": 1.0}}
+    for later in (second, third):
+        acc.aggregate(RapidKVConnector.build_kv_connector_stats(later))
+    assert acc.data == {
+        "counters": {"a": 3.0, "b": 1.0},
+        "gauges": {"g": 0.0},
+        "histograms": {"t_seconds": [1.0, 2.0, 6.0]},
+    }
+    assert first == {
+        "counters": {"a": 1.0},
+        "gauges": {"g": 1.0},
+        "histograms": {"t_seconds": [1.0]},
+    }
+    assert acc.reduce() == {"a": 3, "b": 1, "g": 0, "t_seconds_count": 3, "t_seconds_mean": 3}
     assert RapidKVConnector.build_kv_connector_stats(None).is_empty()
+    assert not RapidKVConnector.build_kv_connector_stats(third).is_empty()
     assert RapidKVConnector.build_kv_connector_stats({}).to_dict() == {
         "counters": {},
         "gauges": {},
+        "histograms": {},
     }
 
 
@@ -232,7 +258,62 @@ def test_scheduler_side_exports_its_counters_gauges_and_the_servers_refusals() -
             "peers_prefill_connecting": 0.0,
             "peers_prefill_failed": 0.0,
         }
-        assert sched.stats() == {**totals, **gauges}
+        assert sched.stats() == {**totals, **gauges}  # no histogram value yet
         assert not set(totals) & set(gauges)
+        sched.shared.observations.observe("transfer_seconds", 0.25)
+        assert sched.stats() == {
+            **totals,
+            **gauges,
+            "transfer_seconds_count": 1.0,
+            "transfer_seconds_sum": 0.25,
+        }
+        assert sched.take_observations() == {"transfer_seconds": [0.25]}
+        assert sched.take_observations() == {}
     finally:
         sched.close()
+
+
+def test_histograms_go_to_prometheus_with_buckets_by_their_unit() -> None:
+    """Values in the payloads are observed into a histogram per name and
+    engine: seconds and bytes get their own buckets, and a histogram's
+    count, sum and buckets are what the payloads carried."""
+    registry = CollectorRegistry()
+    metrics = prom(registry)
+    metrics.observe({"histograms": {"transfer_seconds": [0.0007, 0.2]}}, 0)
+    metrics.observe({"histograms": {"transfer_seconds": [40.0], "transfer_bytes": [3e6]}}, 0)
+    metrics.observe({"histograms": {"transfer_seconds": [0.003]}}, 1)
+    assert value(registry, "rapidkv_transfer_seconds_count") == 3
+    assert value(registry, "rapidkv_transfer_seconds_sum") == pytest.approx(40.2007)
+    assert value(registry, "rapidkv_transfer_seconds_count", engine="1") == 1
+    labels = {"model_name": "m", "engine": "0"}
+    bucket = "rapidkv_transfer_seconds_bucket"
+    assert registry.get_sample_value(bucket, {**labels, "le": "0.001"}) == 1
+    assert registry.get_sample_value(bucket, {**labels, "le": "30.0"}) == 2
+    assert registry.get_sample_value(bucket, {**labels, "le": "+Inf"}) == 3
+    assert (
+        registry.get_sample_value("rapidkv_transfer_bytes_bucket", {**labels, "le": "1.048576e+06"})
+        == 0
+    )
+    assert (
+        registry.get_sample_value("rapidkv_transfer_bytes_bucket", {**labels, "le": "4.194304e+06"})
+        == 1
+    )
+    assert buckets_for("kv_wait_seconds") == SECONDS_BUCKETS
+    assert buckets_for("transfer_bytes") == BYTES_BUCKETS
+    assert buckets_for("other") == Histogram.DEFAULT_BUCKETS
+    # a histogram whose name a counter already holds: skipped, never raised
+    metrics.observe({"counters": {"clash_seconds": 1.0}}, 0)
+    metrics.observe({"histograms": {"clash_seconds_total": [1.0]}}, 0)
+    assert value(registry, "rapidkv_clash_seconds_total") == 1.0
+
+
+def test_observations_are_taken_once_counted_always_and_capped_between_payloads() -> None:
+    o = Observations(max_pending=2)
+    for v in (1.0, 2.0, 4.0):
+        o.observe("x_seconds", v)
+    assert o.take() == {"x_seconds": [1.0, 2.0]}  # the third did not fit
+    assert o.dropped == 1
+    assert o.take() == {}
+    o.observe("x_seconds", 8.0)
+    assert o.take() == {"x_seconds": [8.0]}
+    assert o.totals() == {"x_seconds_count": 4.0, "x_seconds_sum": 15.0}

@@ -516,6 +516,10 @@ def check_written_once(c: Cluster, writes: dict[int, int]) -> None:
     assert c.counter("bytes_sent") == TP * TRANSFER_BYTES  # the workers' count, aggregated
     assert c.counter("transfers_ok") == 1
     assert c.counter("transfers_failed") == 0
+    # the histograms: one transfer, its size (from P's KV spec) what the ranks posted
+    assert c.counter("transfer_bytes_count") == c.counter("transfer_seconds_count") == 1
+    assert c.counter("transfer_bytes_sum") == TP * TRANSFER_BYTES
+    assert 0 < c.counter("transfer_seconds_sum") < DEADLINE
 
 
 # A rank that attached the substep posts the bypass full send (1 write), the

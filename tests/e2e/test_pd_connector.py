@@ -656,10 +656,10 @@ GAUGES = [
 
 
 def test_p_and_d_metrics_carry_the_connectors_series(pd_pair: Pair) -> None:
-    """Each instance's own /metrics carries the connector's counters and gauges
-    (vLLM's KV-connector stats hooks), with vLLM's labels, equal to what its
-    control plane answers once the instance is idle; a frame P's control server
-    refused is counted there too."""
+    """Each instance's own /metrics carries the connector's counters, gauges
+    and histograms (vLLM's KV-connector stats hooks), with vLLM's labels, equal
+    to what its control plane answers once the instance is idle; a frame P's
+    control server refused is counted there too."""
     (ids,) = random_prompts(pd_pair.model, [600], seed=6001)  # no D prefix hits
     before = {w: pd_pair.stats(w) for w in ("p", "d")}
     host, port = pd_pair.p_control.rsplit(":", 1)
@@ -679,8 +679,13 @@ def test_p_and_d_metrics_carry_the_connectors_series(pd_pair: Pair) -> None:
         assert len(labels) == 1, labels
         want = dict(next(iter(labels)))  # model_name and engine, as vLLM's own series
         assert set(want) == {"model_name", "engine"}
-        ours = {n: v for (n, ls), v in m.items() if n.startswith("rapidkv_")}
-        assert all(dict(ls) == want for (n, ls) in m if n.startswith("rapidkv_")), want
+        ours = {
+            n: v for (n, ls), v in m.items() if n.startswith("rapidkv_") and "le" not in dict(ls)
+        }
+        # a histogram's buckets carry `le` besides
+        assert all(
+            {k: v for k, v in ls if k != "le"} == want for (n, ls) in m if n.startswith("rapidkv_")
+        ), want
         return ours, pd_pair.stats(which)
 
     def agree(which: str) -> bool:
@@ -697,7 +702,12 @@ def test_p_and_d_metrics_carry_the_connectors_series(pd_pair: Pair) -> None:
     assert p_ours["rapidkv_transfers_ok_total"] >= 1 and p_ours["rapidkv_bytes_sent_total"] > 0
     assert p_ours["rapidkv_rpc_frame_errors_total"] >= 1
     assert p_ours["rapidkv_rpc_oversized_frames_total"] >= 1  # "GET " read as a length
-    assert p_ours["rapidkv_transfer_ms_sum_total"] == pytest.approx(p_live["transfer_ms_sum"])
+    # the histograms: P's transfer time and size, D's wait for its KV
+    for name in ("transfer_seconds", "transfer_bytes"):
+        assert p_ours[f"rapidkv_{name}_count"] == p_live[f"{name}_count"] >= 1
+        assert p_ours[f"rapidkv_{name}_sum"] == pytest.approx(p_live[f"{name}_sum"])
+    assert p_ours["rapidkv_transfer_bytes_sum"] <= p_ours["rapidkv_bytes_sent_total"]
+    assert d_ours["rapidkv_kv_wait_seconds_count"] == d_live["kv_wait_seconds_count"] >= 1
     assert p_ours["rapidkv_peers_decode"] >= 1 and p_ours["rapidkv_transfers_live"] == 0
     assert d_ours["rapidkv_transfer_kv_sent_total"] >= 1
     assert d_ours["rapidkv_waiting_for_kv"] == 0 and d_ours["rapidkv_peers_prefill_ready"] >= 1

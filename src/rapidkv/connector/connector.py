@@ -218,16 +218,18 @@ class RapidKVConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> RapidKVStats | None:
         """Scheduler role, every step after `update_connector_output`, when
         `stats_due` (at most every `STATS_INTERVAL_S` while a request holds
-        blocks, at once when none does): what the counters grew and the gauges
-        that changed since the previous payload (`metrics.py`; the workers'
-        counters reach the scheduler side in their metadata, so the worker role
-        reports nothing here)."""
+        blocks, at once when none does): what the counters grew, the gauges
+        that changed and the histograms' values observed since the previous
+        payload (`metrics.py`; the workers' counters reach the scheduler side
+        in their metadata, so the worker role reports nothing here)."""
         if self.sched is None:
             return None
         if not self._stats_cadence.take(self.sched.holds_blocks()):
             return None
         return RapidKVStats(
-            self._stats_delta.take(self.sched.counter_totals(), self.sched.gauges())
+            self._stats_delta.take(
+                self.sched.counter_totals(), self.sched.gauges(), self.sched.take_observations()
+            )
         )
 
     @classmethod

@@ -73,6 +73,7 @@ class Consumed:
     local_hits: int = 0
     migrate_from: str | None = None  # a migration: the source request's xfer_id
     state: str = "new"  # new -> loading -> done | local; new -> split (loaded in one step)
+    loading_since: float = 0.0  # time.monotonic() it began waiting for its KV (loading)
 
 
 class ConsumerSide:
@@ -84,7 +85,7 @@ class ConsumerSide:
         self._config = shared.config
         self._counters = shared.counters
         self._lock = shared.lock
-        self._client = RpcClient(secret=shared.config.secret)
+        self._client = RpcClient(secret=shared.config.shared_secret())
         self._consumed: dict[str, Consumed] = {}  # req_id ->
         # P's control address -> the future of its HandshakeReply to us
         self._handshakes: dict[str, concurrent.futures.Future] = {}
@@ -147,6 +148,7 @@ class ConsumerSide:
                 self.abort_p(c, AbortReason.NOTHING_TO_LOAD)
             return
         c.state = "split" if c.split else "loading"
+        c.loading_since = time.monotonic()
         block_size = self._shared.block_size
         num_tokens = c.split or request.num_prompt_tokens - 1
         nblocks = -(-num_tokens // block_size)
@@ -189,10 +191,17 @@ class ConsumerSide:
             self.abort_p(c, AbortReason.CLIENT_ABORT, report=True)
 
     def kv_received(self, req_ids: set[str]) -> None:
-        """The workers reported these requests' KV in place (caller holds the lock)."""
+        """The workers reported these requests' KV in place, or its load failed
+        (vLLM recomputes it; caller holds the lock). A request that was loading
+        observes `kv_wait_seconds`: from its KV asked for (vLLM allocated its
+        blocks and holds it waiting for remote KV) to now."""
         for req_id in req_ids:
             c = self._consumed.get(req_id)
             if c is not None:
+                if c.state == "loading":  # its wait for remote KV is over
+                    self._shared.observations.observe(
+                        "kv_wait_seconds", time.monotonic() - c.loading_since
+                    )
                 c.state = "done"
                 self._shared.timeline.event(c.xfer_id, "d_kv_received")
 

@@ -497,6 +497,16 @@ class ProducerSide:
         self._tombstone(p.xfer_id)
         self._maybe_release(p)
 
+    def _bytes_written(self, p: Produced, tokens: int) -> int | None:
+        """The KV bytes of the blocks `p`'s transfer wrote to hold `tokens`
+        tokens at D (every rank's heads; D's prefix hits not included), from
+        this instance's KV spec; None before the spec is known."""
+        spec = self._shared.spec
+        if spec is None or p.window is None:
+            return None
+        blocks = max(-(-tokens // self._block_size) - p.window.first_block, 0)
+        return blocks * sum(spec.layer_block_bytes) * spec.tp_size
+
     def _count_migration(self, p: Produced, ok: bool) -> None:
         """A migration is over: count how it ended."""
         if p.migration:
@@ -621,15 +631,16 @@ class ProducerSide:
         ok = all(oks)
         if p.migration:
             self._count_migration(p, ok)
-            if ok:
-                self._counters["migration_transfer_ms_sum"] += (
-                    time.monotonic() - p.accepted_at
-                ) * 1000
         else:
             self._counters["transfers_ok" if ok else "transfers_failed"] += 1
-            if ok and p.accepted_at:
-                # TransferKV taken up -> every rank confirmed: the hand-off as D sees it
-                self._counters["transfer_ms_sum"] += (time.monotonic() - p.accepted_at) * 1000
+        if ok and p.accepted_at:
+            # TransferKV taken up -> every rank confirmed: the hand-off as D sees it
+            prefix = "migration_" if p.migration else ""
+            observations = self._shared.observations
+            observations.observe(f"{prefix}transfer_seconds", time.monotonic() - p.accepted_at)
+            nbytes = self._bytes_written(p, tokens)
+            if nbytes is not None:
+                observations.observe(f"{prefix}transfer_bytes", nbytes)
         if p.reply is not None:
             errors = "; ".join(v[2] for v in p.settled_ranks.values() if v[2])
             p.reply.resolve(

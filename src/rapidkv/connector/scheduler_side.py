@@ -283,13 +283,23 @@ class SchedulerSide:
 
     def counter_totals(self) -> dict[str, float]:
         """Every counter's running total: this side's (the workers' increments
-        included) and the control-plane server's, prefixed `rpc_`. Totals never
-        decrease; a counter appears once first incremented (the server's are
-        always there)."""
+        included), `observations_dropped` (histogram values left out of a
+        payload, `observations.py`) and the control-plane server's, prefixed
+        `rpc_`. Totals never decrease; a counter appears once first incremented
+        (the server's are always there)."""
         with self._lock:
             out = {k: float(v) for k, v in self.counters.items()}
+            dropped = self.shared.observations.dropped
+        if dropped:
+            out["observations_dropped"] = float(dropped)
         out.update({f"rpc_{k}": float(v) for k, v in self.server.counters().items()})
         return out
+
+    def take_observations(self) -> dict[str, list[float]]:
+        """The histograms' values observed since the previous call
+        (`observations.py`), per name."""
+        with self._lock:
+            return self.shared.observations.take()
 
     def gauges(self) -> dict[str, float]:
         """Current levels: parked TransferKVs, live transfers, tombstones, D
@@ -327,9 +337,12 @@ class SchedulerSide:
         return pool.get_num_free_blocks(), pool.num_gpu_blocks - 1
 
     def stats(self) -> dict[str, float]:
-        """What `StatsRequest` answers: `counter_totals()` and `gauges()` (no
-        name is in both)."""
-        return {**self.counter_totals(), **self.gauges()}
+        """What `StatsRequest` answers: `counter_totals()`, `gauges()` and each
+        histogram's ``<name>_count`` and ``<name>_sum`` since the start (no
+        name is in two of them)."""
+        with self._lock:
+            histograms = self.shared.observations.totals()
+        return {**self.counter_totals(), **self.gauges(), **histograms}
 
     def _register(self, roles: tuple[str, ...]) -> Registrar:
         """Keep this instance's record in etcd while it runs (`membership`),

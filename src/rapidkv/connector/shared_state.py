@@ -1,6 +1,6 @@
 """What the roles of the scheduler side share (`SharedState`): who this instance
-is, its ranks, the one lock, the counters, the metadata pending for the next
-step, the engine step in flight, the timeline.
+is, its ranks, the one lock, the counters and histogram observations, the
+metadata pending for the next step, the engine step in flight, the timeline.
 
 Threads: the engine thread, the control-plane server's loop thread, and the
 RPC client's callback and retry-timer threads all reach the roles. Every
@@ -22,6 +22,7 @@ from typing import Any
 from rapidkv.connector.bypass import BypassSender, Peer
 from rapidkv.connector.config import ConnectorConfig
 from rapidkv.connector.metadata import StepMeta
+from rapidkv.connector.observations import Observations
 from rapidkv.connector.timeline import TimelineRecorder
 from rapidkv.control.messages import KVSpec, RankEndpoint, StepTiming
 from rapidkv.kvt.task import Task
@@ -77,6 +78,7 @@ class SharedState:
         self.block_size = block_size
         self.tp_size = tp_size
         self.counters: Counter[str] = Counter()
+        self.observations = Observations()  # histograms' values (observations.py)
         # re-entrant: a future that is already done runs its callback (which takes
         # the lock) inside add_done_callback, on the thread that holds it
         self.lock = threading.RLock()

@@ -128,7 +128,11 @@ def run(args: argparse.Namespace) -> int:
         "tpot_ms": {"p50": pd.p50("tpot_ms"), "single_p50": single.p50("tpot_ms")},
         "kv_transfers": transfers - pd.warmups,
         "kv_bytes_moved": delta("bytes_sent"),
-        "transfer_ms_mean": delta("transfer_ms_sum") / transfers if transfers else None,
+        "transfer_ms_mean": (
+            delta("transfer_seconds_sum") * 1000 / delta("transfer_seconds_count")
+            if delta("transfer_seconds_count")
+            else None
+        ),
         "recompute_fallbacks": fallbacks,
         "mismatches": mismatches,
     }
