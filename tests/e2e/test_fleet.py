@@ -75,7 +75,7 @@ def test_an_adaptive_fleet_of_two_uses_every_placement_and_matches_a_single_inst
         assert sum(used[name].values()) == len(got), decisions
         assert metric_sum(metrics, "rapidkv_router_split_prefills_total") == used[name]["split"]
         for inst, server in ((p, pd_pair.p), (d, pd_pair.d)):  # what each engine runs at once
-            seqs = metric_sum(metrics, "rapidkv_router_instance_max_num_seqs", instance=inst.url)
+            seqs = metric_sum(metrics, "rapidkv_router_instance_max_num_seqs", upstream=inst.url)
             assert seqs == server.spec.max_num_seqs, (name, inst.url)
     assert [o.token_ids for o in outs] == expected
     headers = [o.headers.get("x-rapidkv-placement", "") for o in outs[:IDLE]]

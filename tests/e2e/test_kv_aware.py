@@ -77,7 +77,7 @@ def index_blocks(router_url: str) -> dict[str, float]:
     out = {}
     for (name, labels), value in get_metrics(router_url).items():
         if name == "rapidkv_router_prefix_index_blocks":
-            out[dict(labels)["instance"]] = value
+            out[dict(labels)["upstream"]] = value
     return out
 
 
@@ -260,7 +260,7 @@ def test_a_conversation_is_served_where_its_prefix_is_cached_or_fetched_from_the
             "the dead instance marked down",
             lambda: (
                 metric_sum(
-                    get_metrics(router.url), "rapidkv_router_instance_up", instance=urls[other]
+                    get_metrics(router.url), "rapidkv_router_instance_up", upstream=urls[other]
                 )
                 == 0
             ),

@@ -480,7 +480,7 @@ def test_with_every_transfer_failing_outputs_stay_exact_and_the_router_says_degr
                 metric_sum(
                     get_metrics(router.url),
                     "rapidkv_router_transfers_degraded",
-                    instance=d.base_url,
+                    upstream=d.base_url,
                 )
                 == 1
             )

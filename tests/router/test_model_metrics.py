@@ -1,4 +1,5 @@
-"""The adaptive router's learned costs on /metrics (`ModelsCollector`)."""
+"""The adaptive router's learned costs on /metrics (`ModelsCollector`): in
+seconds, per upstream instance (label `upstream`)."""
 
 from __future__ import annotations
 
@@ -32,23 +33,25 @@ def test_every_instance_exports_its_lines_and_only_observed_pairs_a_transfer() -
     got = scrape(models, URLS)
     for i, url in enumerate(URLS):
         for name, cost in (("prefill", models.prefill[i]), ("step", models.step[i])):
-            key = f"rapidkv_router_model_{name}_ms"
-            assert got[(key, (("instance", url), ("term", "intercept")))] == cost.intercept
-            assert got[(key, (("instance", url), ("term", "slope")))] == cost.slope
+            key = f"rapidkv_router_model_{name}_seconds"
+            assert got[(key, (("term", "intercept"), ("upstream", url)))] == cost.intercept / 1000
+            assert got[(key, (("term", "slope"), ("upstream", url)))] == cost.slope / 1000
     # what instance 1 taught its step model shows, instance 0 still has the prior's
     assert (
-        got[("rapidkv_router_model_step_ms", (("instance", URLS[1]), ("term", "slope")))]
-        != (got[("rapidkv_router_model_step_ms", (("instance", URLS[0]), ("term", "slope")))])
+        got[("rapidkv_router_model_step_seconds", (("term", "slope"), ("upstream", URLS[1])))]
+        != (got[("rapidkv_router_model_step_seconds", (("term", "slope"), ("upstream", URLS[0])))])
     )
-    transfers = {k: v for k, v in got.items() if k[0] == "rapidkv_router_model_transfer_ms"}
+    transfers = {k: v for k, v in got.items() if k[0] == "rapidkv_router_model_transfer_seconds"}
     pair = (("decode", URLS[1]), ("prefill", URLS[0]))
     assert transfers == {
-        ("rapidkv_router_model_transfer_ms", (*pair, ("term", "intercept"))): models.transfer[
+        ("rapidkv_router_model_transfer_seconds", (*pair, ("term", "intercept"))): models.transfer[
             (0, 1)
-        ].intercept,
-        ("rapidkv_router_model_transfer_ms", (*pair, ("term", "slope"))): models.transfer[
+        ].intercept
+        / 1000,
+        ("rapidkv_router_model_transfer_seconds", (*pair, ("term", "slope"))): models.transfer[
             (0, 1)
-        ].slope,
+        ].slope
+        / 1000,
     }
 
 
@@ -57,13 +60,13 @@ def test_a_scrape_reads_the_models_as_they_are_now() -> None:
     before = scrape(models, URLS[:1])
     models.observe_prefill(0, 800, 400.0)
     after = scrape(models, URLS[:1])
-    key = ("rapidkv_router_model_prefill_ms", (("instance", URLS[0]), ("term", "slope")))
+    key = ("rapidkv_router_model_prefill_seconds", (("term", "slope"), ("upstream", URLS[0])))
     assert after[key] > before[key]
 
 
 def test_an_instance_the_models_do_not_have_yet_is_left_out() -> None:
     got = scrape(Models(1), URLS)  # a member appended before the models grew
-    assert {dict(k[1])["instance"] for k in got} == {URLS[0]}
+    assert {dict(k[1])["upstream"] for k in got} == {URLS[0]}
 
 
 def test_the_capacity_the_router_learned_is_exported_per_instance() -> None:
@@ -72,8 +75,8 @@ def test_the_capacity_the_router_learned_is_exported_per_instance() -> None:
     registry = CollectorRegistry()
     registry.register(ModelsCollector(Models(2), lambda: URLS, fleet))
     seqs = "rapidkv_router_instance_max_num_seqs"
-    assert registry.get_sample_value(seqs, {"instance": URLS[1]}) == 8.0
-    assert registry.get_sample_value(seqs, {"instance": URLS[0]}) is None  # not known
+    assert registry.get_sample_value(seqs, {"upstream": URLS[1]}) == 8.0
+    assert registry.get_sample_value(seqs, {"upstream": URLS[0]}) is None  # not known
 
 
 def test_the_roles_and_the_fleets_shape_are_exported() -> None:
@@ -94,7 +97,7 @@ def test_the_roles_and_the_fleets_shape_are_exported() -> None:
     before = got()
     assert before[("rapidkv_router_fleet_specialized", ())] == 0
     assert before[("rapidkv_router_fleet_shape_switches_total", ())] == 0
-    assert before[("rapidkv_router_instance_role", (("instance", URLS[1]), ("role", "any")))] == 1
+    assert before[("rapidkv_router_instance_role", (("role", "any"), ("upstream", URLS[1])))] == 1
     for k in range(160):  # 8 req/s of 500-token prompts, 16-token answers
         shape.arrived(k / 8, 500, 16)
     assert shape.apply(fleet, ["any", "any"], models, 9.0)
@@ -104,6 +107,6 @@ def test_the_roles_and_the_fleets_shape_are_exported() -> None:
     assert after[("rapidkv_router_fleet_shape_switches_total", ())] == 1
     roles = {k[1]: v for k, v in after.items() if k[0] == "rapidkv_router_instance_role"}
     assert roles == {
-        (("instance", URLS[0]), ("role", "prefill")): 1,
-        (("instance", URLS[1]), ("role", "decode")): 1,
+        (("role", "prefill"), ("upstream", URLS[0])): 1,
+        (("role", "decode"), ("upstream", URLS[1])): 1,
     }

@@ -119,9 +119,9 @@ def test_routers_following_etcd_add_instances_drop_dead_ones_and_follow_restarts
             assert inner.members[index].instance.control == "127.0.0.1:7003"
             assert inner.pool("prefill") == ()
             up = get_metrics(router.url)
-            assert metric_sum(up, "rapidkv_router_instance_up", role="decode", instance=b.url) == 1
+            assert metric_sum(up, "rapidkv_router_instance_up", role="decode", upstream=b.url) == 1
             # its series under the old role went with the old record (it stayed at 1)
-            assert metric_sum(up, "rapidkv_router_instance_up", role="both", instance=b.url) == 0
+            assert metric_sum(up, "rapidkv_router_instance_up", role="both", upstream=b.url) == 0
 
 
 def test_an_instance_that_joined_through_etcd_has_its_transfers_watched(

@@ -286,6 +286,8 @@ def test_a_failed_prefill_does_not_fail_the_client(
         what="the prefill failure to be counted",
     )
     assert metric(router, "rapidkv_router_requests_total", outcome="ok") == 1
+    placed = "rapidkv_router_placed_requests_total"
+    assert metric(router, placed, placement="pd", outcome="ok") == 1 == metric(router, placed)
 
 
 def test_a_decode_error_is_relayed_as_is(
@@ -364,6 +366,10 @@ def test_with_no_decode_up_requests_get_503_at_once_and_p_gets_nothing(
     assert error["type"] == "ServiceUnavailableError" and d.url in error["message"]
     assert len(p.requests()) == p_requests, "P was asked for a request no D could serve"
     assert metric(router, "rapidkv_router_requests_total", outcome="unavailable") == 1
+    # by placement: the first was placed (P and D chosen), the second never was
+    placed = "rapidkv_router_placed_requests_total"
+    assert metric(router, placed, placement="pd", outcome="unreachable") == 1
+    assert metric(router, placed, placement="none", outcome="unavailable") == 1
     health = http.get(f"{router.url}/health").json()
     assert health["decode"][0]["dispatching"] is False
 
@@ -414,13 +420,13 @@ def test_instances_are_chosen_by_least_outstanding_with_ties_in_turn(
     )
     long.start()
     ds[0].wait_seen(1)  # the first request holds D0
-    assert metric(router, "rapidkv_router_outstanding", role="decode", instance=ds[0].url) == 1
+    assert metric(router, "rapidkv_router_outstanding", role="decode", upstream=ds[0].url) == 1
 
     served = [http.post(url, json=COMPLETION).json()["served_by"] for _ in range(3)]
     assert served == ["D1", "D1", "D1"]  # D0 is busy: D1 has fewer outstanding
     ds[0].release()
     long.join(30)
-    assert metric(router, "rapidkv_router_outstanding", role="decode", instance=ds[0].url) == 0
+    assert metric(router, "rapidkv_router_outstanding", role="decode", upstream=ds[0].url) == 0
 
     served = [http.post(url, json=COMPLETION).json()["served_by"] for _ in range(4)]
     assert served == ["D0", "D1", "D0", "D1"]  # equal loads: in turn
@@ -631,7 +637,7 @@ def test_a_decode_whose_every_transfer_falls_back_shows_as_degraded(
 
         def state() -> tuple[str, str, float]:
             report = http.get(f"{router.url}/health").json()
-            degraded = metric(router, "rapidkv_router_transfers_degraded", instance=d.url)
+            degraded = metric(router, "rapidkv_router_transfers_degraded", upstream=d.url)
             return report["status"], report["decode"][0]["transfers"], degraded
 
         wait_until(lambda: stats.asked >= 2, 5, what="two readings")  # idle: nothing to judge
@@ -760,12 +766,15 @@ def test_adaptive_placement_keeps_a_short_prompt_local_and_says_so(
     assert not a[1 - int(placement["decode"])].requests()
     assert metric(router, "rapidkv_router_placements_total", kind="local") == 1
     assert metric(router, "rapidkv_router_placements_total", kind="pd") == 0
+    placed = "rapidkv_router_placed_requests_total"
+    assert metric(router, placed, placement="local", outcome="ok") == 1 == metric(router, placed)
     # its learned costs, one line per instance (no stream: nothing learned, the priors')
     for fake in a:
-        step = {"instance": fake.url, "term": "intercept"}
-        assert metric(router, "rapidkv_router_model_step_ms", **step) > 0
+        step = {"upstream": fake.url, "term": "intercept"}
+        assert metric(router, "rapidkv_router_model_step_seconds", **step) > 0
         assert (
-            metric(router, "rapidkv_router_model_prefill_ms", instance=fake.url, term="slope") > 0
+            metric(router, "rapidkv_router_model_prefill_seconds", upstream=fake.url, term="slope")
+            > 0
         )
 
 
@@ -783,7 +792,7 @@ def test_adaptive_placement_asks_every_instance_its_block_size_and_max_num_seqs(
     router = make_router([], [], instances=configured, placement="adaptive", discover=True)
     seqs = "rapidkv_router_instance_max_num_seqs"
     wait_until(
-        lambda: [metric(router, seqs, instance=fake.url) for fake in a] == [4, 5],
+        lambda: [metric(router, seqs, upstream=fake.url) for fake in a] == [4, 5],
         10,
         what="both instances probed",
     )
@@ -808,21 +817,21 @@ def test_an_adaptive_router_probes_an_instance_again_when_it_comes_back(
         [], [], instances=listed, placement="adaptive", discover=True, probe_interval_s=0.2
     )
     seqs = "rapidkv_router_instance_max_num_seqs"
-    wait_until(lambda: metric(router, seqs, instance=a.url) == 4, 10, what="A probed")
+    wait_until(lambda: metric(router, seqs, upstream=a.url) == 4, 10, what="A probed")
     port = urlsplit(a.url).port
     a.stop()
 
     def a_down() -> bool:  # a request placed on A (the first of equals) finds it gone
         http.post(f"{router.url}/v1/completions", json=COMPLETION)
-        return metric(router, "rapidkv_router_instance_up", role="both", instance=a.url) == 0
+        return metric(router, "rapidkv_router_instance_up", role="both", upstream=a.url) == 0
 
     wait_until(a_down, 10, what="A marked down")
-    assert metric(router, "rapidkv_router_instance_up", role="both", instance=a.url) == 0
+    assert metric(router, "rapidkv_router_instance_up", role="both", upstream=a.url) == 0
     again = make_fake("A-again", "decode", port)
     again.control = "127.0.0.1:7301"
     again.max_num_seqs = 9
-    wait_until(lambda: metric(router, seqs, instance=a.url) == 9, 10, what="A probed again")
-    assert metric(router, "rapidkv_router_instance_up", role="both", instance=a.url) == 1
+    wait_until(lambda: metric(router, seqs, upstream=a.url) == 9, 10, what="A probed again")
+    assert metric(router, "rapidkv_router_instance_up", role="both", upstream=a.url) == 1
 
 
 def test_fixed_placement_names_the_instances_in_the_header(
@@ -917,7 +926,7 @@ def test_a_drained_instance_gets_no_new_request_until_undrained(
         (True, False),
         (False, True),
     ]
-    assert metric(router, "rapidkv_router_instance_draining", instance=ds[0].url) == 1
+    assert metric(router, "rapidkv_router_instance_draining", upstream=ds[0].url) == 1
     http.post(f"{router.url}/admin/drain", json={"instance": ds[1].url}, headers=AUTH)
     refused = http.post(url, json=COMPLETION)
     assert refused.status_code == 503 and "draining" in refused.json()["error"]["message"]
@@ -926,4 +935,4 @@ def test_a_drained_instance_gets_no_new_request_until_undrained(
         http.post(f"{router.url}/admin/undrain", json={"instance": d.url}, headers=AUTH)
     served = {decoder(http.post(url, json=COMPLETION)) for _ in range(2)}
     assert served == {1, 2}  # D0 and D1 (P0 is member 0)
-    assert metric(router, "rapidkv_router_instance_draining", instance=ds[0].url) == 0
+    assert metric(router, "rapidkv_router_instance_draining", upstream=ds[0].url) == 0

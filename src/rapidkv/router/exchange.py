@@ -41,6 +41,7 @@ class Exchange:
     decode: Instance | None = None
     status: int | None = None  # D's status
     placement: str | None = None  # the x-rapidkv-placement header's value
+    kind: str | None = None  # the placement kind it runs under (local, pd, split, fetch)
     decision: Decision | None = None  # adaptive placement's, for the request
     output_events: int = 0  # streamed output events relayed (about the tokens)
     estimated_tokens: int = 0  # the prompt's length as placement estimated it

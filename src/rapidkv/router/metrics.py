@@ -3,8 +3,10 @@
 Names and labels (``endpoint`` is ``completions`` | ``chat``; ``dispatch`` is
 ``dual`` | ``serial`` | ``local``; ``role`` is ``prefill`` | ``decode`` (the
 part an upstream request plays) or, on per-instance series, also ``both`` (an
-instance that may play either, ``--instance``); ``instance`` is the instance's
-base URL):
+instance that may play either, ``--instance``); ``upstream`` is the instance's
+base URL (not ``instance``: Prometheus sets that label to the scrape target,
+the router, and renames a scraped one ``exported_instance``). Every series is
+in docs/metrics.md):
 
 - ``rapidkv_router_requests_total{endpoint,dispatch,outcome}``: requests by
   how they ended (`OUTCOMES`).
@@ -13,12 +15,12 @@ base URL):
   output event relayed to the client (streaming answers only).
 - ``rapidkv_router_e2e_seconds{endpoint,dispatch}``: request received → answer
   fully relayed (successful requests only).
-- ``rapidkv_router_upstream_errors_total{role,instance,kind}``: failed upstream
+- ``rapidkv_router_upstream_errors_total{role,upstream,kind}``: failed upstream
   requests; ``kind`` is ``status`` (an HTTP error answer), ``connect`` (no
   status line: refused, reset, timed out), ``stream`` (the answer broke off) or
   ``discovery`` (a prefill instance did not tell its control address).
   Prefill errors do not fail the client: D recomputes the prompt.
-- ``rapidkv_router_outstanding{role,instance}``: requests in flight per instance
+- ``rapidkv_router_outstanding{role,upstream}``: requests in flight per instance
   (what instance choice balances).
 - ``rapidkv_router_first_token_total{source}``: streamed dual-dispatch answers
   by where their first token came from, counted once D's first token is known:
@@ -26,12 +28,12 @@ base URL):
   ``decode`` (D's came first, or the request could not be stitched),
   ``continuation`` (P's opened it, D's differed: D's answer was dropped and the
   rest computed from the prompt plus P's token).
-- ``rapidkv_router_instance_up{role,instance}``: 1 while the router dispatches
+- ``rapidkv_router_instance_up{role,upstream}``: 1 while the router dispatches
   to the instance, 0 from a request that got no answer from it until its
   ``/health`` answers 200 again (`fleet.health`).
-- ``rapidkv_router_instance_draining{role,instance}``: 1 while the instance
+- ``rapidkv_router_instance_draining{role,upstream}``: 1 while the instance
   is drained (``POST /admin/drain``): it gets no new request.
-- ``rapidkv_router_transfers_degraded{instance}``: 1 while every TransferKV a
+- ``rapidkv_router_transfers_degraded{upstream}``: 1 while every TransferKV a
   decode instance sent since the previous check fell back to recompute (a pair
   that is up but not transferring; `fleet.transfers`), else 0.
 - ``rapidkv_router_placements_total{kind,reason}``: requests by where they
@@ -42,6 +44,12 @@ base URL):
   (``--placement fixed``) or the adaptive policy's
   (`placement.policy.Reason`). The same is in each answer's
   ``x-rapidkv-placement`` header.
+- ``rapidkv_router_placed_requests_total{placement,outcome}``: requests by
+  the placement kind they ran under (``placement`` ``local``, ``pd``,
+  ``split``, ``fetch``, or ``none``: ended before one was chosen) and how
+  they ended (``outcome``, as in ``rapidkv_router_requests_total``, which
+  also counts the requests refused before their body was read and checked:
+  those are not here).
 - ``rapidkv_router_prefix_tokens_total{kind}``: adaptive placement's prompt
   tokens by what became of them, as placed: ``hit`` (found in the prefix
   cache of the instance computing that part), ``fetched`` (sent from the
@@ -118,14 +126,14 @@ class RouterMetrics:
         )
         self.upstream_errors = Counter(
             "rapidkv_router_upstream_errors",
-            "Failed upstream requests by role, instance and kind",
-            ["role", "instance", "kind"],
+            "Failed upstream requests by role, upstream instance and kind",
+            ["role", "upstream", "kind"],
             registry=r,
         )
         self.outstanding = Gauge(
             "rapidkv_router_outstanding",
             "Upstream requests in flight per instance",
-            ["role", "instance"],
+            ["role", "upstream"],
             registry=r,
         )
         self.control_aborts = Counter(
@@ -152,19 +160,19 @@ class RouterMetrics:
         self.instance_up = Gauge(
             "rapidkv_router_instance_up",
             "1 while the router dispatches to the instance, 0 while it is down",
-            ["role", "instance"],
+            ["role", "upstream"],
             registry=r,
         )
         self.instance_draining = Gauge(
             "rapidkv_router_instance_draining",
             "1 while the instance is drained (no new requests; POST /admin/drain)",
-            ["role", "instance"],
+            ["role", "upstream"],
             registry=r,
         )
         self.transfers_degraded = Gauge(
             "rapidkv_router_transfers_degraded",
             "1 while every TransferKV of the decode instance fell back to recompute",
-            ["instance"],
+            ["upstream"],
             registry=r,
         )
         self.without_prefill = Counter(
@@ -193,6 +201,16 @@ class RouterMetrics:
         )
         for kind in PREFIX_TOKEN_KINDS:
             self.prefix_tokens.labels(kind)
+        self.placed = Counter(
+            "rapidkv_router_placed_requests",
+            "Requests by the placement kind they ran under (none: refused or failed before "
+            "one was chosen) and their outcome",
+            ["placement", "outcome"],
+            registry=r,
+        )
+        for kind in (*KINDS, "none"):
+            for outcome in OUTCOMES:
+                self.placed.labels(kind, outcome)
         self.first_token = Counter(
             "rapidkv_router_first_token",
             "Streamed dual-dispatch answers by the source of their first token",

@@ -1,26 +1,27 @@
 """The adaptive router's learned costs as Prometheus gauges, read at each scrape.
 
 Every cost of `placement.Models` is a line ``ms = intercept + slope * x``; each
-is exported as two samples, ``term="intercept"`` (ms) and ``term="slope"``
-(ms per unit of its x):
+is exported in seconds, as two samples, ``term="intercept"`` (s) and
+``term="slope"`` (s per unit of its x):
 
-- ``rapidkv_router_model_prefill_ms{instance}``: x = prompt tokens computed;
-- ``rapidkv_router_model_step_ms{instance}``: x = requests decoding;
-- ``rapidkv_router_model_transfer_ms{prefill, decode}``: x = prompt tokens,
+- ``rapidkv_router_model_prefill_seconds{upstream}``: x = prompt tokens computed;
+- ``rapidkv_router_model_step_seconds{upstream}``: x = requests decoding;
+- ``rapidkv_router_model_transfer_seconds{prefill, decode}``: x = prompt tokens,
   for each ordered pair the router has observed (a pair never observed uses
   the prior, which is not exported).
 
-and, from the fleet's state, ``rapidkv_router_instance_max_num_seqs{instance}``
+and, from the fleet's state, ``rapidkv_router_instance_max_num_seqs{upstream}``
 for each instance whose engine's ``max_num_seqs`` the router has learned
 (discovery or etcd): the capacity the policy waits beyond, and
-``rapidkv_router_instance_role{instance, role}`` (1 for the role each
+``rapidkv_router_instance_role{upstream, role}`` (1 for the role each
 instance plays now: ``any``, ``prefill`` or ``decode``). With a
 `placement.Specializer`: ``rapidkv_router_fleet_specialized`` (1 while the
 instances configured ``both`` are pinned half to prefill, half to decode),
 ``rapidkv_router_fleet_pressure`` (the pressure that decided it, at the last
 request) and ``rapidkv_router_fleet_shape_switches_total``.
 
-``instance``, ``prefill`` and ``decode`` are instance URLs. The collector holds
+``upstream``, ``prefill`` and ``decode`` are instance URLs (``upstream``, not
+``instance``, which Prometheus keeps for the scrape target). The collector holds
 no state of its own: a scrape reads the models as they are at that moment
 (the router's one event loop is the only writer; a scrape from the same loop
 sees a consistent model).
@@ -57,19 +58,19 @@ class ModelsCollector(Collector):
         urls = list(self.urls())
         n = min(len(urls), self.models.n)
         prefill = GaugeMetricFamily(
-            "rapidkv_router_model_prefill_ms",
-            "Learned prefill cost beyond a decode step: intercept (ms), slope (ms per token)",
-            labels=["instance", "term"],
+            "rapidkv_router_model_prefill_seconds",
+            "Learned prefill cost beyond a decode step: intercept (s), slope (s per token)",
+            labels=["upstream", "term"],
         )
         step = GaugeMetricFamily(
-            "rapidkv_router_model_step_ms",
-            "Learned decode step: intercept (ms), slope (ms per decoding request)",
-            labels=["instance", "term"],
+            "rapidkv_router_model_step_seconds",
+            "Learned decode step: intercept (s), slope (s per decoding request)",
+            labels=["upstream", "term"],
         )
         transfer = GaugeMetricFamily(
-            "rapidkv_router_model_transfer_ms",
-            "Learned KV transfer after P's answer, per observed pair: intercept (ms), slope "
-            "(ms per token)",
+            "rapidkv_router_model_transfer_seconds",
+            "Learned KV transfer after P's answer, per observed pair: intercept (s), slope "
+            "(s per token)",
             labels=["prefill", "decode", "term"],
         )
         for i in range(n):
@@ -83,12 +84,12 @@ class ModelsCollector(Collector):
             seqs = GaugeMetricFamily(
                 "rapidkv_router_instance_max_num_seqs",
                 "The instance engine's max_num_seqs, as the router learned it",
-                labels=["instance"],
+                labels=["upstream"],
             )
             roles = GaugeMetricFamily(
                 "rapidkv_router_instance_role",
                 "1 for the role the instance plays now (any, prefill, decode)",
-                labels=["instance", "role"],
+                labels=["upstream", "role"],
             )
             for i, load in enumerate(self.fleet.view()[:n]):
                 if load.max_num_seqs is not None:
@@ -118,5 +119,6 @@ class ModelsCollector(Collector):
 
 
 def _add(family: GaugeMetricFamily, labels: list[str], cost: LinearCost) -> None:
-    family.add_metric([*labels, "intercept"], cost.intercept)
-    family.add_metric([*labels, "slope"], cost.slope)
+    """`cost` (ms) as its two terms, in seconds."""
+    family.add_metric([*labels, "intercept"], cost.intercept / 1000)
+    family.add_metric([*labels, "slope"], cost.slope / 1000)

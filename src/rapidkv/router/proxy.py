@@ -261,6 +261,7 @@ class Router:
             del self._exchanges[ex.xfer_id]
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(endpoint, dispatch, outcome).inc()
+            self.metrics.placed.labels(ex.kind or "none", outcome).inc()
             log.debug(
                 "xfer %s: %s %s P=%s D=%s -> %s (D status %s) in %.3fs",
                 ex.xfer_id,
@@ -541,6 +542,7 @@ class Router:
     ) -> None:
         """Where `ex` really went (a split that could not be made is PD): the
         placements metric, its header value, the placement state."""
+        ex.kind = kind
         if self._placer is None or ex.decision is None:
             self.metrics.placements.labels(kind, "fixed").inc()
             ex.placement = f"kind={kind};prefill={p_index};decode={d_index};reason=fixed"

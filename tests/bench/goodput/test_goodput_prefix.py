@@ -126,7 +126,10 @@ def test_a_router_s_counters_are_read_by_kind_and_as_deltas() -> None:
             ("rapidkv_router_placements_total", frozenset({("kind", "local"), ("reason", "r")})): 1,
             ("rapidkv_router_prefix_tokens_total", frozenset({("kind", "hit")})): 100 * n,
             ("rapidkv_router_prefix_tokens_total", frozenset({("kind", "fetched")})): 10 * n,
-            ("rapidkv_router_model_step_ms", frozenset({("instance", "a"), ("term", "slope")})): n,
+            (
+                "rapidkv_router_model_step_seconds",
+                frozenset({("upstream", "a"), ("term", "slope")}),
+            ): (n / 1000),
         }
 
     before, after = parse(metrics(1.0)), parse(metrics(3.0))
@@ -134,7 +137,7 @@ def test_a_router_s_counters_are_read_by_kind_and_as_deltas() -> None:
     assert d.kinds == {"local": 0.0, "pd": 0.0, "split": 0.0, "fetch": 2.0}
     assert d.reasons == {"r": 2.0}
     assert d.prefix_tokens == {"hit": 200.0, "fetched": 20.0, "computed": 0.0}  # missing: 0
-    assert d.learned == {"step_ms": {"a": {"slope": 3.0}}}
+    assert d.learned == {"step_ms": {"a": {"slope": pytest.approx(3.0)}}}  # ms, as learned
     assert parse({}) == RouterCounters(
         dict.fromkeys(("local", "pd", "split", "fetch"), 0.0),
         {},

@@ -8,8 +8,9 @@ before and after a rate.
   placement found them (`hit`: in the prefix cache of the instance that
   computes the prompt, `fetched`: pulled from another instance's,
   `computed`); a router without a prefix index counts none (0, not missing);
-- `rapidkv_router_model_*{term}`: an adaptive router's learned costs, as they
-  are now (not a counter).
+- `rapidkv_router_model_*_seconds{term}`: an adaptive router's learned costs,
+  as they are now (not a counter), reported in ms as the placement policy
+  keeps them (`learned["step_ms"]` from `rapidkv_router_model_step_seconds`).
 """
 
 from __future__ import annotations
@@ -56,10 +57,10 @@ def parse(metrics: dict[tuple[str, Any], float]) -> RouterCounters:
             reasons[lab["reason"]] = reasons.get(lab["reason"], 0.0) + v
         elif name == "rapidkv_router_prefix_tokens_total":
             tokens[lab["kind"]] = tokens.get(lab["kind"], 0.0) + v
-        elif name.startswith(MODEL_PREFIX) and "term" in lab:
-            where = lab.get("instance") or f"{lab.get('prefill')} -> {lab.get('decode')}"
-            model = learned.setdefault(name.removeprefix(MODEL_PREFIX), {})
-            model.setdefault(where, {})[lab["term"]] = v
+        elif name.startswith(MODEL_PREFIX) and name.endswith("_seconds") and "term" in lab:
+            where = lab.get("upstream") or f"{lab.get('prefill')} -> {lab.get('decode')}"
+            key = name.removeprefix(MODEL_PREFIX).removesuffix("_seconds") + "_ms"
+            learned.setdefault(key, {}).setdefault(where, {})[lab["term"]] = v * 1000
     return RouterCounters(kinds, reasons, tokens, learned)
 
 

@@ -173,9 +173,9 @@ class PrefixCaches:
 
 
 class PrefixCachesCollector(Collector):
-    """``rapidkv_router_prefix_index_blocks{instance}`` (the blocks the index
+    """``rapidkv_router_prefix_index_blocks{upstream}`` (the blocks the index
     says each followed instance holds; 0 while out of sync) and
-    ``rapidkv_router_prefix_index_synced{instance}`` (1 while in sync with its
+    ``rapidkv_router_prefix_index_synced{upstream}`` (1 while in sync with its
     publisher), read at each scrape."""
 
     def __init__(self, caches: PrefixCaches) -> None:
@@ -185,12 +185,12 @@ class PrefixCachesCollector(Collector):
         blocks = GaugeMetricFamily(
             "rapidkv_router_prefix_index_blocks",
             "Blocks the prefix index says the instance holds (0 while out of sync)",
-            labels=["instance"],
+            labels=["upstream"],
         )
         synced = GaugeMetricFamily(
             "rapidkv_router_prefix_index_synced",
             "1 while the prefix index is in sync with the instance's KV events",
-            labels=["instance"],
+            labels=["upstream"],
         )
         for url, (count, ok) in sorted(self.caches.holdings().items()):
             blocks.add_metric([url], count)
