@@ -61,3 +61,58 @@ def test_the_data_plane_address_reaches_the_transport() -> None:
         "host": "10.77.0.2",
         "advertise_host": None,
     }
+
+
+# -- the shared secret: from a file (what deployments use) or inline (tests)
+
+
+def test_the_secret_is_read_from_secret_file_and_only_its_path_is_kept(tmp_path) -> None:
+    path = tmp_path / "secret"
+    path.write_text("  s3cr3t-from-a-file\n")
+    c = config(secret_file=str(path))
+    assert c.shared_secret() == b"s3cr3t-from-a-file"
+    assert c.secret is None and "s3cr3t" not in repr(c)
+    assert config(secret="inline").shared_secret() == b"inline"
+    assert config().shared_secret() is None
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [(None, "secret_file: cannot read the secret file .*No such file"), ("\n", "is empty")],
+)
+def test_a_secret_file_that_holds_no_secret_is_refused_at_load(
+    tmp_path, content: str | None, match: str
+) -> None:
+    path = tmp_path / "secret"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ValueError, match=match):
+        config(secret_file=str(path))
+    with pytest.raises(ValueError, match=match):  # as the harness builds the flag
+        kv_transfer_config(9100, secret_file=str(path))
+
+
+def test_secret_and_secret_file_together_are_refused_without_echoing_either(tmp_path) -> None:
+    path = tmp_path / "secret"
+    path.write_text("file-secret")
+    with pytest.raises(ValueError, match="secret_file or secret, not both") as e:
+        config(secret="inline-secret", secret_file=str(path))
+    assert "inline-secret" not in str(e.value) and "file-secret" not in str(e.value)
+    with pytest.raises(ValueError, match="empty"):
+        config(secret="")
+
+
+def test_an_inline_secret_is_warned_about_once(monkeypatch, caplog, tmp_path) -> None:
+    from rapidkv.connector import config as config_module
+
+    monkeypatch.setattr(config_module, "_warned_inline_secret", False)
+    path = tmp_path / "secret"
+    path.write_text("file-secret")
+    with caplog.at_level("WARNING", logger="rapidkv.connector.config"):
+        assert not config_module.warn_if_inline_secret(config(secret_file=str(path)))
+        assert not config_module.warn_if_inline_secret(config())
+        assert config_module.warn_if_inline_secret(config(secret="inline-secret"))
+        assert not config_module.warn_if_inline_secret(config(secret="inline-secret"))
+    [record] = caplog.records
+    assert "`ps`" in record.message and "secret_file" in record.message
+    assert "inline-secret" not in record.message

@@ -2,15 +2,25 @@
 
 Every key is optional. Unknown keys are refused (a typo must not silently fall
 back to a default).
+
+The control plane's shared secret comes from `secret_file` (read when the
+connector loads; the flag and vLLM's start-up log hold only the path) or,
+for tests, inline as `secret`, which `--kv-transfer-config` shows in `ps` and
+vLLM logs among its non-default arguments: the scheduler role warns once
+(`warn_if_inline_secret`).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
 import msgspec
 
 from rapidkv.control.address import WILDCARD_HOSTS
+from rapidkv.control.framing import read_secret_file
+
+log = logging.getLogger(__name__)
 
 TransferKVMode = Literal["step", "bypass", "substep"]
 
@@ -22,7 +32,11 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     control_host: str = "127.0.0.1"
     control_advertise_host: str | None = None
     control_port: int = 0  # 0: pick a free port (logged); give one for the router
-    secret: str | None = None  # shared secret authenticating control messages
+    # the shared secret authenticating control messages: a file holding it
+    # (surrounding whitespace dropped), or inline (tests only: visible in `ps`
+    # and vLLM's start-up log); at most one of the two
+    secret_file: str | None = None
+    secret: str | None = None
     # data plane
     transport: Literal["nixl", "tcp"] = "nixl"
     # the data plane's address (None: loopback for tcp, UCX's own choice for
@@ -78,6 +92,15 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     def __post_init__(self) -> None:
         for problem in self.address_problems():
             raise ValueError(problem)
+        if self.secret is not None and self.secret_file is not None:
+            raise ValueError("give secret_file or secret, not both")
+        if self.secret == "":
+            raise ValueError("secret is empty: an empty secret authenticates nothing")
+        if self.secret_file is not None:
+            try:  # refused now, with the key's name, rather than at the first peer
+                read_secret_file(self.secret_file)
+            except ValueError as e:
+                raise ValueError(f"secret_file: {e}") from None
         if not 0.0 <= self.debug_fail_transfer_rate <= 1.0:
             raise ValueError("debug_fail_transfer_rate must be between 0 and 1")
         if self.debug_send_delay_s < 0:
@@ -136,6 +159,13 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             )
         return out
 
+    def shared_secret(self) -> bytes | None:
+        """The control plane's shared secret (None: no authentication): the
+        content of `secret_file`, read now, or the inline `secret`."""
+        if self.secret_file is not None:
+            return read_secret_file(self.secret_file)
+        return self.secret.encode() if self.secret is not None else None
+
     @property
     def control_advertised_host(self) -> str:
         """The host of the control address this instance gives peers and routers."""
@@ -158,6 +188,24 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             raise ValueError(f"rapidkv: bad kv_connector_extra_config: {e}") from None
 
 
+_warned_inline_secret = False
+
+
+def warn_if_inline_secret(config: ConnectorConfig) -> bool:
+    """Log, once per process, that an inline `secret` is visible in `ps` and in
+    vLLM's start-up log, naming `secret_file` as the way out; whether it logged."""
+    global _warned_inline_secret
+    if config.secret is None or _warned_inline_secret:
+        return False
+    _warned_inline_secret = True
+    log.warning(
+        "rapidkv: the shared secret is inline in kv_connector_extra_config (`secret`): "
+        "it shows in `ps` and in vLLM's start-up log; put it in a file readable only "
+        "by this service and give the path as `secret_file`"
+    )
+    return True
+
+
 def kv_roles(kv_role: str | None) -> tuple[str, ...]:
     """The roles an instance with vLLM's `kv_role` may play for a router."""
     return {"kv_producer": ("prefill",), "kv_consumer": ("decode",)}.get(
@@ -168,7 +216,9 @@ def kv_roles(kv_role: str | None) -> tuple[str, ...]:
 def kv_transfer_config(control_port: int, **extra: Any) -> dict[str, Any]:
     """vLLM's `--kv-transfer-config` for an instance running RapidKVConnector
     (P, D or both) whose control plane listens on `control_port`; `extra` goes
-    into `kv_connector_extra_config` (validated here, as the connector will)."""
+    into `kv_connector_extra_config` (validated here, as the connector will).
+    It names `kv_connector_module_path`, for vLLM run with a checkout's `src`
+    on its path (the harness); an installed rapidkv needs only the name."""
     ConnectorConfig.from_extra({"control_port": control_port, **extra})
     return {
         "kv_connector": "RapidKVConnector",

@@ -2,10 +2,13 @@
 
 Load it with::
 
-    --kv-transfer-config '{"kv_connector": "RapidKVConnector",
-        "kv_connector_module_path": "rapidkv.connector", "kv_role": "kv_both",
+    --kv-transfer-config '{"kv_connector": "RapidKVConnector", "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"control_port": 9100}}'
+        "kv_connector_extra_config": {"control_port": 9100,
+                                      "secret_file": "/etc/rapidkv/secret"}}'
+
+(an installed rapidkv registers the name with vLLM: `plugin.py`; code run from a
+checkout on `PYTHONPATH` adds `"kv_connector_module_path": "rapidkv.connector"`).
 
 One instance can act as P, D or both: the role of each request comes from its
 `kv_transfer_params["rapidkv"]["role"]` (set by the router).
@@ -45,7 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from rapidkv.connector.amx import request_tile_permission
-from rapidkv.connector.config import ConnectorConfig, kv_roles
+from rapidkv.connector.config import ConnectorConfig, kv_roles, warn_if_inline_secret
 from rapidkv.connector.metadata import RankInfo, StepMeta
 from rapidkv.connector.metrics import (
     RapidKVPromMetrics,
@@ -97,6 +100,7 @@ class RapidKVConnector(KVConnectorBase_V1):
         self._stats_delta = StatsDelta()
         self._stats_cadence = StatsCadence()
         if role == KVConnectorRole.SCHEDULER:
+            warn_if_inline_secret(self.config)
             if ktc.is_kv_consumer and ktc.kv_load_failure_policy != "recompute":
                 log.warning(
                     "rapidkv: kv_load_failure_policy is %r; with 'recompute' a failed "

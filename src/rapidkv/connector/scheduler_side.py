@@ -101,7 +101,10 @@ class SchedulerSide:
         self.consumer = ConsumerSide(self.shared)
         self.control = ControlHandlers(self.shared, self.producer, self.stats, self.timeline)
         self.server = RpcServer(
-            self.control.handle, config.control_host, config.control_port, secret=config.secret
+            self.control.handle,
+            config.control_host,
+            config.control_port,
+            secret=config.shared_secret(),
         )
         self.server.start()
         # what peers and routers are told (the bound host unless another is advertised)

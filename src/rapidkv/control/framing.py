@@ -53,6 +53,7 @@ import hashlib
 import hmac
 import os
 import struct
+from pathlib import Path
 
 LENGTH = struct.Struct(">I")
 REQUEST_ID = struct.Struct(">Q")
@@ -91,6 +92,19 @@ def normalize_secret(secret: bytes | str | None) -> bytes | None:
     if not key:
         raise ValueError("an empty shared secret authenticates nothing; use None")
     return key
+
+
+def read_secret_file(path: str | os.PathLike[str]) -> bytes:
+    """The shared secret held in the file at `path`: its bytes with surrounding
+    whitespace (a trailing newline) removed. An unreadable or empty file raises
+    ValueError naming the path (never the content)."""
+    try:
+        secret = Path(path).read_bytes().strip()
+    except OSError as e:
+        raise ValueError(f"cannot read the secret file {path}: {e.strerror or e}") from None
+    if not secret:
+        raise ValueError(f"the secret file {path} is empty")
+    return secret
 
 
 def check_max_frame(max_frame: int) -> int:

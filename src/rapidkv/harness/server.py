@@ -15,6 +15,9 @@ Invariants:
 * `VLLM_CPU_KVCACHE_SPACE` is never passed on (it would override
   `--kv-cache-memory-bytes`); the clone's `src` is first on `PYTHONPATH`, so
   `kv_connector_module_path: rapidkv.connector` imports this checkout's code.
+  A spec naming another interpreter (`ServerSpec.python`: a virtual environment
+  with rapidkv installed) runs `vllm serve` there with `PYTHONPATH` unset:
+  rapidkv and its vLLM plugin are that environment's.
 * With `cpus` set, the whole tree is pinned (`taskset -c`, inherited by every
   child) and vLLM's OpenMP threads are bound to the same cores.
 * Every server is a `ManagedProcess`: it is stopped by process group, and the
@@ -88,6 +91,12 @@ class ServerSpec:
 
     `host` is the address the HTTP server binds and `base_url` names; `netns`
     a network namespace to run the server in (None: this process's).
+
+    `python` is the interpreter that runs vLLM: None, this process's, with the
+    checkout's `src` first on `PYTHONPATH`; or one of an environment where
+    rapidkv is installed, which runs `vllm serve` as a user would
+    (`python -m vllm.entrypoints.cli.main serve MODEL ...`) with `PYTHONPATH`
+    unset, so that nothing of the checkout is on its path.
     """
 
     model: Path
@@ -108,6 +117,7 @@ class ServerSpec:
     startup_timeout: float = 240.0
     host: str = LOOPBACK
     netns: str | None = None
+    python: str | None = None
 
     def replace(self, **changes: Any) -> ServerSpec:
         """A copy with `changes` applied."""
@@ -116,11 +126,11 @@ class ServerSpec:
     def argv(self, port: int) -> list[str]:
         """The command line for a server on `port` (with `taskset` when pinned,
         behind `ip netns exec` with a namespace)."""
-        cmd = [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
+        if self.python is None:
+            cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
+        else:
+            cmd = [self.python, "-m", "vllm.entrypoints.cli.main", "serve"]
+        cmd += [
             str(self.model),
             "--host",
             self.host,
@@ -156,7 +166,10 @@ class ServerSpec:
         env = dict(os.environ if base is None else base)
         for key in DROPPED_ENV:
             env.pop(key, None)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC_DIR), env.get("PYTHONPATH")]))
+        if self.python is None:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC_DIR), env.get("PYTHONPATH")]))
+        else:  # an installed rapidkv: nothing of the checkout on the path
+            env.pop("PYTHONPATH", None)
         env.setdefault("PYTHONUNBUFFERED", "1")
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.setdefault("TRANSFORMERS_OFFLINE", "1")
