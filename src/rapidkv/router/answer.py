@@ -54,6 +54,7 @@ from rapidkv.router.stitch import (
     StreamError,
     continuation_body,
 )
+from rapidkv.router.tracing import request_id
 from rapidkv.router.upstream import UPSTREAM_ERRORS
 
 log = logging.getLogger(__name__)
@@ -121,11 +122,33 @@ class AnswerRelay:
         """D's request, its answer relayed to the client as it comes (P's first token
         stitched in front with `stitch`; event by event through a `MigratingRelay`
         for a request that may migrate, `migratable_body` being the client's);
-        returns the outcome."""
+        returns the outcome. Its span (`tracing`) lasts to the answer's end."""
+        url = inst.url + ex.path
+        call = ex.tracing.call("rapidkv.decode", ex.upstream_headers, **{"url.full": url})
+        outcome = "cancelled"
         try:
-            resp = await self._fleet.http.post(
-                inst.url + ex.path, data=content, headers=ex.upstream_headers
+            outcome = await self._relay(
+                index, inst, content, ex, send, stitch, migratable_body, call.headers
             )
+            return outcome
+        finally:
+            call.set("http.response.status_code", ex.status)
+            call.set("rapidkv.outcome", outcome)
+            call.end(None if outcome == "ok" else outcome)
+
+    async def _relay(
+        self,
+        index: int,
+        inst: Instance,
+        content: bytes,
+        ex: Exchange,
+        send: Send,
+        stitch: Stitch | None,
+        migratable_body: Body | None,
+        headers: dict[str, str],
+    ) -> str:
+        try:
+            resp = await self._fleet.http.post(inst.url + ex.path, data=content, headers=headers)
         except UPSTREAM_ERRORS as e:
             upstream_error(self._metrics, "decode", inst, "connect", ex, repr(e))
             self._fleet.mark_down(index, repr(e))
@@ -190,6 +213,7 @@ class AnswerRelay:
             ex.upstream_headers,
             send if client_streams else None,
             lambda: self._relayed_first_token(ex),
+            ex.tracing,
         )
         if client_streams:
             start = relayed_headers(resp.raw_headers, ex)
@@ -305,7 +329,7 @@ class AnswerRelay:
             end = b"".join(stitch.finish_after_prefill())
             await send({"type": "http.response.body", "body": end, "more_body": True})
             return None
-        headers = dict(ex.upstream_headers, **{"x-request-id": f"{ex.xfer_id}-cont"})
+        headers = request_id(ex.upstream_headers, ex.xfer_id, f"{ex.xfer_id}-cont")
         url = inst.url + PATHS["completions"]
         async with self._fleet.http.post(url, data=encode(cont), headers=headers) as cresp:
             if cresp.status >= 400:

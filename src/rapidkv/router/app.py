@@ -5,14 +5,10 @@
 ``POST /v1/chat/completions`` likewise
 ``GET /v1/models``          relayed from the first decode instance that answers
 ``/v1/responses``, ...      served on one instance (`passthrough`)
-``GET /health``             200 when at least one P (unless dispatch is
-                            ``local``) and one D answer ``/health`` with 200,
-                            else 503; the JSON body says which did, and
-                            whether the router dispatches to each
-                            (``dispatching``: false while it is down) and,
-                            per decode instance, whether its transfers work
-                            (``transfers``: ok / degraded / unknown; status
-                            ``degraded`` while one is)
+``GET /livez``, ``/readyz``  liveness and readiness probes (`probes`)
+``GET /health``             the instances' health, asked now (`probes`): 200
+                            while the router serves (an instance that may
+                            decode answers), with the detail
 ``GET /metrics``            the router's Prometheus metrics
 ``/admin/...``              with an admin token only (`admin`): running
                             requests, migrate one, drain and undrain an
@@ -20,6 +16,9 @@
 anything else               404 (405 for a known path with the wrong method),
                             as an OpenAI-format JSON error
 =========================== ================================================
+
+Every HTTP request goes through the `shutdown.ShutdownGate` (counted; refused
+with 503 once the router is shutting down: ``app.state.shutdown``).
 
 The upstream HTTP client (the fleet's) lives on the serving loop: it is
 opened at lifespan startup and closed (with background prefill requests
@@ -34,22 +33,25 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-import aiohttp
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from rapidkv.membership.watcher import Members, MembershipWatcher
 from rapidkv.router.admin import admin_routes
-from rapidkv.router.config import ROLES, Instance, RouterConfig
+from rapidkv.router.config import RouterConfig
 from rapidkv.router.fleet.fleet import Fleet
 from rapidkv.router.passthrough import Passthrough
+from rapidkv.router.probes import probe_routes
 from rapidkv.router.proxy import Router
 from rapidkv.router.rewrite import Endpoint, error_body
+from rapidkv.router.shutdown import ShutdownGate, ShutdownState
+from rapidkv.router.tracing import otlp_provider
 from rapidkv.router.upstream import UPSTREAM_ERRORS, get
 
 
@@ -64,9 +66,17 @@ class _ProxyEndpoint:
         await self.router.serve(self.endpoint, scope, receive, send)
 
 
-def build_app(config: RouterConfig) -> Starlette:
-    """The ASGI app of a router with `config` (its `Router` is ``app.state.router``)."""
-    router = Router(config)
+def build_app(config: RouterConfig, *, tracer_provider: Any = None) -> Starlette:
+    """The ASGI app of a router with `config` (its `Router` is
+    ``app.state.router``, its `ShutdownState` ``app.state.shutdown``); its
+    spans go to `tracer_provider`, else to ``config.otlp_traces_endpoint``
+    (a provider of its own, flushed at shutdown), else to the process's
+    global provider (`tracing`)."""
+    own_provider = None
+    if tracer_provider is None and config.otlp_traces_endpoint is not None:
+        own_provider = tracer_provider = otlp_provider(config.otlp_traces_endpoint)
+    router = Router(config, tracer_provider)
+    shutdown = ShutdownState()
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -79,41 +89,8 @@ def build_app(config: RouterConfig) -> Starlette:
             if watcher is not None:
                 await asyncio.to_thread(watcher.stop)
             await router.close()
-
-    async def health(request: Request) -> Response:
-        timeout = config.health_timeout_s
-        fleet = router.fleet
-        members = fleet.members
-        listed = sorted({i for role in ROLES for i in fleet.pool(role)})
-        results = dict(
-            zip(
-                listed,
-                await asyncio.gather(
-                    *(_check_health(fleet.http, members[i].instance, timeout) for i in listed)
-                ),
-                strict=True,
-            )
-        )
-        checks: dict[str, list[dict[str, Any]]] = {}
-        for role in ROLES:  # an instance that may play both roles is listed under both
-            checks[role] = []
-            for index in fleet.pool(role):
-                result = dict(
-                    results[index],
-                    dispatching=fleet.is_up(index) and not fleet.is_draining(index),
-                    draining=fleet.is_draining(index),
-                )
-                if members[index].label == "both":
-                    result["role"] = "both"
-                if role == "decode":
-                    result["transfers"] = fleet.transfers(index)
-                checks[role].append(result)
-        needed = ["decode"] if config.dispatch == "local" else ["prefill", "decode"]
-        ok = all(any(c["healthy"] for c in checks[role]) for role in needed)
-        degraded = any(c["transfers"] == "degraded" for c in checks["decode"])
-        status = "unavailable" if not ok else "degraded" if degraded else "ok"
-        body = {"status": status, "dispatch": config.dispatch, **checks}
-        return JSONResponse(body, status_code=200 if ok else 503)
+            if own_provider is not None:
+                await asyncio.to_thread(own_provider.shutdown)  # the last spans exported
 
     async def models(request: Request) -> Response:
         failures = []
@@ -146,14 +123,16 @@ def build_app(config: RouterConfig) -> Starlette:
             Route("/v1/chat/completions", _ProxyEndpoint(router, "chat"), methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             *Passthrough(router.fleet).routes(),
-            Route("/health", health, methods=["GET"]),
+            *probe_routes(router, shutdown),
             Route("/metrics", metrics, methods=["GET"]),
             *(admin_routes(router, config.admin_token) if config.admin_token else ()),
         ],
+        middleware=[Middleware(ShutdownGate, state=shutdown)],
         exception_handlers={HTTPException: http_error},
         lifespan=lifespan,
     )
     app.state.router = router
+    app.state.shutdown = shutdown
     return app
 
 
@@ -168,16 +147,6 @@ def _follow_etcd(fleet: Fleet, config: RouterConfig) -> MembershipWatcher:
     watcher = MembershipWatcher(config.etcd, config.etcd_prefix, changed)
     watcher.start()
     return watcher
-
-
-async def _check_health(
-    http: aiohttp.ClientSession, inst: Instance, timeout: float
-) -> dict[str, Any]:
-    try:
-        status, _, _ = await get(http, f"{inst.url}/health", timeout)
-    except UPSTREAM_ERRORS as e:
-        return {"url": inst.url, "healthy": False, "detail": repr(e)}
-    return {"url": inst.url, "healthy": status == 200, "detail": f"HTTP {status}"}
 
 
 def _auth(request: Request) -> dict[str, str]:

@@ -1,23 +1,25 @@
-"""`rapidkv router`: serve the OpenAI-compatible PD router until interrupted."""
+"""`rapidkv router`: serve the OpenAI-compatible PD router until interrupted.
+
+Every flag defaults to None here, so that a flag left out leaves the config
+file's setting (``--config``) or `RouterConfig`'s default in place
+(`config_file.merge`); help texts name `RouterConfig`'s defaults."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
-from rapidkv.router.config import (
-    DISPATCH_MODES,
-    PLACEMENTS,
-    SPLIT_MIN_TOKENS,
-    Instance,
-    RouterConfig,
-    read_secret,
-)
+from rapidkv.router.config import DISPATCH_MODES, PLACEMENTS, RouterConfig
+from rapidkv.router.config_file import KEYS, LOG_LEVELS, merge, read_file, resolve
 
-LOG_LEVELS = ("debug", "info", "warning", "error")
+# RouterConfig's defaults, named in the help texts
+D = SimpleNamespace(**{f.name: f.default for f in dataclasses.fields(RouterConfig)})
 
 
 def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], int]:
@@ -26,19 +28,17 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     parser.add_argument(
         "--prefill",
         action="append",
-        default=[],
         metavar=inst,
         help="a prefill instance: its base URL (http://host:port) and, optionally, its "
         "rapidkv control address host:port; without one the router asks the instance "
         "(repeatable)",
     )
     parser.add_argument(
-        "--decode", action="append", default=[], metavar=inst, help="a decode instance (repeatable)"
+        "--decode", action="append", metavar=inst, help="a decode instance (repeatable)"
     )
     parser.add_argument(
         "--instance",
         action="append",
-        default=[],
         metavar=inst,
         help="an instance that may prefill or decode (its connector runs as kv_both): the "
         "router chooses its role per request (repeatable; combines with --prefill/--decode, "
@@ -47,7 +47,6 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     parser.add_argument(
         "--etcd",
         action="append",
-        default=[],
         metavar="URL",
         help="an etcd endpoint (http://host:2379; repeatable): instances registered there "
         "(the connector's etcd_endpoints) join the fleet as they register and leave it when "
@@ -55,42 +54,39 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     )
     parser.add_argument(
         "--etcd-prefix",
-        default="/rapidkv/",
         metavar="PREFIX",
-        help="the key prefix the instances register under (default %(default)s)",
+        help=f"the key prefix the instances register under (default {D.etcd_prefix})",
     )
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
-    parser.add_argument("--port", type=int, default=8000, help="port (default %(default)s)")
+    parser.add_argument("--host", help=f"address to bind (default {D.host})")
+    parser.add_argument("--port", type=int, help=f"port (default {D.port})")
     parser.add_argument(
         "--dispatch",
         choices=DISPATCH_MODES,
-        default="dual",
-        help="dual: P and D at once; serial: P, then D; local: D only (default %(default)s)",
+        help=f"dual: P and D at once; serial: P, then D; local: D only (default {D.dispatch})",
     )
     parser.add_argument(
         "--placement",
         choices=PLACEMENTS,
-        default="fixed",
         help="fixed: the decoder by least outstanding requests, the prefill instance among "
         "the others; adaptive: local, PD or split per request, for the lowest predicted TTFT "
-        "that keeps the decoder's TPOT within --tpot-slo-ms (dual dispatch; default "
-        "%(default)s)",
+        f"that keeps the decoder's TPOT within --tpot-slo-ms (dual dispatch; default "
+        f"{D.placement})",
     )
     parser.add_argument(
-        "--ttft-slo-ms", type=float, default=1000.0, metavar="MS", help="(default %(default)s)"
+        "--ttft-slo-ms", type=float, metavar="MS", help=f"(default {D.ttft_slo_ms})"
     )
     parser.add_argument(
         "--tpot-slo-ms",
         type=float,
-        default=100.0,
         metavar="MS",
         help="adaptive placement: the TPOT no placement may push a decoder's requests past "
-        "(default %(default)s)",
+        f"(default {D.tpot_slo_ms})",
     )
     parser.add_argument(
         "--no-specialize",
         dest="specialize",
         action="store_false",
+        default=None,
         help="adaptive placement: never pin instances that may do anything to prefill or to "
         "decode (by default half of them prefill and half decode while the prompts landing "
         "beside decodes would, at the tail, push them past --tpot-slo-ms)",
@@ -99,6 +95,7 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         "--busy-crossings",
         dest="idle_crossings",
         action="store_false",
+        default=None,
         help="adaptive placement: let PD and split compute a prompt on an instance that may do "
         "anything while it holds requests (by default a crossing borrows an idle one only; "
         "an instance pinned to prefill always may)",
@@ -107,6 +104,7 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         "--no-prefix-index",
         dest="prefix_index",
         action="store_false",
+        default=None,
         help="adaptive placement: ignore what the instances hold in their prefix caches (by "
         "default the router follows the vLLM KV events of every instance that publishes them, "
         "--kv-events-config with the zmq publisher, and counts each instance's cached prefix)",
@@ -115,12 +113,12 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         "--no-prefix-fetch",
         dest="prefix_fetch",
         action="store_false",
+        default=None,
         help="adaptive placement with the prefix index: never send a prefix one instance holds "
         "to another that computes the rest and decodes",
     )
     parser.add_argument(
         "--tokenizer",
-        default=None,
         metavar="DIR",
         help="the served model's tokenizer directory, for the prefix index's text and chat "
         "prompts (default: the model directory an instance's /v1/models names, when it "
@@ -129,60 +127,57 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     parser.add_argument(
         "--ttft-headroom",
         type=float,
-        default=0.5,
         metavar="FRACTION",
         help="adaptive placement: options whose predicted TTFT is below this fraction of "
         "--ttft-slo-ms count as equally fast, and the one with the fewest crossings is taken "
-        "(0: always the lowest TTFT; default %(default)s)",
+        f"(0: always the lowest TTFT; default {D.ttft_headroom})",
     )
     parser.add_argument(
         "--tpot-margin",
         type=float,
-        default=0.6,
         metavar="FRACTION",
         help="adaptive placement: among options equally fast, those whose predicted TPOT is "
         "within this fraction of --tpot-slo-ms come first, then the fewest crossings, then the "
-        "lowest TPOT (1: every option within the SLO counts as safe; default %(default)s)",
+        f"lowest TPOT (1: every option within the SLO counts as safe; default {D.tpot_margin})",
     )
     parser.add_argument(
         "--secret-file",
-        type=Path,
-        default=None,
         help="file holding the control plane's shared secret (for Abort messages)",
     )
     parser.add_argument(
         "--admin-token-file",
-        type=Path,
-        default=None,
         help="file holding the token the /admin routes require (without one they do not exist)",
     )
     parser.add_argument(
         "--upstream-timeout",
         type=float,
-        default=600.0,
+        dest="upstream_read_timeout_s",
         metavar="S",
-        help="seconds to wait for each piece of an upstream answer (default %(default)s)",
+        help=f"seconds to wait for each piece of an upstream answer (default "
+        f"{D.upstream_read_timeout_s})",
     )
     parser.add_argument(
         "--keep-alive",
         type=float,
-        default=75.0,
+        dest="keep_alive_s",
         metavar="S",
         help="seconds an idle client connection is kept open; longer than clients keep "
-        "theirs, so they close first (default %(default)s)",
+        f"theirs, so they close first (default {D.keep_alive_s})",
     )
     parser.add_argument(
         "--upstream-keep-alive",
         type=float,
-        default=2.0,
+        dest="upstream_keep_alive_s",
         metavar="S",
         help="seconds an idle connection to an instance is kept for reuse; shorter than "
-        "vLLM's own keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s) (default %(default)s)",
+        f"vLLM's own keep-alive (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s) (default "
+        f"{D.upstream_keep_alive_s})",
     )
     parser.add_argument(
         "--no-discover",
         dest="discover",
         action="store_false",
+        default=None,
         help="do not ask prefill instances for their control address (they then get "
         "no TransferKV: decode instances compute the prompt)",
     )
@@ -190,6 +185,7 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         "--no-prefill-first-token",
         dest="prefill_first_token",
         action="store_false",
+        default=None,
         help="dual dispatch: always stream D's answer alone (by default P's first token "
         "opens the stream of a streamed greedy completion; docs/configuration.md)",
     )
@@ -197,6 +193,7 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         "--no-split-prefill",
         dest="split_prefill",
         action="store_false",
+        default=None,
         help="dual dispatch: always have P compute the whole prompt (by default, while P "
         "and D are idle, P computes a head of a completion's prompt and D the tail at the "
         "same time; docs/configuration.md)",
@@ -204,58 +201,66 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
     parser.add_argument(
         "--split-fraction",
         type=float,
-        default=0.55,
         metavar="F",
         help="split prefill: the share of the prompt P computes, rounded to whole blocks "
-        "(default %(default)s)",
+        f"(default {D.split_fraction})",
     )
     parser.add_argument(
         "--split-min-tokens",
         type=int,
-        default=SPLIT_MIN_TOKENS,
         metavar="N",
-        help="split prefill: no split whose head or tail is under N tokens (default %(default)s)",
+        help=f"split prefill: no split whose head or tail is under N tokens (default "
+        f"{D.split_min_tokens})",
     )
-    parser.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    parser.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        metavar="S",
+        help="on SIGTERM, new requests are refused (503) while the running ones get this "
+        f"long to finish; then it exits (default {D.shutdown_grace_s})",
+    )
+    parser.add_argument(
+        "--otlp-traces-endpoint",
+        metavar="URL",
+        help="send the router's OpenTelemetry spans there (OTLP, as vLLM's flag of that name; "
+        "needs the otel extra; docs/configuration.md)",
+    )
+    parser.add_argument(
+        "--config",
+        type=Path,
+        metavar="FILE",
+        help="a TOML file of settings (every flag's and more: docs/configuration.md); "
+        "flags given as well override it",
+    )
+    parser.add_argument("--log-level", choices=LOG_LEVELS, help="(default info)")
     return run
 
 
+# flags whose dest is not the setting's name
+_RENAMED = {"instance": "instances"}
+
+
+def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings the command line gives (flags left out are not in it),
+    keyed as in a config file (`config_file`)."""
+    out = {}
+    for dest, value in vars(args).items():
+        key = _RENAMED.get(dest, dest)
+        if value is not None and key in KEYS:
+            out[key] = str(value) if isinstance(value, Path) else value
+    return out
+
+
+def settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings in effect: the config file's (``--config``), overridden by the flags'."""
+    from_file = read_file(args.config) if getattr(args, "config", None) is not None else {}
+    return merge(from_file, settings_from_args(args))
+
+
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
-    """The `RouterConfig` the parsed command line asks for; ValueError if it is invalid."""
-    return RouterConfig(
-        prefill=tuple(Instance.parse(text) for text in args.prefill),
-        decode=tuple(Instance.parse(text) for text in args.decode),
-        instances=tuple(Instance.parse(text) for text in args.instance),
-        etcd=tuple(url.rstrip("/") for url in args.etcd),
-        etcd_prefix=args.etcd_prefix,
-        host=args.host,
-        port=args.port,
-        dispatch=args.dispatch,
-        placement=args.placement,
-        ttft_slo_ms=args.ttft_slo_ms,
-        tpot_slo_ms=args.tpot_slo_ms,
-        ttft_headroom=args.ttft_headroom,
-        tpot_margin=args.tpot_margin,
-        specialize=args.specialize,
-        idle_crossings=args.idle_crossings,
-        prefix_index=args.prefix_index,
-        prefix_fetch=args.prefix_fetch,
-        tokenizer=args.tokenizer,
-        secret=read_secret(args.secret_file) if args.secret_file is not None else None,
-        admin_token=(
-            read_secret(args.admin_token_file).decode()
-            if args.admin_token_file is not None
-            else None
-        ),
-        upstream_read_timeout_s=args.upstream_timeout,
-        keep_alive_s=args.keep_alive,
-        upstream_keep_alive_s=args.upstream_keep_alive,
-        discover=args.discover,
-        prefill_first_token=args.prefill_first_token,
-        split_prefill=args.split_prefill,
-        split_fraction=args.split_fraction,
-        split_min_tokens=args.split_min_tokens,
-    )
+    """The `RouterConfig` the parsed command line (and its config file) asks
+    for; ValueError (OSError: an unreadable secret file) if it is invalid."""
+    return resolve(settings(args))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -263,12 +268,14 @@ def run(args: argparse.Namespace) -> int:
     from rapidkv.router.server import run_router
 
     try:
-        config = config_from_args(args)
+        given = settings(args)
+        config = resolve(given)
     except (ValueError, OSError) as e:
         print(f"rapidkv router: error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=given.get("log_level", "info").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     run_router(config)
     return 0

@@ -104,6 +104,20 @@ def _members(lists: tuple[tuple[tuple[Instance, ...], frozenset[Role]], ...]) ->
     return tuple(merged.values())
 
 
+# settings that must be > 0 (`RouterConfig`)
+_POSITIVE = (
+    "keep_alive_s",
+    "upstream_keep_alive_s",
+    "probe_interval_s",
+    "discovery_retry_s",
+    "connect_timeout_s",
+    "upstream_read_timeout_s",
+    "health_timeout_s",
+    "abort_timeout_s",
+    "max_body_bytes",
+)
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     """Everything `rapidkv router` needs. Timeouts are in seconds.
@@ -180,6 +194,9 @@ class RouterConfig:
     health_timeout_s: float = 2.0
     # a down instance's /health is asked this often until it answers 200
     probe_interval_s: float = 1.0
+    # a failed discovery (control address, block size) is tried again on next
+    # use, at most this often (`fleet.addresses`)
+    discovery_retry_s: float = 10.0
     # decode instances with a control address: their connector's counters are
     # read this often, to tell a pair that is up but not transferring (0: never)
     transfer_check_interval_s: float = 2.0
@@ -188,6 +205,12 @@ class RouterConfig:
     max_body_bytes: int = 64 << 20
     keep_alive_s: float = 75.0
     upstream_keep_alive_s: float = 2.0
+    # on SIGTERM (`shutdown`): new requests are refused (503) while the running
+    # ones get this long to finish; then the rest are cancelled and it exits
+    shutdown_grace_s: float = 3.0
+    # where the router's spans go (OTLP; `tracing`); None: to the tracer
+    # provider the process set up, if any (no spans without one)
+    otlp_traces_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "etcd", tuple(self.etcd))
@@ -203,7 +226,10 @@ class RouterConfig:
         if self.placement == "adaptive" and self.dispatch != "dual":
             raise ValueError("adaptive placement needs dual dispatch")
         if not (self.ttft_slo_ms > 0 and self.tpot_slo_ms > 0):
-            raise ValueError("the TTFT and TPOT SLOs must be > 0 ms")
+            raise ValueError(
+                f"the TTFT and TPOT SLOs (ttft_slo_ms, tpot_slo_ms) must be > 0 ms: "
+                f"{self.ttft_slo_ms}, {self.tpot_slo_ms}"
+            )
         if not 0 <= self.tpot_margin <= 1:
             raise ValueError(f"tpot_margin must be in [0, 1], not {self.tpot_margin}")
         if not 0 <= self.ttft_headroom <= 1:
@@ -226,12 +252,14 @@ class RouterConfig:
             raise ValueError(f"split_fraction must be between 0 and 1, not {self.split_fraction}")
         if self.split_min_tokens < 0:
             raise ValueError(f"split_min_tokens must be >= 0, not {self.split_min_tokens}")
-        if not (self.keep_alive_s > 0 and self.upstream_keep_alive_s > 0):
-            raise ValueError(
-                f"keep-alive times must be > 0 s: {self.keep_alive_s}, {self.upstream_keep_alive_s}"
-            )
-        if not self.probe_interval_s > 0:
-            raise ValueError(f"probe_interval_s must be > 0, not {self.probe_interval_s}")
+        for name in _POSITIVE:
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, not {getattr(self, name)}")
+        for name in ("transfer_check_interval_s", "shutdown_grace_s", "max_connections"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, not {getattr(self, name)}")
+        if self.otlp_traces_endpoint is not None and not self.otlp_traces_endpoint:
+            raise ValueError("otlp_traces_endpoint is a URL (leave it out for none)")
         if self.admin_token is not None and (
             len(self.admin_token) < 16 or not self.admin_token.isprintable()
         ):

@@ -23,6 +23,7 @@ from rapidkv.router.metrics import RouterMetrics
 from rapidkv.router.migration.relay import MigratingRelay
 from rapidkv.router.placement import Decision
 from rapidkv.router.rewrite import Endpoint
+from rapidkv.router.tracing import NO_TRACING, Tracing
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ class Exchange:
     xfer_id: str
     t_start: float
     upstream_headers: dict[str, str]
+    tracing: Tracing = NO_TRACING  # the router's spans (`tracing`)
     prefill: Instance | None = None
     decode: Instance | None = None
     status: int | None = None  # D's status

@@ -18,11 +18,13 @@
 ``GET /version``                likewise
 =============================== ==============================================
 
-Invariants: the request's bytes and its ``authorization`` header go to the
-instance as the client sent them; the answer (status, headers, body) comes back
-as the instance sent it, streamed as it comes; a request counts as outstanding
-on its instance until it is over; an instance that does not answer is marked
-down (as for completions) and the client gets a 502. A client that disconnects
+Invariants: the request's bytes and its ``authorization``, trace
+(``traceparent``, ``tracestate``) and ``x-request-id`` headers go to the
+instance as the client sent them (no span of the router's: `tracing`); the
+answer (status, headers, body) comes back as the instance sent it, streamed as
+it comes; a request counts as outstanding on its instance until it is over; an
+instance that does not answer is marked down (as for completions) and the
+client gets a 502. A client that disconnects
 closes the upstream request (vLLM aborts it). Response ids are remembered for
 the last `MAX_REMEMBERED` responses.
 """
@@ -48,7 +50,15 @@ log = logging.getLogger(__name__)
 
 MAX_REMEMBERED = 100_000  # response ids -> instance url
 MAX_ID_SCAN_BYTES = 1 << 20  # of a streamed answer, looking for its response id
-PASSED_ON = (b"authorization", b"content-type", b"accept", b"accept-encoding")
+PASSED_ON = (
+    b"authorization",
+    b"content-type",
+    b"accept",
+    b"accept-encoding",
+    b"traceparent",
+    b"tracestate",
+    b"x-request-id",
+)
 NOT_RELAYED = frozenset(
     {b"connection", b"keep-alive", b"transfer-encoding", b"date", b"server", b"upgrade"}
 )

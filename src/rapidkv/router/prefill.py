@@ -122,12 +122,13 @@ class Prefills:
         event, which resolves `first` (None if P gave none). True if P answered 2xx."""
         url = inst.url + ex.path
         answered = False  # P's status line arrived
+        call = ex.tracing.call("rapidkv.prefill", ex.upstream_headers, **{"url.full": url})
+        error: str | None = "cancelled"
         try:
             try:
-                async with self._fleet.http.post(
-                    url, data=content, headers=ex.upstream_headers
-                ) as resp:
+                async with self._fleet.http.post(url, data=content, headers=call.headers) as resp:
                     answered = True
+                    call.set("http.response.status_code", resp.status)
                     if first is None or resp.status >= 400:
                         data = await resp.read()
                     else:
@@ -138,11 +139,14 @@ class Prefills:
                 upstream_error(self._metrics, "prefill", inst, kind, ex, repr(e))
                 if not answered:
                     self._fleet.mark_down(index, repr(e))
+                error = f"{kind}: {e!r}"
                 return False
             if resp.status >= 400:
                 detail = f"HTTP {resp.status}: {data[:500]!r}"
                 upstream_error(self._metrics, "prefill", inst, "status", ex, detail)
+                error = f"HTTP {resp.status}"
                 return False
+            error = None
             if data:
                 self._fleet.addresses.learn(self._fleet.member(index).instance, data)
             log.debug(
@@ -154,6 +158,7 @@ class Prefills:
             )
             return True
         finally:
+            call.end(error)
             if first is not None and not first.done():
                 first.set_result(None)
             self._fleet.let_go(index)

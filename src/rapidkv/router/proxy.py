@@ -12,8 +12,10 @@ asks `fanout.plan` whether it is several sequences: a batch of prompts, or
 followers run locally on the lead's decode instance once its prompt KV is
 there) and the answers merged into vLLM's one answer. Anything else is one
 request for `serve_one`, which gives it a fresh ``xfer_id`` (also its
-upstream ``x-request-id``) and an `Exchange`, listed while it runs (the admin
-routes, a migration, a fan-out's followers find it there).
+upstream ``x-request-id`` when the client sent none: `tracing`) and an
+`Exchange`, listed while it runs (the admin routes, a migration, a fan-out's
+followers find it there). Each request is a span (`tracing`), with its
+placement, P's and D's requests and migrations as child spans.
 
 Where it runs comes from one of two placements:
 
@@ -141,11 +143,10 @@ from rapidkv.router.rewrite import (
 )
 from rapidkv.router.split import head_body, prompt_ids, split_point, splittable
 from rapidkv.router.stitch import FirstTokenStitch
+from rapidkv.router.tracing import Tracing, upstream_headers
 
 log = logging.getLogger(__name__)
 
-# Request headers passed from the client to P and D.
-PASSED_ON = (b"authorization", b"accept-encoding")
 # outcomes of D's request after which P's part of it is stopped and aborted
 DECODE_FAILURES = frozenset({"upstream_error", "unreachable", "stream_error"})
 
@@ -158,8 +159,11 @@ class Router:
     """The request path of one router (see the module): its fleet, its
     migrations, and the requests being served."""
 
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, tracer_provider: Any = None) -> None:
+        """`tracer_provider`: where its spans go (None: the process's global
+        provider; `tracing`)."""
         self.config = config
+        self.tracing = Tracing(tracer_provider)
         self.metrics = RouterMetrics(config)
         self._placer = adaptive_placer(config)
         self.fleet = Fleet(config, self.metrics, self._placer)
@@ -201,7 +205,11 @@ class Router:
     # ------------------------------------------------------------------ serving
 
     async def serve(self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send) -> None:
-        """ASGI handler of one completions / chat completions request."""
+        """ASGI handler of one completions / chat completions request (one span)."""
+        with self.tracing.request(scope, endpoint):
+            await self._serve(endpoint, scope, receive, send)
+
+    async def _serve(self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send) -> None:
         dispatch = self.config.dispatch
         limit = self.config.max_body_bytes
         try:
@@ -225,9 +233,9 @@ class Router:
             self.metrics.requests.labels(endpoint, dispatch, "bad_request").inc()
             return
         if subs is not None:
-            await FanOut(self, endpoint, body, subs, _upstream_headers(scope)).run(receive, send)
+            await FanOut(self, endpoint, body, subs, upstream_headers(scope)).run(receive, send)
             return
-        await self.serve_one(endpoint, body, raw, _upstream_headers(scope), receive, send)
+        await self.serve_one(endpoint, body, raw, upstream_headers(scope), receive, send)
 
     async def serve_one(
         self,
@@ -246,8 +254,8 @@ class Router:
         instance, computing its prompt there (local). `on_exchange` is told its
         `Exchange` once it exists. Returns the outcome."""
         dispatch = self.config.dispatch
-        ex = Exchange(endpoint, new_xfer_id(), time.monotonic(), dict(headers))
-        ex.upstream_headers["x-request-id"] = ex.xfer_id
+        ex = Exchange(endpoint, new_xfer_id(), time.monotonic(), dict(headers), self.tracing)
+        ex.upstream_headers.setdefault("x-request-id", ex.xfer_id)  # the client's, if given
         if on_exchange is not None:
             on_exchange(ex)
         outcome = "error"  # unless _route returns: a router failure, or shutdown
@@ -261,6 +269,7 @@ class Router:
             del self._exchanges[ex.xfer_id]
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(endpoint, dispatch, outcome).inc()
+            self.tracing.event("rapidkv.sequence", xfer_id=ex.xfer_id, outcome=outcome)
             self.metrics.placed.labels(ex.kind or "none", outcome).inc()
             log.debug(
                 "xfer %s: %s %s P=%s D=%s -> %s (D status %s) in %.3fs",
@@ -541,7 +550,15 @@ class Router:
         self, ex: Exchange, kind: str, p_index: int, d_index: int, head: int = 0
     ) -> None:
         """Where `ex` really went (a split that could not be made is PD): the
-        placements metric, its header value, the placement state."""
+        placements metric, its header value, its span, the placement state."""
+        ex.tracing.placement(
+            ex.t_start,
+            kind=kind,
+            prefill=None if kind == "local" else self.fleet.member(p_index).instance.url,
+            decode=self.fleet.member(d_index).instance.url,
+            head_tokens=head or None,
+            reason=ex.decision.reason if ex.decision is not None else "fixed",
+        )
         ex.kind = kind
         if self._placer is None or ex.decision is None:
             self.metrics.placements.labels(kind, "fixed").inc()
@@ -605,11 +622,3 @@ async def _read_body(receive: Receive, limit: int) -> bytes | None:
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
-
-
-def _upstream_headers(scope: Scope) -> dict[str, str]:
-    headers = {"content-type": "application/json", "accept-encoding": "identity"}
-    for name, value in scope.get("headers", []):
-        if name.lower() in PASSED_ON:
-            headers[name.lower().decode("latin-1")] = value.decode("latin-1")
-    return headers

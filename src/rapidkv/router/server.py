@@ -8,10 +8,14 @@ Invariants:
 - The listening socket is bound to exactly ``config.host`` before anything else
   happens, so a bad host or a taken port raises at once (`OSError`); port 0
   picks a free port, and `ThreadedServer.port` is the one bound.
+- `run_router` (the program) closes gracefully on SIGTERM/SIGINT (`shutdown`):
+  new requests refused with 503 while the running ones get
+  ``config.shutdown_grace_s`` to finish, then it returns.
 - `start_router` returns only once the app has started (its upstream client is
   open) and the socket accepts connections; `stop` returns once the server
-  thread has ended (in-flight requests get `GRACE_S` seconds to finish, then are
-  cancelled) and is idempotent.
+  thread has ended (in-flight requests get ``grace_s``, a router's
+  ``shutdown_grace_s``, to finish, then are cancelled; the listening socket is
+  closed at once) and is idempotent.
 - uvicorn never configures logging here: the caller's logging setup stands.
 """
 
@@ -24,17 +28,18 @@ import socket
 import threading
 import time
 from types import FrameType, TracebackType
-from typing import Literal
+from typing import Any, Literal
 
 import uvicorn
 from starlette.types import ASGIApp
 
 from rapidkv.router.app import build_app
 from rapidkv.router.config import RouterConfig
+from rapidkv.router.shutdown import UVICORN_GRACE_S, DrainingServer
 
 log = logging.getLogger(__name__)
 
-GRACE_S = 3.0  # how long in-flight requests may finish at shutdown
+GRACE_S = 3.0  # a `ThreadedServer`'s in-flight requests' time to finish at `stop`
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -44,7 +49,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def _uvicorn_config(
-    app: ASGIApp, lifespan: Literal["on", "off"], keep_alive_s: float
+    app: ASGIApp, lifespan: Literal["on", "off"], keep_alive_s: float, grace_s: float
 ) -> uvicorn.Config:
     return uvicorn.Config(
         app,
@@ -52,7 +57,7 @@ def _uvicorn_config(
         timeout_keep_alive=keep_alive_s,  # type: ignore[arg-type]  # call_later takes a float
         log_config=None,
         access_log=False,
-        timeout_graceful_shutdown=int(GRACE_S),
+        timeout_graceful_shutdown=grace_s,  # type: ignore[arg-type]  # a float works
         server_header=False,
     )
 
@@ -70,12 +75,14 @@ class ThreadedServer:
         name: str = "asgi",
         start_timeout: float = 30.0,
         keep_alive_s: float = 5.0,
+        grace_s: float = GRACE_S,
     ) -> None:
         self.app = app
         sock = bind_socket(host, port)
         self.host = host
         self.port = int(sock.getsockname()[1])
-        self._server = uvicorn.Server(_uvicorn_config(app, lifespan, keep_alive_s))
+        self._grace_s = grace_s
+        self._server = uvicorn.Server(_uvicorn_config(app, lifespan, keep_alive_s, grace_s))
         self._failure: BaseException | None = None
         self._thread = threading.Thread(
             target=self._run, args=(sock,), name=f"{name}-{self.port}", daemon=True
@@ -108,8 +115,10 @@ class ThreadedServer:
     def running(self) -> bool:
         return self._thread.is_alive()
 
-    def stop(self, timeout: float = GRACE_S + 10.0) -> None:
-        """Ask the server to exit and wait for its thread (idempotent)."""
+    def stop(self, timeout: float | None = None) -> None:
+        """Ask the server to exit and wait for its thread (idempotent; by
+        default up to the grace and 10 s more)."""
+        timeout = self._grace_s + 10.0 if timeout is None else timeout
         self._server.should_exit = True
         self._thread.join(timeout)
         if self._thread.is_alive():
@@ -130,9 +139,11 @@ class ThreadedServer:
 class RunningRouter(ThreadedServer):
     """A router served in this process; `.url`, `.config`, `.stop()`."""
 
-    def __init__(self, config: RouterConfig, *, start_timeout: float = 30.0) -> None:
+    def __init__(
+        self, config: RouterConfig, *, start_timeout: float = 30.0, tracer_provider: Any = None
+    ) -> None:
         self.config = config
-        app = build_app(config)
+        app = build_app(config, tracer_provider=tracer_provider)
         self.router = app.state.router
         super().__init__(
             app,
@@ -141,18 +152,21 @@ class RunningRouter(ThreadedServer):
             name="rapidkv-router",
             start_timeout=start_timeout,
             keep_alive_s=config.keep_alive_s,
+            grace_s=config.shutdown_grace_s,
         )
 
 
-def start_router(config: RouterConfig) -> RunningRouter:
-    """Serve a router in this process, on a thread; returns once it accepts requests."""
-    router = RunningRouter(config)
+def start_router(config: RouterConfig, *, tracer_provider: Any = None) -> RunningRouter:
+    """Serve a router in this process, on a thread; returns once it accepts
+    requests. `tracer_provider`: where its spans go (`app.build_app`)."""
+    router = RunningRouter(config, tracer_provider=tracer_provider)
     log.info("router on %s: %s", router.url, describe(config))
     return router
 
 
 def run_router(config: RouterConfig) -> None:
-    """Serve a router until SIGINT/SIGTERM, then shut down gracefully and return.
+    """Serve a router until SIGINT/SIGTERM, then shut down gracefully
+    (`shutdown`) and return.
 
     Blocks; for the command line. Called on the main thread, it turns those
     signals into a normal return (uvicorn re-raises them after its shutdown).
@@ -160,7 +174,12 @@ def run_router(config: RouterConfig) -> None:
     sock = bind_socket(config.host, config.port)
     port = sock.getsockname()[1]
     log.info("router on %s:%d: %s", config.host, port, describe(config))
-    server = uvicorn.Server(_uvicorn_config(build_app(config), "on", config.keep_alive_s))
+    app = build_app(config)
+    server = DrainingServer(
+        _uvicorn_config(app, "on", config.keep_alive_s, UVICORN_GRACE_S),
+        app.state.shutdown,
+        config.shutdown_grace_s,
+    )
     main = threading.current_thread() is threading.main_thread()
     previous = {s: signal.signal(s, _stop_quietly) for s in _SIGNALS} if main else {}
     try:

@@ -4,7 +4,7 @@ connector's control plane listens, its block size and max_num_seqs.
 `Addresses` keeps one probe per instance URL, on the serving loop (no locks):
 
 - an instance is asked once (`probe`); a probe that failed is repeated on the
-  next use, at most every `DISCOVERY_RETRY_S`;
+  next use, at most every ``RouterConfig.discovery_retry_s``;
 - `with_control` gives a request's instance with what was discovered filled
   in (a configured control address is kept), waiting for the probe if need be;
 - `learn` reads P's answers: when P names another control address than the one
@@ -42,8 +42,6 @@ from rapidkv.router.metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
 
-DISCOVERY_RETRY_S = 10.0  # a failed control-address probe is repeated at most this often
-
 
 class Addresses:
     """The probes of the fleet's instances, by URL (see the module)."""
@@ -64,12 +62,12 @@ class Addresses:
         self._announced: set[str] = set()  # URLs whose discovered address was logged
 
     def probe(self, inst: Instance) -> asyncio.Future[Discovered]:
-        """The probe of `inst` (a new one if the last failed over DISCOVERY_RETRY_S ago)."""
+        """The probe of `inst` (a new one if the last failed over `discovery_retry_s` ago)."""
         entry = self._probes.get(inst.url)
         if entry is not None:
             task, started = entry
             failed = task.done() and (task.cancelled() or task.exception() is not None)
-            if not failed or time.monotonic() - started < DISCOVERY_RETRY_S:
+            if not failed or time.monotonic() - started < self._config.discovery_retry_s:
                 return task
         task = asyncio.create_task(
             discover_control(self._http(), inst, self._config.connect_timeout_s)

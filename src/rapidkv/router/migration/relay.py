@@ -50,6 +50,7 @@ from rapidkv.router.migration.room import Busy
 from rapidkv.router.migration.splice import StreamSplice
 from rapidkv.router.rewrite import Body, Endpoint, encode
 from rapidkv.router.stitch import EventSplitter, Payload, StreamError, is_output, sse
+from rapidkv.router.tracing import NO_TRACING, Call, Tracing, request_id
 from rapidkv.router.upstream import UPSTREAM_ERRORS
 
 log = logging.getLogger(__name__)
@@ -146,11 +147,13 @@ class MigratingRelay:
         headers: dict[str, str],
         send: Send | None,
         on_first_output: Callable[[], None],
+        tracing: Tracing = NO_TRACING,
     ) -> None:
         """`body`: the client's, streamed (`bodies.streamed`); `headers`: what
         upstream requests carry; `send`: the client's stream (None: the client
         asked for one answer, which `assembled` holds at the end);
-        `on_first_output`: called when the client's first output event is sent."""
+        `on_first_output`: called when the client's first output event is sent;
+        `tracing`: each migration carried out is a span of the request's."""
         self._fleet = fleet
         self._controller = controller
         self._on_first_output: Callable[[], None] | None = on_first_output
@@ -158,6 +161,8 @@ class MigratingRelay:
         self._endpoint = endpoint
         self._body = body
         self._headers_base = headers
+        self._tracing = tracing
+        self._call: Call | None = None  # the migration in progress's span
         self._send = send
         keep = body.get("return_token_ids") is True
         self._splice = StreamSplice(endpoint, keep_token_ids=keep)
@@ -223,6 +228,7 @@ class MigratingRelay:
                         continue
                     order = new
                     self._count += 1  # every attempt gets its own transfer ids
+                    self._traced(order)
                     order_t0 = time.monotonic()
                     if order.precopy:
                         precopy = asyncio.create_task(self._precopy(order))
@@ -459,4 +465,28 @@ class MigratingRelay:
                 dest.close()
 
     def _headers(self, kind: str) -> dict[str, str]:
-        return dict(self._headers_base, **{"x-request-id": self._migration_id(kind)})
+        """A migration request's: the migration span's context, the client's
+        x-request-id (or, where the router made one up, the attempt's)."""
+        base = self._call.headers if self._call is not None else self._headers_base
+        return request_id(base, self._xfer_id, self._migration_id(kind))
+
+    def _traced(self, order: Order) -> None:
+        """`order`, carried out from now on, is a span until its result."""
+        assert self._current is not None
+        call = self._tracing.call(
+            "rapidkv.migration",
+            self._headers_base,
+            source=self._current.instance.url,
+            target=order.target.url,
+            precopy=order.precopy,
+            attempt=self._count,
+        )
+        self._call = call
+
+        def over(result: asyncio.Future[dict[str, Any]]) -> None:
+            error = None if result.cancelled() else result.exception()
+            call.end(None if error is None else str(error) or repr(error))
+            if self._call is call:
+                self._call = None
+
+        order.result.add_done_callback(over)

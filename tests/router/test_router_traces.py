@@ -1,0 +1,188 @@
+"""A client's trace through the router (`router.tracing`), against fake vLLM
+instances: its trace headers and x-request-id reach P and D unchanged, and
+with OpenTelemetry's SDK one request's spans (placement, P, D, a migration)
+form one trace whose context the upstream requests carry."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from fake_vllm import FakeVLLM, MakeFake, MakeRouter
+
+from rapidkv.harness import wait_until
+from rapidkv.router import Instance, RouterConfig, start_router
+
+pytestmark = pytest.mark.unit
+
+otel = pytest.importorskip("opentelemetry.sdk.trace", reason="the otel extra is not installed")
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider  # noqa: E402
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import (  # noqa: E402
+    InMemorySpanExporter,
+)
+
+TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
+CLIENT_SPAN = "b7ad6b7169203331"
+CLIENT = {
+    "traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01",
+    "tracestate": "congo=t61rcWkgMzE,rojo=00f067aa0ba902b7",
+    "x-request-id": "client-req-42",
+}
+COMPLETION = {"prompt": [1, 2, 3], "max_tokens": 3}
+
+
+def parent_of(traceparent: str) -> tuple[str, str]:
+    """(trace id, parent span id) of a W3C traceparent."""
+    version, trace_id, span_id, flags = traceparent.split("-")
+    assert version == "00" and flags == "01"
+    return trace_id, span_id
+
+
+@pytest.fixture
+def spans() -> Iterator[tuple[TracerProvider, InMemorySpanExporter]]:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    yield provider, exporter
+    provider.shutdown()
+
+
+def by_name(exporter: InMemorySpanExporter) -> dict[str, list[ReadableSpan]]:
+    out: dict[str, list[ReadableSpan]] = {}
+    for span in exporter.get_finished_spans():
+        out.setdefault(span.name, []).append(span)
+    return out
+
+
+def test_without_a_tracer_the_clients_trace_headers_and_request_id_reach_p_and_d_unchanged(
+    pd: tuple[FakeVLLM, FakeVLLM], make_router: MakeRouter, http: httpx.Client
+) -> None:
+    p, d = pd
+    router = make_router([p], [d])
+    resp = http.post(f"{router.url}/v1/completions", json=COMPLETION, headers=CLIENT)
+    assert resp.status_code == 200
+    xfer_id = resp.headers["x-rapidkv-xfer-id"]
+    (p_seen,), (d_seen,) = p.wait_seen(1), d.wait_seen(1)
+    for seen in (p_seen, d_seen):
+        assert {k: seen.headers.get(k) for k in CLIENT} == CLIENT
+        assert seen.kv_transfer_params["rapidkv"]["xfer_id"] == xfer_id  # paired by it
+    assert resp.json()["id"] == "cmpl-client-req-42"  # vLLM's ids follow the client's
+    # without one from the client, P and D get the router's (one id for both)
+    http.post(f"{router.url}/v1/completions", json=COMPLETION)
+    p_seen, d_seen = p.wait_seen(2)[1], d.wait_seen(2)[1]
+    assert p_seen.request_id == d_seen.request_id == d_seen.kv_transfer_params["rapidkv"]["xfer_id"]
+    assert "traceparent" not in d_seen.headers
+
+
+def test_a_fan_out_passes_the_clients_headers_to_every_sequence(
+    pd: tuple[FakeVLLM, FakeVLLM], make_router: MakeRouter, http: httpx.Client
+) -> None:
+    p, d = pd
+    router = make_router([p], [d])
+    body = {"prompt": [[1, 2], [3, 4]], "max_tokens": 2}
+    assert http.post(f"{router.url}/v1/completions", json=body, headers=CLIENT).is_success
+    seen = d.wait_seen(2)
+    assert [s.headers["x-request-id"] for s in seen] == ["client-req-42"] * 2
+    assert len({s.kv_transfer_params["rapidkv"]["xfer_id"] for s in seen}) == 2
+
+
+def test_with_the_sdk_one_requests_spans_form_one_trace_under_the_clients(
+    pd: tuple[FakeVLLM, FakeVLLM],
+    spans: tuple[TracerProvider, InMemorySpanExporter],
+    http: httpx.Client,
+) -> None:
+    p, d = pd
+    provider, exporter = spans
+    config = RouterConfig(prefill=(Instance(p.url),), decode=(Instance(d.url),), port=0)
+    with start_router(config.replace(discover=False), tracer_provider=provider) as router:
+        resp = http.post(f"{router.url}/v1/completions", json=COMPLETION, headers=CLIENT)
+        assert resp.status_code == 200
+        wait_until(lambda: "rapidkv.prefill" in by_name(exporter), 10, what="P's span")
+    named = by_name(exporter)
+    (request,) = named["rapidkv.request"]
+    (placement,) = named["rapidkv.placement"]
+    (prefill,) = named["rapidkv.prefill"]
+    (decode,) = named["rapidkv.decode"]
+    # one trace, the client's; the request under the client's span, the rest under it
+    assert {format(s.context.trace_id, "032x") for s in named_spans(named)} == {TRACE_ID}
+    assert request.parent is not None and format(request.parent.span_id, "016x") == CLIENT_SPAN
+    for child in (placement, prefill, decode):
+        assert child.parent is not None and child.parent.span_id == request.context.span_id
+    assert placement.attributes is not None and placement.attributes["rapidkv.kind"] == "pd"
+    assert placement.attributes["rapidkv.decode"] == d.url
+    assert decode.attributes is not None and decode.attributes["rapidkv.outcome"] == "ok"
+    assert decode.attributes["http.response.status_code"] == 200
+    assert request.events[0].attributes is not None
+    assert request.events[0].attributes["rapidkv.xfer_id"] == resp.headers["x-rapidkv-xfer-id"]
+    # P and D were sent their own span's context, the client's tracestate and id
+    (p_seen,), (d_seen,) = p.wait_seen(1), d.wait_seen(1)
+    for seen, span in ((p_seen, prefill), (d_seen, decode)):
+        assert parent_of(seen.headers["traceparent"]) == (
+            TRACE_ID,
+            format(span.context.span_id, "016x"),
+        )
+        assert seen.headers["tracestate"] == CLIENT["tracestate"]
+        assert seen.headers["x-request-id"] == "client-req-42"
+
+
+def named_spans(named: dict[str, list[ReadableSpan]]) -> list[ReadableSpan]:
+    return [s for group in named.values() for s in group]
+
+
+def test_a_migration_is_a_span_of_the_request_and_its_requests_carry_it(
+    make_fake: MakeFake,
+    spans: tuple[TracerProvider, InMemorySpanExporter],
+    http: httpx.Client,
+) -> None:
+    """A stop-and-copy migration from A (holding after its first token) to B
+    (answering at once): its span is the request's child, and B's cut-over
+    request carries the migration span's context."""
+    source, dest = make_fake("A", "decode"), make_fake("B", "prefill")
+    provider, exporter = spans
+    token = "admin-token-0123456789"
+    auth = {"authorization": f"Bearer {token}"}
+    control = "127.0.0.1:9"  # nothing answers there: the room check cannot tell, and passes
+    config = RouterConfig(
+        instances=(Instance(source.url, control), Instance(dest.url, control)),
+        dispatch="local",
+        admin_token=token,
+        discover=False,
+        port=0,
+    )
+    body = {"prompt": [11, 12, 13], "max_tokens": 6, "stream": True}
+    body["fake"] = {"decode": "hang_stream"}
+    with (
+        start_router(config, tracer_provider=provider) as router,
+        concurrent.futures.ThreadPoolExecutor(1) as pool,
+    ):
+        admin = f"{router.url}/admin"
+        drain = {"instance": dest.url, "migrate": False}  # the request goes to A
+        assert http.post(f"{admin}/drain", json=drain, headers=auth).status_code == 200
+        with http.stream("POST", f"{router.url}/v1/completions", json=body, headers=CLIENT) as r:
+            lines = r.iter_lines()
+            next(x for x in lines if x.startswith("data: "))  # A's first token: it holds
+            (listed,) = http.get(f"{admin}/requests", headers=auth).json()["requests"]
+            http.post(f"{admin}/undrain", json={"instance": dest.url}, headers=auth)
+            order = {"xfer_id": listed["xfer_id"], "to": dest.url, "precopy": False}
+            moved = pool.submit(http.post, f"{admin}/migrate", json=order, headers=auth)
+            rest = [x for x in lines if x.startswith("data: ")]
+        assert moved.result(30).status_code == 200 and rest[-1] == "data: [DONE]"
+        wait_until(lambda: "rapidkv.migration" in by_name(exporter), 10, what="its span")
+    named = by_name(exporter)
+    (request,) = named["rapidkv.request"]
+    (migration,) = named["rapidkv.migration"]
+    assert migration.parent is not None and migration.parent.span_id == request.context.span_id
+    assert format(migration.context.trace_id, "032x") == TRACE_ID
+    assert migration.attributes is not None
+    assert (migration.attributes["rapidkv.source"], migration.attributes["rapidkv.target"]) == (
+        source.url,
+        dest.url,
+    )
+    (cutover,) = dest.wait_seen(1)
+    assert parent_of(cutover.headers["traceparent"])[1] == format(migration.context.span_id, "016x")
+    assert cutover.headers["x-request-id"] == "client-req-42"
+    assert json.loads(cutover.raw)["kv_transfer_params"]["rapidkv"]["xfer_id"] != listed["xfer_id"]
