@@ -31,6 +31,7 @@ from rapidkv.connector.metrics import (
 )
 from rapidkv.connector.observations import Observations
 from rapidkv.connector.scheduler_side import SchedulerSide
+from rapidkv.connector.shared_state import COUNTED_FROM_START
 
 pytestmark = pytest.mark.unit
 
@@ -244,6 +245,12 @@ def test_scheduler_side_exports_its_counters_gauges_and_the_servers_refusals() -
         assert totals["rpc_frame_errors"] == totals["rpc_oversized_frames"] == 1
         for name in ("rpc_connections_refused", "rpc_hello_timeouts", "rpc_auth_failures"):
             assert totals[name] == 0
+        # what the dashboard and the alerts read is there before its first increment
+        assert {name: totals[name] for name in COUNTED_FROM_START} == {
+            **dict.fromkeys(COUNTED_FROM_START, 0.0),
+            "transfers_ok": 2.0,
+        }
+        assert "transfer_kv_retries_busy" not in totals  # the others at their first
         assert gauges == {
             "parked_now": 0.0,
             "transfers_live": 0.0,

@@ -60,6 +60,7 @@ E2E_ORDER = (
     "test_migration.py",
     "test_migration_connector.py",
     "test_pd_connector.py",
+    "test_prometheus.py",
     "test_vllm_bench_through_router.py",
     "test_conformance.py",
     "test_router_schema_fuzz.py",

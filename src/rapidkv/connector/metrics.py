@@ -43,9 +43,9 @@ added later shows up as it is): a counter `x` is the Prometheus counter
 a histogram `z_seconds` or `z_bytes` the histogram `rapidkv_z_seconds` (its
 buckets by the unit: `buckets_for`; exposed as `_bucket`, `_sum`, `_count`);
 labels `model_name` and `engine`, as vLLM's own series. A series appears at the
-first engine step after its counter came to exist (the control server's from
-the start, at 0; the others, and a histogram, at their first increment or
-value). Like every vLLM series
+first engine step after its counter came to exist (the control server's and
+`shared_state.COUNTED_FROM_START` from the start, at 0; the others, and a
+histogram, at their first increment or value). Like every vLLM series
 fed from engine stats, it moves only while the engine steps: an idle
 instance's `/metrics` holds what its last step saw (`StatsRequest` answers the
 live values).

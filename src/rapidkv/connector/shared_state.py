@@ -54,6 +54,19 @@ class PendingMeta:
         meta.split_recv = self.split_recv
 
 
+# counters exported from the start, at 0, rather than at their first increment:
+# those the dashboard and the alert rules read (deploy/), whose rate must be 0,
+# not missing, on a fleet where nothing went wrong yet
+COUNTED_FROM_START = (
+    "transfers_ok",
+    "transfers_failed",
+    "bytes_sent",
+    "transfer_kv_sent",
+    "transfer_kv_ok",
+    "recompute_fallbacks",
+)
+
+
 class SharedState:
     """State of the scheduler side that more than one role reads or writes.
 
@@ -77,7 +90,7 @@ class SharedState:
         self.incarnation = secrets.token_hex(8)
         self.block_size = block_size
         self.tp_size = tp_size
-        self.counters: Counter[str] = Counter()
+        self.counters: Counter[str] = Counter(dict.fromkeys(COUNTED_FROM_START, 0))
         self.observations = Observations()  # histograms' values (observations.py)
         # re-entrant: a future that is already done runs its callback (which takes
         # the lock) inside add_done_callback, on the thread that holds it
