@@ -6,8 +6,11 @@ form one trace whose context the upstream requests carry."""
 from __future__ import annotations
 
 import concurrent.futures
+import gzip
 import json
+import threading
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
@@ -19,6 +22,9 @@ from rapidkv.router import Instance, RouterConfig, start_router
 pytestmark = pytest.mark.unit
 
 otel = pytest.importorskip("opentelemetry.sdk.trace", reason="the otel extra is not installed")
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (  # noqa: E402
+    ExportTraceServiceRequest,
+)
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider  # noqa: E402
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import (  # noqa: E402
@@ -186,3 +192,69 @@ def test_a_migration_is_a_span_of_the_request_and_its_requests_carry_it(
     assert parent_of(cutover.headers["traceparent"])[1] == format(migration.context.span_id, "016x")
     assert cutover.headers["x-request-id"] == "client-req-42"
     assert json.loads(cutover.raw)["kv_transfer_params"]["rapidkv"]["xfer_id"] != listed["xfer_id"]
+
+
+def test_otlp_traces_endpoint_exports_the_requests_spans_over_otlp(
+    pd: tuple[FakeVLLM, FakeVLLM], http: httpx.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``otlp_traces_endpoint`` (``--otlp-traces-endpoint``): the router's own
+    provider sends its spans to an OTLP receiver (OTLP/HTTP here, as
+    ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` asks), the last of them at shutdown."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+    received: list[tuple[str, bytes]] = []
+
+    class Receiver(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["content-length"]))
+            if self.headers.get("content-encoding") == "gzip":
+                body = gzip.decompress(body)
+            received.append((self.path, body))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    receiver = ThreadingHTTPServer(("127.0.0.1", 0), Receiver)
+    threading.Thread(target=receiver.serve_forever, daemon=True).start()
+    try:
+        p, d = pd
+        config = RouterConfig(
+            prefill=(Instance(p.url),),
+            decode=(Instance(d.url),),
+            port=0,
+            discover=False,
+            otlp_traces_endpoint=f"http://127.0.0.1:{receiver.server_port}/v1/traces",
+        )
+        with start_router(config) as router:
+            resp = http.post(f"{router.url}/v1/completions", json=COMPLETION, headers=CLIENT)
+            assert resp.status_code == 200
+            p.wait_seen(1)
+        # stopped: its provider was shut down, which exports what is left
+        exported = [ExportTraceServiceRequest.FromString(body) for _, body in received]
+    finally:
+        receiver.shutdown()
+        receiver.server_close()
+    assert {path for path, _ in received} == {"/v1/traces"}
+    found = [
+        (rs, span)
+        for request in exported
+        for rs in request.resource_spans
+        for ss in rs.scope_spans
+        for span in ss.spans
+    ]
+    names = sorted(span.name for _, span in found)
+    assert names == [
+        "rapidkv.decode",
+        "rapidkv.placement",
+        "rapidkv.prefill",
+        "rapidkv.request",
+    ]
+    assert {span.trace_id.hex() for _, span in found} == {TRACE_ID}
+    service = {
+        a.value.string_value
+        for rs, _ in found
+        for a in rs.resource.attributes
+        if a.key == "service.name"
+    }
+    assert service == {"rapidkv-router"}
