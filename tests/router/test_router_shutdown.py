@@ -20,6 +20,8 @@ from rapidkv.harness import free_port, wait_until
 pytestmark = pytest.mark.unit
 
 SLOW = {"prompt": [1, 2, 3], "max_tokens": 6, "stream": True, "fake": {"decode": "hang_stream"}}
+# ... and a P slower than D: its request outlives the client's answer (dual dispatch)
+SLOW_P = dict(SLOW, fake={"decode": "hang_stream", "prefill": "hang"})
 
 
 class RouterProcess:
@@ -92,7 +94,7 @@ def test_sigterm_refuses_new_requests_finishes_the_running_stream_then_exits_0(
         httpx.Client(timeout=30, trust_env=False) as other,
     ):
         assert other.get(f"{router.url}/readyz").json()["ready"] is True
-        with client.stream("POST", f"{router.url}/v1/completions", json=SLOW) as stream:
+        with client.stream("POST", f"{router.url}/v1/completions", json=SLOW_P) as stream:
             lines = stream.iter_lines()
             first = events(lines, 1)
             assert json.loads(first[0])["choices"][0]["text"]  # the stream runs, held by D
@@ -115,7 +117,13 @@ def test_sigterm_refuses_new_requests_finishes_the_running_stream_then_exits_0(
             d.release()
             rest = events(lines, 100)
         assert rest[-1] == "[DONE]" and len(rest) == 6  # every token after the first
+    with pytest.raises(subprocess.TimeoutExpired):  # P's request still runs: it waits
+        router.proc.wait(0.5)
+    (p_seen,) = p.requests("/v1/completions")
+    assert not p_seen.disconnected and not p_seen.answered_seq
+    p.release()
     assert router.proc.wait(10) == 0
+    assert p.wait_answered(p_seen.request_id).disconnected is False
     assert time.monotonic() - t_term < 10  # it exited once idle, not at the grace's end
     assert "closing: new requests are refused; 1 running got up to 30s" in router.log()
 
@@ -137,4 +145,4 @@ def test_a_stream_still_running_at_the_graces_end_is_cut_and_the_router_exits_0(
             events(lines, 100)
     assert router.proc.wait(10) == 0
     assert 1 <= time.monotonic() - t_term < 5  # the grace, uvicorn's second, start-up slack
-    assert "grace over: 1 request(s) still running are cancelled" in router.log()
+    assert "grace over: 1 request(s) still running are cancelled (and 0 P" in router.log()

@@ -76,7 +76,7 @@ def build_app(config: RouterConfig, *, tracer_provider: Any = None) -> Starlette
     if tracer_provider is None and config.otlp_traces_endpoint is not None:
         own_provider = tracer_provider = otlp_provider(config.otlp_traces_endpoint)
     router = Router(config, tracer_provider)
-    shutdown = ShutdownState()
+    shutdown = ShutdownState(lambda: router.background)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

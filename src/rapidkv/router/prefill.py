@@ -76,6 +76,11 @@ class Prefills:
         task.add_done_callback(lambda task: self._done(ex, task))
         return task
 
+    @property
+    def running(self) -> int:
+        """P requests in flight (some outlive their client's answer: dual dispatch)."""
+        return len(self._tasks)
+
     async def close(self) -> None:
         """Cancel the P requests in flight, close the Abort client."""
         pending = list(self._tasks)

@@ -197,6 +197,11 @@ class Router:
         await self.fleet.close()
         await self.migrations.close()
 
+    @property
+    def background(self) -> int:
+        """P requests still running after their client's answer ended (dual dispatch)."""
+        return self._prefills.running
+
     def requests(self) -> list[dict[str, Any]]:
         """The requests being served: where each runs and how far it got."""
         now = time.monotonic()

@@ -1,8 +1,9 @@
 """The router's graceful shutdown: on SIGTERM (or SIGINT) it stops taking
 requests, lets the running ones finish within a grace, then exits.
 
-- `ShutdownState`: whether the router is closing (and since when), and how
-  many HTTP requests it is serving;
+- `ShutdownState`: whether the router is closing (and since when), how many
+  HTTP requests it is serving, and how many P requests run on after their
+  client's answer (dual dispatch: a P slower than D);
 - `ShutdownGate`: the ASGI middleware that counts them and, once closing,
   refuses every new request but ``/livez`` and ``/metrics`` with 503, an
   OpenAI-format error and ``Connection: close`` (``/readyz`` answers its own
@@ -10,7 +11,8 @@ requests, lets the running ones finish within a grace, then exits.
 - `DrainingServer`: uvicorn's server, whose first stop signal starts closing
   instead of exiting: the listening socket stays open (a request that still
   arrives gets the 503, not a refused connection) until nothing runs or
-  `RouterConfig.shutdown_grace_s` has passed; then uvicorn's own shutdown
+  `RouterConfig.shutdown_grace_s` has passed (P's requests that outlive their
+  client's answer count as running); then uvicorn's own shutdown
   closes the socket and idle connections, cancels what still runs (one second
   on), and the app's lifespan ends (background prefill requests cancelled).
   A second signal exits at once, as uvicorn's first would.
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
@@ -39,9 +42,11 @@ UVICORN_GRACE_S = 1  # uvicorn's wait for connections, once ours is over
 
 
 class ShutdownState:
-    """Whether the router is closing, and how many requests it serves."""
+    """Whether the router is closing, and how many requests it serves;
+    `background`: how many upstream requests run on without a client's."""
 
-    def __init__(self) -> None:
+    def __init__(self, background: Callable[[], int] = lambda: 0) -> None:
+        self.background = background
         self.closing_since: float | None = None  # time.monotonic() of the stop signal
         self.running = 0  # HTTP requests being served (refused ones excepted)
         self.running_at_close = 0  # ... when it started closing
@@ -60,7 +65,8 @@ class ShutdownState:
         """Closing, and nothing runs or the grace has passed."""
         if self.closing_since is None:
             return False
-        return self.running == 0 or time.monotonic() - self.closing_since >= grace_s
+        idle = self.running == 0 and self.background() == 0
+        return idle or time.monotonic() - self.closing_since >= grace_s
 
 
 class ShutdownGate:
@@ -129,6 +135,11 @@ class DrainingServer(uvicorn.Server):
             )
         if not state.over(self.grace_s):
             return False
-        if state.running:
-            log.warning("grace over: %d request(s) still running are cancelled", state.running)
+        if state.running or state.background():
+            log.warning(
+                "grace over: %d request(s) still running are cancelled (and %d P request(s) "
+                "outliving their answer)",
+                state.running,
+                state.background(),
+            )
         return True
