@@ -221,12 +221,21 @@ def test_a_new_prom_metrics_replaces_the_previous_ones_series_in_the_default_reg
     config = SimpleNamespace(kv_transfer_config=None)
     for n in (1.0, 2.0):
         m = RapidKVPromMetrics(config, types, LABELS, PER_ENGINE)
-        m.observe({"counters": {"unit_test_counter": n}, "gauges": {"unit_test_gauge": n}}, 0)
+        m.observe(
+            {
+                "counters": {"unit_test_counter": n},
+                "gauges": {"unit_test_gauge": n},
+                "histograms": {"unit_test_seconds": [n]},
+            },
+            0,
+        )
         labels = {"model_name": "m", "engine": "0"}
         assert REGISTRY.get_sample_value("rapidkv_unit_test_counter_total", labels) == n
         assert REGISTRY.get_sample_value("rapidkv_unit_test_gauge", labels) == n
+        assert REGISTRY.get_sample_value("rapidkv_unit_test_seconds_sum", labels) == n
     RapidKVPromMetrics(config, types, LABELS, PER_ENGINE)  # unregisters them
     assert REGISTRY.get_sample_value("rapidkv_unit_test_gauge", labels) is None
+    assert REGISTRY.get_sample_value("rapidkv_unit_test_seconds_sum", labels) is None
 
 
 def test_scheduler_side_exports_its_counters_gauges_and_the_servers_refusals() -> None:

@@ -96,15 +96,23 @@ def test_prometheus_scrapes_the_fleet_and_every_dashboard_query_returns_data(
                 time.sleep(SCRAPE_S * 1.5)
             served = 1 + WAVES * PER_WAVE
             ok = 'sum(rapidkv_router_placed_requests_total{placement="pd",outcome="ok"})'
-            transfers = pd_pair.stats("p")["transfers_ok"]
+
+            def value(expr: str) -> float:
+                return float(prom.query(expr)[0]["value"][1])
 
             def caught_up() -> bool:
                 return (
-                    prom.query(ok)[0]["value"][1] == str(served)
-                    and prom.query("sum(rapidkv_transfers_ok_total)")[0]["value"][1]
-                    == f"{transfers:g}"
+                    value(ok) == served
+                    # P's transfers as its control plane counts them (the last
+                    # may settle on P after D's answer)
+                    and value("sum(rapidkv_transfers_ok_total)")
+                    == pd_pair.stats("p")["transfers_ok"]
                     # both instances idle, as their last engine step left them
                     and len(prom.query("rapidkv_usable_blocks - rapidkv_free_blocks == 0")) == 2
+                    and len(
+                        prom.query("vllm:num_requests_running + vllm:num_requests_waiting == 0")
+                    )
+                    == 2
                 )
 
             wait_until(caught_up, 15, what="Prometheus to scrape the load's end")
