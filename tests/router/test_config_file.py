@@ -129,7 +129,8 @@ def test_bad_keys_and_values_are_refused_naming_the_key(
         ({"split_fraction": 1.5}, "split_fraction"),
         ({"tpot_slo_ms": 0}, "tpot_slo_ms"),
         ({"port": 70000}, "port 70000"),
-        ({"decode": ["d:1"]}, "instance URL 'd:1'"),
+        ({"decode": ["d:1"]}, "decode: instance URL 'd:1'"),
+        ({"instances": ["http://a:1=nonsense"]}, "instances: "),
     ],
 )
 def test_values_out_of_range_are_refused_naming_the_key(

@@ -116,7 +116,10 @@ def resolve(settings: dict[str, Any]) -> RouterConfig:
     kwargs = {k: v for k, v in settings.items() if k not in EXTRA}
     for name in INSTANCE_LISTS:
         if name in kwargs:
-            kwargs[name] = tuple(Instance.parse(text) for text in kwargs[name])
+            try:
+                kwargs[name] = tuple(Instance.parse(text) for text in kwargs[name])
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
     if "etcd" in kwargs:
         kwargs["etcd"] = tuple(url.rstrip("/") for url in kwargs["etcd"])
     if settings.get("secret_file") is not None:
