@@ -12,9 +12,9 @@ requests, lets the running ones finish within a grace, then exits.
   instead of exiting: the listening socket stays open (a request that still
   arrives gets the 503, not a refused connection) until nothing runs or
   `RouterConfig.shutdown_grace_s` has passed (P's requests that outlive their
-  client's answer count as running); then uvicorn's own shutdown
-  closes the socket and idle connections, cancels what still runs (one second
-  on), and the app's lifespan ends (background prefill requests cancelled).
+  client's answer count as running); then uvicorn's own shutdown closes the
+  socket and idle connections, cancels what still runs (half a second on), and
+  the app's lifespan ends (background prefill requests cancelled).
   A second signal exits at once, as uvicorn's first would.
 
 Running requests are not migrated elsewhere: a migration moves a request
@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 # served while closing: the process is alive, and its metrics are read to the end
 SERVED_WHILE_CLOSING = frozenset({"/livez", "/metrics", "/readyz"})
-UVICORN_GRACE_S = 1  # uvicorn's wait for connections, once ours is over
+UVICORN_GRACE_S = 0.5  # uvicorn's wait for connections, once ours is over
 
 
 class ShutdownState:
