@@ -16,6 +16,7 @@ import pytest
 from fake_vllm import FakeVLLM, MakeFake
 
 from rapidkv.harness import free_port, wait_until
+from rapidkv.router.shutdown import ShutdownState
 
 pytestmark = pytest.mark.unit
 
@@ -146,3 +147,21 @@ def test_a_stream_still_running_at_the_graces_end_is_cut_and_the_router_exits_0(
     assert router.proc.wait(10) == 0
     assert 0.5 <= time.monotonic() - t_term < 4  # the grace, uvicorn's half second, slack
     assert "grace over: 1 request(s) still running are cancelled (and 0 P" in router.log()
+
+
+def test_shutdown_state_is_over_when_closing_and_idle_or_past_the_grace() -> None:
+    background = [0]
+    state = ShutdownState(lambda: background[0])
+    assert not state.closing and not state.over(0.0)  # not closing: never over
+    state.running = 1
+    state.close()
+    assert state.closing and state.running_at_close == 1
+    assert not state.over(60.0)  # a request runs, within the grace
+    assert state.over(0.0)  # the grace has passed
+    state.running, background[0] = 0, 1
+    assert not state.over(60.0)  # a P request outlives its answer
+    background[0] = 0
+    assert state.over(60.0)
+    since = state.closing_since
+    state.close()
+    assert state.closing_since == since  # the first signal's time stays

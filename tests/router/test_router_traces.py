@@ -18,6 +18,7 @@ from fake_vllm import FakeVLLM, MakeFake, MakeRouter
 
 from rapidkv.harness import wait_until
 from rapidkv.router import Instance, RouterConfig, start_router
+from rapidkv.router.tracing import request_id, upstream_headers
 
 pytestmark = pytest.mark.unit
 
@@ -258,3 +259,25 @@ def test_otlp_traces_endpoint_exports_the_requests_spans_over_otlp(
         if a.key == "service.name"
     }
     assert service == {"rapidkv-router"}
+
+
+def test_upstream_headers_keep_the_clients_and_request_id_derives_only_the_routers() -> None:
+    scope = {
+        "headers": [
+            (b"Traceparent", CLIENT["traceparent"].encode()),
+            (b"x-request-id", b"client-req-42"),
+            (b"cookie", b"secret"),
+            (b"authorization", b"Bearer k"),
+        ]
+    }
+    headers = upstream_headers(scope)
+    assert headers == {
+        "content-type": "application/json",
+        "accept-encoding": "identity",
+        "traceparent": CLIENT["traceparent"],
+        "x-request-id": "client-req-42",
+        "authorization": "Bearer k",
+    }
+    assert request_id(headers, "x1", "x1-cont") is headers  # the client's id stays
+    own = dict(headers, **{"x-request-id": "x1"})
+    assert request_id(own, "x1", "x1-cont")["x-request-id"] == "x1-cont"
