@@ -169,7 +169,7 @@ class AnswerRelay:
             )
             try:
                 if streaming and stitch is not None:
-                    failed = await self._stitched(resp, stitch, inst, ex, send)
+                    failed = await self._stitched(resp, stitch, inst, ex, send, headers)
                     if failed is not None:
                         return failed
                 else:
@@ -261,9 +261,16 @@ class AnswerRelay:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
 
     async def _stitched(
-        self, resp: aiohttp.ClientResponse, st: Stitch, inst: Instance, ex: Exchange, send: Send
+        self,
+        resp: aiohttp.ClientResponse,
+        st: Stitch,
+        inst: Instance,
+        ex: Exchange,
+        send: Send,
+        headers: dict[str, str],
     ) -> str | None:
-        """D's stream with P's first token in front (see `stitch`); an outcome if it failed."""
+        """D's stream with P's first token in front (see `stitch`); an outcome
+        if it failed. `headers`: D's request's (a continuation's are these)."""
         stitch = st.merge
         splitter = EventSplitter()
         chunks = resp.content.iter_any()
@@ -329,7 +336,7 @@ class AnswerRelay:
             end = b"".join(stitch.finish_after_prefill())
             await send({"type": "http.response.body", "body": end, "more_body": True})
             return None
-        headers = request_id(ex.upstream_headers, ex.xfer_id, f"{ex.xfer_id}-cont")
+        headers = request_id(headers, ex.xfer_id, f"{ex.xfer_id}-cont")
         url = inst.url + PATHS["completions"]
         async with self._fleet.http.post(url, data=encode(cont), headers=headers) as cresp:
             if cresp.status >= 400:
