@@ -5,7 +5,7 @@
 ``POST /v1/chat/completions`` likewise
 ``GET /v1/models``          relayed from the first decode instance that answers
 ``/v1/responses``, ...      served on one instance (`passthrough`)
-``GET /livez``, ``/readyz``  liveness and readiness probes (`probes`)
+``GET /livez``, ``/readyz`` liveness and readiness probes (`probes`)
 ``GET /health``             the instances' health, asked now (`probes`): 200
                             while the router serves (an instance that may
                             decode answers), with the detail
