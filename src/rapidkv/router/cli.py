@@ -266,10 +266,13 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM; 2 for a bad configuration."""
     from rapidkv.router.server import run_router
+    from rapidkv.router.tracing import otlp_provider
 
     try:
         given = settings(args)
         config = resolve(given)
+        if config.otlp_traces_endpoint is not None:  # the packages are there, before binding
+            otlp_provider(config.otlp_traces_endpoint).shutdown()
     except (ValueError, OSError) as e:
         print(f"rapidkv router: error: {e}", file=sys.stderr)
         return 2
