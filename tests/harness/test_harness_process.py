@@ -135,23 +135,23 @@ def test_spec_command_line_and_environment(tmp_path: Path, monkeypatch: pytest.M
     assert "taskset" not in unpinned[0] and "--dtype bfloat16" in " ".join(unpinned)
 
 
-def test_a_spec_with_an_installed_rapidkvs_python_runs_vllm_serve_off_the_checkout(
+def test_a_spec_with_an_installed_rapidkvs_python_runs_vllm_off_the_checkout(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`python`: that interpreter runs `vllm serve MODEL` (as the `vllm` script
-    does), and neither the checkout's `src` nor an inherited PYTHONPATH reaches
-    it: rapidkv is what that environment installed."""
+    """`python`: that interpreter runs vLLM's API server, and neither the
+    checkout's `src` nor an inherited PYTHONPATH reaches it: rapidkv is what
+    that environment installed."""
     monkeypatch.setenv("PYTHONPATH", str(SRC_DIR))
     spec = ServerSpec(model=tmp_path, python="/opt/venv/bin/python", cpus=(0,))
     argv = spec.argv(8000)
     assert argv[argv.index("/opt/venv/bin/python") :][:5] == [
         "/opt/venv/bin/python",
         "-m",
-        "vllm.entrypoints.cli.main",
-        "serve",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
         str(tmp_path),
     ]
-    assert "--model" not in argv and argv[argv.index("--port") + 1] == "8000"
+    assert argv[argv.index("--port") + 1] == "8000"
     assert "PYTHONPATH" not in spec.environment()
     assert ServerSpec(model=tmp_path).environment()["PYTHONPATH"].startswith(str(SRC_DIR))
 

