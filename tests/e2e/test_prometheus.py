@@ -92,7 +92,7 @@ def test_prometheus_scrapes_the_fleet_and_every_dashboard_query_returns_data(
             for k in range(WAVES):
                 wave = prompts[1 + k * PER_WAVE : 1 + (k + 1) * PER_WAVE]
                 outs = stream_many(router.url, wave, MAX_TOKENS, concurrency=PER_WAVE)
-                assert all(len(o.tokens) == MAX_TOKENS for o in outs)
+                assert all(len(o.token_ids) == MAX_TOKENS for o in outs)
                 time.sleep(SCRAPE_S * 1.5)
             served = 1 + WAVES * PER_WAVE
             ok = 'sum(rapidkv_router_placed_requests_total{placement="pd",outcome="ok"})'
