@@ -166,9 +166,18 @@ class ProducerSide:
             if n is not None:
                 p.block_ids = tuple(self._shared.kv_cache_manager.get_block_ids(p.req_id)[0])
                 request = self._requests.get(p.req_id)
+                start = p.computed
                 if request is not None:  # (KV past the prompt is not ours to send)
-                    p.computed = min(request.num_computed_tokens, p.prompt_len)
-                p.in_flight_end = min(p.computed + n, p.prompt_len)
+                    start = min(request.num_computed_tokens, p.prompt_len)
+                    if p.stepped or p.migration:
+                        p.computed = start
+                    # else its first step: vLLM counts its prefix-cache hits computed,
+                    # but it hashed blocks into its cache as it *scheduled* them: a
+                    # hit may be on blocks another request computes in this very
+                    # step. Final only once this step ended (`step_ended`); until
+                    # then they go layer by layer, as this step computes them.
+                p.stepped = True
+                p.in_flight_end = min(start + n, p.prompt_len)
                 p.scheduled_step = step_id
                 if not p.migration:  # a migration's source computes no prompt of ours
                     meta.computes_prompt |= p.computed < p.prompt_len
