@@ -13,9 +13,10 @@ import httpx
 import pytest
 from fake_vllm import MakeFake
 
+from rapidkv.control.framing import read_secret_file
 from rapidkv.harness import free_port, wait_until
 from rapidkv.router.cli import config_from_args, register
-from rapidkv.router.config import Instance, RouterConfig, read_secret
+from rapidkv.router.config import Instance, RouterConfig
 
 pytestmark = pytest.mark.unit
 
@@ -85,7 +86,7 @@ def test_command_line_builds_the_config(tmp_path: Path) -> None:
 def test_secret_file_must_not_be_empty(tmp_path: Path) -> None:
     (tmp_path / "empty").write_text("\n")
     with pytest.raises(ValueError, match="empty"):
-        read_secret(tmp_path / "empty")
+        read_secret_file(tmp_path / "empty")
 
 
 def test_rapidkv_router_is_a_subcommand_and_refuses_a_bad_config() -> None:

@@ -145,7 +145,7 @@ def test_a_missing_file_or_secret_file_is_a_clear_error(tmp_path: Path) -> None:
         read_file(tmp_path / "nothere.toml")
     path = tmp_path / "router.toml"
     path.write_text('decode = ["http://d:1"]\ndispatch = "local"\nsecret_file = "gone"\n')
-    with pytest.raises(OSError, match="gone"):
+    with pytest.raises(ValueError, match=r"secret file .*gone"):
         resolve(read_file(path))
 
 

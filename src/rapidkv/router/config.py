@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal, get_args
 from urllib.parse import urlsplit
 
@@ -290,11 +289,3 @@ class RouterConfig:
     def replace(self, **changes: object) -> RouterConfig:
         """A copy with `changes` applied (validated again)."""
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
-
-
-def read_secret(path: Path) -> bytes:
-    """The shared secret in `path`, surrounding whitespace (a trailing newline) removed."""
-    secret = Path(path).read_bytes().strip()
-    if not secret:
-        raise ValueError(f"secret file {path} is empty")
-    return secret

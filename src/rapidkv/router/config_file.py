@@ -33,7 +33,8 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
-from rapidkv.router.config import Instance, RouterConfig, read_secret
+from rapidkv.control.framing import read_secret_file
+from rapidkv.router.config import Instance, RouterConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -123,9 +124,9 @@ def resolve(settings: dict[str, Any]) -> RouterConfig:
     if "etcd" in kwargs:
         kwargs["etcd"] = tuple(url.rstrip("/") for url in kwargs["etcd"])
     if settings.get("secret_file") is not None:
-        kwargs["secret"] = read_secret(Path(settings["secret_file"]))
+        kwargs["secret"] = read_secret_file(settings["secret_file"])
     if settings.get("admin_token_file") is not None:
-        kwargs["admin_token"] = read_secret(Path(settings["admin_token_file"])).decode()
+        kwargs["admin_token"] = read_secret_file(settings["admin_token_file"]).decode()
     return RouterConfig(**kwargs)
 
 
