@@ -482,6 +482,56 @@ def test_arriving_while_the_sources_step_is_in_flight_only_what_a_forward_wrote_
     assert step_until(s, fut, settled=(done(msg),)).code == Code.OK
 
 
+def test_a_sources_prefix_cache_hits_are_not_final_before_the_step_that_scheduled_it_ended(
+    make_source: Callable[..., Source],
+) -> None:
+    """vLLM counts a request's prefix-cache hits computed when it schedules it,
+    but it hashed those blocks into its cache as it scheduled the request that
+    computes them: in the same step. A migration arriving while that step is in
+    flight sends nothing at once (the hit blocks may still hold old KV); the
+    next step sends the whole prompt, once the forward wrote it."""
+    s = make_source()
+    req = new_request(prompt_len=40)
+    s.engine.admit(req)
+    req.num_computed_tokens = 2 * BS  # 2 blocks hit, computed by another request in this step
+    s.engine.schedule({req.request_id: 40 - 2 * BS})
+    assert req.num_computed_tokens == 40
+    msg = migration(req, "m1", num_tokens=39)
+    fut = accepted(s, msg)
+    assert s.full_sends() == []  # before the step ended, none of it is final
+    s.engine.end()  # the forward wrote the hits' blocks (the other request's) and the rest
+    meta = s.engine.step({req.request_id: 1})
+    src = s.engine.kv.blocks[req.request_id]
+    assert meta.full_tasks == [
+        Task("m1", "D", tuple(src[:3]), tuple(msg.dst_blocks[:3]), 0, 39, True)
+    ]
+    assert step_until(s, fut, settled=(done(msg),)).code == Code.OK
+
+
+def test_a_migration_of_a_source_not_yet_stepped_sends_its_hits_with_the_steps_layers(
+    make_source: Callable[..., Source],
+) -> None:
+    """A migration taken up after vLLM scheduled its source (hits counted
+    computed) but before the step's metadata: that step's layers carry the
+    hits with what it computes; nothing goes as a full send."""
+    s = make_source()
+    req = new_request(prompt_len=40)
+    s.engine.admit(req)
+    req.num_computed_tokens = 2 * BS  # inside schedule(): the hits, before build_meta
+    s.engine.kv.blocks[req.request_id] = [900, 901, 902]
+    msg = migration(req, "m1", num_tokens=39)
+    fut = accepted(s, msg)
+    assert s.full_sends() == []
+    meta = s.engine.schedule({req.request_id: 40 - 2 * BS})
+    assert not meta.full_tasks
+    assert meta.step_tasks == [
+        Task("m1", "D", (900, 901, 902), tuple(msg.dst_blocks[:3]), 0, 39, True)
+    ]
+    s.engine.end()
+    assert step_until(s, fut, settled=(done(msg),)).code == Code.OK
+    assert s.full_sends() == []
+
+
 # -- the source finishing, and two migrations --------------------------------------------
 
 

@@ -199,6 +199,7 @@ class SchedulerSide:
         meta = StepMeta(self.shared.step_id)
         now = time.monotonic()
         with self._lock:
+            self.sources.on_step(meta.step_id, so.num_scheduled_tokens, so.preempted_req_ids)
             self.producer.plan_step(meta, so, now)
             self.control.forget_idle(now)
             pending = self.shared.take_pending()

@@ -78,7 +78,8 @@ class SharedState:
     (written on the engine thread only, without the lock); `step_in_flight` is
     that step between its `build_meta` and its `update_output`, else None, and
     `step_scheduled` what it schedules (vLLM's `num_scheduled_tokens`: request
-    id -> tokens; empty between steps).
+    id -> tokens; empty between steps); `step_ended_id` the latest step whose
+    `update_output` ran (0 before any).
     """
 
     def __init__(
@@ -105,6 +106,7 @@ class SharedState:
         self.step_id = 0
         self.step_in_flight: int | None = None
         self.step_scheduled: dict[str, int] = {}
+        self.step_ended_id = 0
         self.step_began = 0.0
         self.step_tokens = 0
 
@@ -135,6 +137,7 @@ class SharedState:
         requests, self.step_scheduled = len(self.step_scheduled), {}
         if step_id is None:
             return None
+        self.step_ended_id = step_id
         mine = [t for t in worker_timings if t[0] == step_id]
         forward = layer_wait = hooks = 0.0
         if mine:

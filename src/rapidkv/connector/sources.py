@@ -47,7 +47,14 @@ one full-attention KV group):
   what it schedules (`SharedState.step_scheduled`), so `final_tokens` counts
   only tokens whose KV a finished forward wrote (at worst it undercounts
   between our `build_connector_meta` and vLLM's update, and the rest goes with
-  the next steps).
+  the next steps);
+- prefix-cache hits: vLLM counts a request's hits in `num_computed_tokens` at
+  admission, but it hashes blocks into its cache as it *schedules* them, so a
+  hit may be on blocks the step that schedules it computes. A source's hits
+  are final only once that step ended (`stepped`: its `first_step`, the step
+  that scheduled it first since admission or its latest preemption, against
+  `SharedState.step_ended_id`); until then `final_tokens` is 0 and P's plan
+  sends them layer by layer with that step.
 """
 
 from __future__ import annotations
@@ -71,6 +78,9 @@ class Source:
     req_id: str
     role: str
     request: Any  # vLLM's Request (read off the engine thread: see the module doc)
+    # the step that scheduled it first (since its latest preemption): its
+    # prefix-cache hits are final once that step ended; None before it
+    first_step: int | None = None
 
 
 class Sources:
@@ -89,6 +99,19 @@ class Sources:
         source = Source(xfer_id, request.request_id, role, request)
         self._by_req[source.req_id] = source
         self._by_xfer.setdefault(xfer_id, []).append(source)
+
+    def on_step(self, step_id: int, scheduled: Any, preempted: Any) -> None:
+        """Step `step_id` schedules `scheduled` (request ids) after vLLM
+        preempted `preempted`: a source scheduled for the first time since its
+        admission or preemption has its hits final once this step ended."""
+        for req_id in preempted or ():
+            source = self._by_req.get(req_id)
+            if source is not None:
+                source.first_step = None
+        for req_id in scheduled:
+            source = self._by_req.get(req_id)
+            if source is not None and source.first_step is None:
+                source.first_step = step_id
 
     def finished(self, req_id: str) -> None:
         """vLLM finished the request: no longer a source."""
@@ -139,9 +162,21 @@ class Sources:
             )
         return source
 
+    def stepped(self, req_id: str) -> bool:
+        """The step that first scheduled request `req_id` (`on_step`) ended:
+        what vLLM counts computed of it is no longer a hit on blocks being
+        computed (True for no source: nothing of ours to guard)."""
+        source = self._by_req.get(req_id)
+        if source is None:
+            return True
+        return source.first_step is not None and self._shared.step_ended_id >= source.first_step
+
     def final_tokens(self, source: Source) -> int:
         """How many leading tokens of `source` have their KV written by a
-        forward that finished (see the module doc)."""
+        forward that finished (see the module doc): none before its first step
+        ended."""
+        if not self.stepped(source.req_id):
+            return 0
         request = source.request
         in_flight = 0
         if self._shared.step_in_flight is not None:
