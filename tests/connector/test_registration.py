@@ -99,3 +99,25 @@ def test_etcd_without_an_advertised_url_is_refused_with_the_reason() -> None:
     with pytest.raises(ValueError, match="etcd_ttl_s"):
         ConnectorConfig(etcd_ttl_s=1.0)
     assert kv_roles("kv_producer") == ("prefill",) and kv_roles("kv_both") == ("prefill", "decode")
+
+
+def test_an_instance_leaves_at_the_first_step_of_an_engine_shutdown(
+    etcd: Any, health: Health
+) -> None:
+    """vLLM's engine drains before it closes the connector: the record goes
+    at its first step after the shutdown signal (`closing`), not at close."""
+    from vllm_stand_ins import SchedulerOutput
+
+    prefix = "/rapidkv-leaving/"
+    config = ConnectorConfig(
+        etcd_endpoints=(etcd.url,), etcd_prefix=prefix, etcd_ttl_s=30.0, advertise_url=health.url
+    )
+    health.up.set()
+    sched = SchedulerSide(config, "inst-l", 16, 1, "fp")
+    try:
+        assert sched.registrar.wait_registered(10)
+        sched.shared.closing = True
+        sched.build_meta(SchedulerOutput({}, set(), 0))
+        wait_until(lambda: records(etcd, prefix) == {}, 2.0, what="the record gone")
+    finally:
+        sched.close()

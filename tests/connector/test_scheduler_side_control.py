@@ -385,3 +385,57 @@ def test_an_abort_that_overtakes_its_request_frees_it_when_it_finishes(
     assert held  # vLLM must wait for finished_sending, which comes with the next step
     assert "req-early" in side.build_meta(StandInOutput({}, set(), 0)).release
     assert stats(side, client)["aborted_before_admission"] == 1
+
+
+def test_once_the_engine_shuts_down_nothing_waits_for_a_transfer_kv(
+    p_side: tuple[SchedulerSide, RpcClient],
+) -> None:
+    """vLLM's engine was asked to shut down (`closing`, set by the chained
+    SIGTERM handler): at its next step a parked TransferKV is answered GONE and
+    a finished request no TransferKV came for is released with that step; a
+    TransferKV arriving later is answered GONE at once (never parked), and so
+    is one for a released request; a request finishing later without one is
+    released at once. A transfer already accepted runs to its end."""
+    side, client = p_side
+    address = side.server.address
+    assert client.call(address, handshake(side, "D", "a", "127.0.0.1:7001"), 5).code == Code.OK
+
+    def prefill(xfer_id: str) -> StandInRequest:
+        req = StandInRequest(
+            f"req-{xfer_id}",
+            {"rapidkv": {"xfer_id": xfer_id, "role": "prefill"}},
+            21,
+            list(range(21)),
+        )
+        side.on_new_request(req)
+        return req
+
+    held = prefill("held")  # prefilled, finished, D has not asked yet
+    assert side.request_finished(held, [3, 4])[0]
+    accepted = prefill("accepted")  # D asked while it runs
+    running = prefill("running")  # still computing at the shutdown
+    parked = client.submit(address, transfer("parked"), 5)
+    deadline = time.monotonic() + 5
+    while stats(side, client)["parked_now"] < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    taken = client.submit(address, transfer("accepted"), 5)
+    while stats(side, client)["transfers_live"] < 3 or "accepted" not in side.producer._produced:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert side.build_meta(StandInOutput({}, set(), 0)).release == []  # not shutting down
+
+    side.shared.closing = True
+    meta = side.build_meta(StandInOutput({}, set(), 0))
+    assert meta.release == ["req-held"]
+    assert parked.result(5).code == Code.GONE
+    assert not taken.done()  # its transfer runs on
+    reply = client.call(address, transfer("never-admitted"), 5)
+    assert reply.code == Code.GONE and "shutting down" in reply.message
+    assert client.call(address, transfer("held"), 5).code == Code.GONE
+    assert side.request_finished(running, [5])[0]
+    assert side.build_meta(StandInOutput({}, set(), 0)).release == ["req-running"]
+    s = stats(side, client)
+    assert s["parked_now"] == 0 and s["shutdown_refused"] == 2 and s["shutdown_released"] == 2
+    assert s["transfers_live"] == 1  # the accepted one
+    assert accepted.request_id not in meta.release

@@ -172,6 +172,9 @@ def workloads(tiny_model: Path, single_server_starter) -> dict[str, tuple[list, 
         out[name] = (prompts, complete_many(single.base_url, prompts, max_tokens))
     frozen = random_prompts(tiny_model, [900], seed=2212)
     out["frozen-p"] = (frozen, complete_many(single.base_url, frozen, MAX_TOKENS))
+    # test_pd_faults: a P sent SIGTERM holds one prefilled, one parked, one in flight
+    sigterm = random_prompts(tiny_model, [600, 700, 900], seed=2214)
+    out["sigterm-p"] = (sigterm, complete_many(single.base_url, sigterm, MAX_TOKENS))
     failing = random_prompts(tiny_model, [200, 500, 800], seed=2213)
     out["failing"] = (failing, complete_many(single.base_url, failing, MAX_TOKENS))
     again = random_prompts(tiny_model, [330], seed=2211)

@@ -5,6 +5,11 @@ checks that everything is back at its baseline."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
+import os
+import socket
+import struct
 import time
 from pathlib import Path
 
@@ -303,3 +308,111 @@ def logged_since(server: VLLMServer, mark: int) -> str:
     with server.log_path.open("rb") as f:
         f.seek(mark)
         return f.read().decode(errors="replace")
+
+
+# -- what a process tree holds of the machine (read from /proc), for the checks
+# that it left nothing behind when it exited
+
+
+def _socket_inodes(pids: list[int]) -> set[int]:
+    inodes = set()
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes.add(int(link[8:-1]))
+    return inodes
+
+
+def _tcp_address(hex_addr: str) -> tuple[str, int]:
+    """`/proc/net/tcp{,6}`'s ``ADDR:PORT`` (the address in 32-bit host-order words)."""
+    addr, port = hex_addr.split(":")
+    raw = b"".join(struct.pack("=I", int(addr[i : i + 8], 16)) for i in range(0, len(addr), 8))
+    family = socket.AF_INET if len(raw) == 4 else socket.AF_INET6
+    return socket.inet_ntop(family, raw), int(port, 16)
+
+
+def listening(pids: list[int]) -> tuple[set[tuple[str, int]], set[str]]:
+    """The TCP ``(address, port)`` and the unix socket paths that `pids` listen on."""
+    inodes = _socket_inodes(pids)
+    tcp = set()
+    for name in ("tcp", "tcp6"):
+        with open(f"/proc/net/{name}") as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and int(fields[9]) in inodes:  # LISTEN
+                    tcp.add(_tcp_address(fields[1]))
+    unix = set()
+    with open("/proc/net/unix") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            # Num RefCount Protocol Flags Type St Inode [Path]; flag 0x10000: listening
+            if len(fields) >= 8 and int(fields[3], 16) & 0x10000 and int(fields[6]) in inodes:
+                unix.add(fields[7])
+    return tcp, unix
+
+
+def shm_paths(pids: list[int]) -> set[str]:
+    """The files under /dev/shm that `pids` have open or mapped (not yet unlinked)."""
+    out = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if link.startswith("/dev/shm/") and not link.endswith(" (deleted)"):
+                        out.add(link)
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                path = fields[5].strip() if len(fields) == 6 else ""
+                if path.startswith("/dev/shm/") and not path.endswith("(deleted)"):
+                    out.add(path)
+    return out
+
+
+def shm_held_by_anyone() -> set[str]:
+    """The /dev/shm files some live process has open or mapped."""
+    return shm_paths([int(p) for p in os.listdir("/proc") if p.isdigit()])
+
+
+def tcp_port_closed(host: str, port: int) -> bool:
+    """Nothing accepts on `host:port` and it can be bound again (a wildcard
+    listener is tried on loopback)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    target = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.settimeout(2)
+        try:
+            s.connect((target, port))
+            return False
+        except ConnectionRefusedError:
+            pass
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is no listener
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def unix_socket_closed(path: str) -> bool:
+    """Nothing accepts on the unix socket `path` (``@name``: abstract)."""
+    address = "\0" + path[1:] if path.startswith("@") else path
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(2)
+        try:
+            s.connect(address)
+        except (FileNotFoundError, ConnectionRefusedError):
+            return True
+        except OSError as e:  # e.g. a SOCK_SEQPACKET or DGRAM listener: not this type
+            return e.errno not in (errno.EPROTOTYPE,)
+    return False

@@ -22,8 +22,13 @@ from pd_harness import (
     Pair,
     assert_back_to_baseline,
     connector_config,
+    listening,
     log_mark,
     logged_since,
+    shm_held_by_anyone,
+    shm_paths,
+    tcp_port_closed,
+    unix_socket_closed,
     wait_for,
 )
 
@@ -36,6 +41,7 @@ from rapidkv.harness import (
     wait_until,
 )
 from rapidkv.harness.client import complete_full, get_metrics, metric_sum, open_request
+from rapidkv.harness.etcd import EtcdServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -327,6 +333,150 @@ def test_a_p_frozen_past_ds_timeout_cannot_write_into_reused_blocks(
     logged = logged_since(pd_pair.d, mark)  # D says why it gave up
     assert "TimeoutError" in logged and "D recomputes" in logged, logged[-2000:]
     assert_back_to_baseline(pd_pair, within=5.0)
+
+
+# -- a P sent SIGTERM (as by its orchestrator) while it holds KV for D: it
+# exits within seconds, on its own, and leaves nothing behind; D, and every
+# request that went to it, go on as if it had never been there
+
+SIGTERM_EXIT_S = 30.0  # P's whole tree is gone within this
+SHUTDOWN_TIMEOUT_S = 60  # vLLM's drain bound: past it, vLLM kills its engine
+
+
+def etcd_urls(etcd: EtcdServer) -> dict[str, str]:
+    """The instance records in `etcd`: key -> the instance's URL."""
+    from rapidkv.membership.etcd import EtcdClient
+    from rapidkv.membership.record import decode_record
+
+    with EtcdClient([etcd.url]) as client:
+        _, records = client.get_prefix("/rapidkv/instances/")
+    return {key: decode_record(value).url for key, value in records.items()}
+
+
+def test_a_p_sent_sigterm_while_it_holds_kv_for_d_exits_leaving_nothing_behind(
+    pd_pair: Pair,
+    workloads: dict,
+    fleet_etcd: EtcdServer | str,
+    harness_log_dir: Path,
+    tiny_model: Path,
+) -> None:
+    """A second P beside the shared pair (whose D it serves), started as
+    instances are deployed (vLLM's `--shutdown-timeout`, here 60 s; registered
+    in etcd, here with a 30 s lease), holds KV for D in every way at once: a
+    prompt it prefilled that D has not asked for, a TransferKV D parked for a
+    request P never got (D holds blocks for it), and a prompt a router sent to
+    both that it is computing. SIGTERM to its API server only, as Kubernetes
+    sends it. Then:
+
+    - its whole process tree exits on its own within seconds (vLLM killed
+      nothing), the API server with status 0, its connector closed;
+    - every TCP port and unix socket it listened on (HTTP, control plane,
+      whatever NIXL/UCX and vLLM opened) refuses connections and can be bound
+      again, no /dev/shm file it created and no rapidkv file in its TMPDIR is
+      left;
+    - its etcd record is gone at once (revoked, not expired);
+    - the parked request is answered GONE at once and D recomputes it, the
+      router's request is finished: both outputs are the single instance's,
+      and D is back at its baseline (every block free, nothing awaited)."""
+    from rapidkv.router.config import Instance, RouterConfig
+    from rapidkv.router.server import start_router
+
+    prompts, expected = workloads["sigterm-p"]
+    port, control = free_port(), free_port()
+    etcd: dict = {}
+    if isinstance(fleet_etcd, EtcdServer):
+        etcd = {
+            "etcd_endpoints": [fleet_etcd.url],
+            "etcd_ttl_s": 30.0,
+            "advertise_url": f"http://127.0.0.1:{port}",
+        }
+    spec = pd_pair.p.spec.replace(
+        name="prefill-sigterm",
+        port=port,
+        # 50 ms after each layer: its prompt's 4 chunks take a second or more
+        kv_transfer_config=connector_config(control, debug_layer_delay_s=0.05, **etcd),
+        extra_args=(*pd_pair.p.spec.extra_args, "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)),
+    )
+    shm_before = set(os.listdir("/dev/shm"))
+    p = VLLMServer.start(spec, harness_log_dir)
+    pair = Pair(tiny_model, p, pd_pair.d, f"127.0.0.1:{control}", pd_pair.d_control)
+    config = RouterConfig(
+        prefill=(Instance(p.base_url, pair.p_control),),
+        decode=(Instance(pd_pair.d.base_url, pd_pair.d_control),),
+        port=0,
+        split_prefill=False,
+    )
+    try:
+        with start_router(config) as router, ThreadPoolExecutor(2) as pool:
+            if etcd:
+                wait_until(
+                    lambda: p.base_url in etcd_urls(fleet_etcd).values(), 10, what="P in etcd"
+                )
+            # prefilled, its blocks held for a D that has not asked
+            pk, _ = pair.params("sigterm-held")
+            complete_full(p.base_url, prompts[0], 1, kv_transfer_params=pk)
+            # D's request alone: its TransferKV is parked on P, D holds its blocks
+            _, dk = pair.params("sigterm-parked")
+
+            def timed(*args, **kwargs):
+                out = complete_full(*args, **kwargs)
+                return out, time.monotonic()
+
+            parked = pool.submit(
+                timed, pd_pair.d.base_url, prompts[1], MAX_TOKENS, kv_transfer_params=dk
+            )
+            wait_until(lambda: pair.stats("p")["parked_now"] == 1, 10, what="a parked TransferKV")
+            # through the router: P computes it when the SIGTERM comes
+            routed = pool.submit(complete_full, router.url, prompts[2], MAX_TOKENS)
+            wait_until(
+                lambda: (
+                    pair.stats("p")["transfers_live"] == 2
+                    and engine_gauge(p, "num_requests_running") >= 1
+                ),
+                30,
+                interval=0.005,
+                what="P to compute the router's prompt",
+            )
+            held = pair.stats("p")
+            assert held["held_requests"] >= 1 and held["parked_now"] == 1, held
+            pids = p.process.live_pids()
+            tcp, unix = listening(pids)
+            assert {("127.0.0.1", port), ("127.0.0.1", control)} <= tcp, tcp
+            shm = shm_paths(pids)
+            key = (
+                [k for k, url in etcd_urls(fleet_etcd).items() if url == p.base_url] if etcd else []
+            )
+
+            os.kill(p.pid, signal.SIGTERM)
+            sent = time.monotonic()
+            wait_until(lambda: not p.process.live_pids(), SIGTERM_EXIT_S, what="P to exit")
+            exited = time.monotonic() - sent
+            if etcd:  # revoked: its 30 s lease has not expired
+                assert key and key[0] not in etcd_urls(fleet_etcd), key
+            (out, answered) = parked.result(60)
+            assert out.token_ids == expected[1]
+            assert answered - sent < 5.0, f"D waited {answered - sent:.1f}s for a P shutting down"
+            assert routed.result(60).token_ids == expected[2]
+        assert p.process.returncode() == 0
+        logged = logged_since(p, 0)
+        assert "force killing" not in logged, logged[-3000:]  # vLLM killed nothing
+        assert "vLLM is shutting down: 1 parked TransferKVs answered GONE" in logged, logged[-3000:]
+        assert "connector closed" in logged, logged[-3000:]
+        for host, tcp_port in sorted(tcp):
+            assert tcp_port_closed(host, tcp_port), f"{host}:{tcp_port} still taken"
+        for path in sorted(unix):
+            assert unix_socket_closed(path), f"unix socket {path} still accepts"
+        held_now = shm_held_by_anyone()
+        left = {x for x in shm if os.path.exists(x)} | {
+            f"/dev/shm/{x}" for x in set(os.listdir("/dev/shm")) - shm_before
+        }
+        assert not left - held_now, f"left in /dev/shm: {sorted(left - held_now)}"
+        assert p.tmp_dir is not None and not list(p.tmp_dir.glob("rapidkv-*"))
+        logging.getLogger(__name__).info("P exited %.1fs after its SIGTERM", exited)
+    finally:
+        pair.close()
+        p.stop(grace=0)
+    assert_back_to_baseline(pd_pair)
 
 
 def router_process(pair: Pair, port: int, log_dir: Path) -> ManagedProcess:

@@ -26,7 +26,10 @@ Invariants (all under the shared lock):
   `finished_ttl_s`;
 - P's write fence: an Abort is answered OK only once no write of its transfer
   can land any more (its sends in flight settled); BUSY if that takes longer
-  than `write_timeout_s`.
+  than `write_timeout_s`;
+- once vLLM's engine is shutting down (`SharedState.closing`, `shut_down`)
+  nothing is parked and no finished request waits for its TransferKV: the
+  engine, which steps on while a request holds blocks, can stop.
 
 Migrations (`receive_transfer_kv` of a TransferKV with `migration`): the KV of
 a request running here (a source, `sources.py`) goes to a destination that
@@ -76,6 +79,8 @@ from rapidkv.control.messages import (
 from rapidkv.kvt.messages import SendDone
 
 log = logging.getLogger(__name__)
+
+SHUTTING_DOWN = "P is shutting down"
 
 # what a rolled-back substep restores on its Produced: (sent_upto, issued, last_issued)
 Undo = tuple[int, bool, bool]
@@ -223,8 +228,37 @@ class ProducerSide:
         p.block_ids = tuple(block_ids) or p.block_ids
         if request.status.name == "FINISHED_ABORTED":
             self._abort_produced(p, "request aborted on P")
+        elif self._shared.closing and p.window is None:
+            # the engine is shutting down: no TransferKV is waited for
+            self._counters["shutdown_released"] += 1
+            self._abort_produced(p, SHUTTING_DOWN)
         self._maybe_release(p)
         return True
+
+    def shut_down(self) -> tuple[int, int]:
+        """vLLM's engine is shutting down (it admits no request any more, and
+        stops once no request holds a block): what waits for a TransferKV goes.
+        Parked TransferKVs are answered GONE (their request will not come: D
+        recomputes), finished requests that no TransferKV was accepted for are
+        released (one that comes later is answered GONE). Transfers accepted
+        run to their end, and so do migrations. How many TransferKVs were
+        answered and requests released (engine thread; caller holds the lock)."""
+        answered = released = 0
+        for xfer_id, parked in list(self._parked.items()):
+            del self._parked[xfer_id]
+            self._tombstone(xfer_id)
+            parked.reply.resolve(
+                TransferKVReply(xfer_id=xfer_id, code=Code.GONE, message=SHUTTING_DOWN)
+            )
+            answered += 1
+        for p in list(self._produced.values()):
+            if p.finished and not p.released and p.window is None and not p.migration:
+                self._abort_produced(p, SHUTTING_DOWN)
+                self._maybe_release(p)
+                released += 1
+        self._counters["shutdown_refused"] += answered
+        self._counters["shutdown_released"] += released
+        return answered, released
 
     # -- the workers' output (engine thread; caller holds the lock) ---------------
 
@@ -401,6 +435,10 @@ class ProducerSide:
             )
         if p is not None:
             self._accept(p, msg, reply)
+        elif self._shared.closing:  # its request will not be admitted any more
+            self._counters["shutdown_refused"] += 1
+            self._tombstone(msg.xfer_id)
+            return TransferKVReply(xfer_id=msg.xfer_id, code=Code.GONE, message=SHUTTING_DOWN)
         elif len(self._parked) >= self._config.max_parked:
             return TransferKVReply(
                 xfer_id=msg.xfer_id, code=Code.BUSY, message="too many parked transfers"

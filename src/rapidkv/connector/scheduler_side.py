@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
 from typing import Any
 
@@ -41,6 +42,7 @@ from rapidkv.connector.control_handlers import ControlHandlers
 from rapidkv.connector.metadata import RankInfo, StepMeta, WorkerMeta
 from rapidkv.connector.producer_side import ProducerSide
 from rapidkv.connector.shared_state import SharedState
+from rapidkv.connector.shutdown_signal import chain_shutdown_signals
 from rapidkv.connector.sources import ROLES, Sources
 from rapidkv.control.address import format_address, parse_address
 from rapidkv.control.messages import (
@@ -117,6 +119,14 @@ class SchedulerSide:
             self.shared.control_address,
         )
         self.registrar = self._register(roles) if config.etcd_endpoints else None
+        self._shut_down = False  # `closing` acted on (engine thread)
+        self._leaving: threading.Thread | None = None  # revokes our etcd record
+        # vLLM's EngineCore: its SIGTERM starts a shutdown that waits for held blocks
+        chain_shutdown_signals(self._shutdown_requested)
+
+    def _shutdown_requested(self) -> None:
+        """A shutdown signal reached the engine (in a signal handler: a flag only)."""
+        self.shared.closing = True
 
     @property
     def spec(self) -> KVSpec | None:
@@ -199,6 +209,8 @@ class SchedulerSide:
         meta = StepMeta(self.shared.step_id)
         now = time.monotonic()
         with self._lock:
+            if self.shared.closing and not self._shut_down:
+                self._begin_shutdown()
             self.sources.on_step(meta.step_id, so.num_scheduled_tokens, so.preempted_req_ids)
             self.producer.plan_step(meta, so, now)
             self.control.forget_idle(now)
@@ -208,6 +220,27 @@ class SchedulerSide:
         pending.fill(meta)
         meta.bypass_seq = bypass_seq
         return meta
+
+    def _begin_shutdown(self) -> None:
+        """The engine is shutting down: this instance leaves the fleet (its
+        etcd record is revoked, on a thread of its own: no router sends it
+        more) and nothing of P's waits for a TransferKV any more
+        (`ProducerSide.shut_down`; the releases go with the step being built).
+        Engine thread, under the lock."""
+        self._shut_down = True
+        if self.registrar is not None:
+            self._leaving = threading.Thread(
+                target=self.registrar.stop, name="rapidkv-leave", daemon=True
+            )
+            self._leaving.start()
+        answered, released = self.producer.shut_down()
+        log.info(
+            "rapidkv %s: vLLM is shutting down: %d parked TransferKVs answered GONE, "
+            "%d finished requests no TransferKV came for released",
+            self.instance_id,
+            answered,
+            released,
+        )
 
     def request_finished(
         self, request: Any, block_ids: list[int]
@@ -384,14 +417,23 @@ class SchedulerSide:
         return registrar
 
     def close(self) -> None:
-        """Leave the fleet (etcd), stop the control-plane server, then the
-        client and the bypass channel."""
-        if self.registrar is not None:
+        """Leave the fleet (etcd), answer what is parked (GONE: the engine
+        stopped), stop the control-plane server, then the client and the
+        bypass channel."""
+        if self._leaving is not None:
+            self._leaving.join()
+        elif self.registrar is not None:
             self.registrar.stop()
+        self.shared.closing = True
+        with self._lock:
+            if not self._shut_down:
+                self._shut_down = True
+                self.producer.shut_down()
         self.server.stop()
         self.consumer.close()
         if self.shared.bypass is not None:
             self.shared.bypass.close()
+        log.info("rapidkv %s: connector closed", self.instance_id)
 
 
 def model_fingerprint(model_config: Any) -> str:

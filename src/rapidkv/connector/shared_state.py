@@ -79,7 +79,9 @@ class SharedState:
     that step between its `build_meta` and its `update_output`, else None, and
     `step_scheduled` what it schedules (vLLM's `num_scheduled_tokens`: request
     id -> tokens; empty between steps); `step_ended_id` the latest step whose
-    `update_output` ran (0 before any).
+    `update_output` ran (0 before any). `closing` is set (once, by a signal
+    handler: a plain write, no lock) when vLLM's engine was asked to shut down
+    (`shutdown_signal.py`).
     """
 
     def __init__(
@@ -109,6 +111,7 @@ class SharedState:
         self.step_ended_id = 0
         self.step_began = 0.0
         self.step_tokens = 0
+        self.closing = False
 
     def take_pending(self) -> PendingMeta:
         """What was gathered for the next step; gathering starts afresh."""
