@@ -89,6 +89,14 @@ def stats(side: SchedulerSide, client: RpcClient) -> dict[str, float]:
     return client.call(side.server.address, StatsRequest(), 5).counters
 
 
+def wait_parked(side: SchedulerSide, client: RpcClient, n: int = 1, within: float = 5) -> None:
+    """Wait until P holds `n` parked TransferKVs (fails after `within` s)."""
+    deadline = time.monotonic() + within
+    while stats(side, client)["parked_now"] < n:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
 def test_a_transfer_kv_from_an_instance_p_has_no_handshake_from_is_unknown_peer(
     p_side: tuple[SchedulerSide, RpcClient],
 ) -> None:
@@ -112,10 +120,7 @@ def test_a_restarted_destination_replaces_its_old_process(
     assert stats(side, client).get("peers_forgotten", 0) == 0
 
     parked = client.submit(address, transfer("parked-for-old-d"), 5)
-    deadline = time.monotonic() + 5
-    while stats(side, client)["parked_now"] < 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_parked(side, client)
     assert client.call(address, handshake(side, "D", "b", "127.0.0.1:7001"), 5).code == Code.OK
     assert parked.result(5).code == Code.GONE
     s = stats(side, client)
@@ -140,10 +145,7 @@ def test_a_duplicate_transfer_kv_gets_the_first_ones_answer_and_changes_nothing(
     address = side.server.address
     assert client.call(address, handshake(side, "D", "a", "127.0.0.1:7001"), 5).code == Code.OK
     first = client.submit(address, transfer("x1"), 5)
-    deadline = time.monotonic() + 5
-    while stats(side, client)["parked_now"] < 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_parked(side, client)
     second = client.submit(address, transfer("x1"), 5)
     replies = [first.result(5), second.result(5)]  # both answered once the park TTL passed
     assert [r.code for r in replies] == [Code.NOT_FOUND, Code.NOT_FOUND]
@@ -183,10 +185,7 @@ def test_an_idle_destination_is_forgotten_after_peer_idle_ttl_s_but_not_one_in_u
         hs = handshake(side, d, "a", f"127.0.0.1:{port}")
         assert client.call(address, hs, 5).code == Code.OK
     parked = client.submit(address, transfer("x1", dst="E"), 5)  # E has one parked
-    deadline = time.monotonic() + 5
-    while stats(side, client)["parked_now"] < 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_parked(side, client)
     ttl = side.config.peer_idle_ttl_s
     with side.shared.lock:
         side.control.forget_idle(time.monotonic() + ttl / 2)
@@ -415,10 +414,8 @@ def test_once_the_engine_shuts_down_nothing_waits_for_a_transfer_kv(
     accepted = prefill("accepted")  # D asked while it runs
     running = prefill("running")  # still computing at the shutdown
     parked = client.submit(address, transfer("parked"), 5)
+    wait_parked(side, client)
     deadline = time.monotonic() + 5
-    while stats(side, client)["parked_now"] < 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
     taken = client.submit(address, transfer("accepted"), 5)
     while stats(side, client)["transfers_live"] < 3 or "accepted" not in side.producer._produced:
         assert time.monotonic() < deadline
