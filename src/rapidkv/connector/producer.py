@@ -56,8 +56,6 @@ class Produced:
     computed: int = 0  # tokens whose KV is final at P
     in_flight_end: int = 0  # computed + tokens of the step being built
     scheduled_step: int | None = None  # the step in flight computes some of it
-    # some step scheduled it: its prefix-cache hits are final (see plan_step)
-    stepped: bool = False
     last_chunk_step: int | None = None  # the step that computes its last prompt token
     block_ids: tuple[int, ...] = ()
     window: Window | None = None

@@ -174,16 +174,15 @@ class ProducerSide:
                 start = p.computed
                 if request is not None:  # (KV past the prompt is not ours to send)
                     start = min(request.num_computed_tokens, p.prompt_len)
-                    if p.stepped or (p.migration and self._sources.stepped(p.req_id)):
+                    if self._sources.stepped(p.req_id):
                         p.computed = start
                     # else its first step: vLLM counts its prefix-cache hits computed,
                     # but it hashed blocks into its cache as it *scheduled* them: a
                     # hit may be on blocks another request computes in this very
-                    # step. Final only once this step ended (`step_ended`); until
-                    # then they go layer by layer, as this step computes them (a
-                    # migration's source: once the step that first scheduled it
-                    # ended, `Sources.stepped`).
-                p.stepped = True
+                    # step. Final only once the step that first scheduled the
+                    # request ended (`Sources.stepped`: a prefill request is a
+                    # source too); until then they go layer by layer, as this
+                    # step computes them.
                 p.in_flight_end = min(start + n, p.prompt_len)
                 p.scheduled_step = step_id
                 if not p.migration:  # a migration's source computes no prompt of ours

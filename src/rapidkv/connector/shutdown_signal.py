@@ -18,13 +18,10 @@ Python's `KeyboardInterrupt`, keeps it.
 
 from __future__ import annotations
 
-import logging
 import signal
 import threading
 from collections.abc import Callable
 from typing import Any
-
-log = logging.getLogger(__name__)
 
 SHUTDOWN_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 

@@ -48,13 +48,14 @@ one full-attention KV group):
   only tokens whose KV a finished forward wrote (at worst it undercounts
   between our `build_connector_meta` and vLLM's update, and the rest goes with
   the next steps);
-- prefix-cache hits: vLLM counts a request's hits in `num_computed_tokens` at
-  admission, but it hashes blocks into its cache as it *schedules* them, so a
-  hit may be on blocks the step that schedules it computes. A source's hits
-  are final only once that step ended (`stepped`: its `first_step`, the step
-  that scheduled it first since admission or its latest preemption, against
-  `SharedState.step_ended_id`); until then `final_tokens` is 0 and P's plan
-  sends them layer by layer with that step.
+- prefix-cache hits: vLLM counts a request's hits in `num_computed_tokens`
+  when it schedules the request, but it hashes blocks into its cache as it
+  *schedules* them, so a hit may be on blocks that same step computes. A
+  source's hits are final only once that step ended (`stepped`: its
+  `first_step`, the step that scheduled it first since admission or its latest
+  preemption, against `SharedState.step_ended_id`); until then `final_tokens`
+  is 0, and P's plan (`ProducerSide.plan_step`, for P's own transfers and
+  migrations alike) sends them layer by layer with that step.
 """
 
 from __future__ import annotations
