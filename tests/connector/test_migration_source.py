@@ -8,11 +8,13 @@ by the test.
 What is checked: a migration TransferKV for a request not running here is GONE;
 one whose prompt is not the source's tokens is ERROR and leaves the source as
 it was; an accepted one sends at once, over the bypass channel and in every
-`transfer_kv_mode`, every computed block from `first_block` on, and the rest
-with the steps that compute it; a source that finishes while a migration from
-it is not over holds its blocks until every migration from it is over, then
-releases them once; preemption, the destination's Abort and a dead destination
-fail the migration and leave the source running. `MigrationMachine` runs every
+`transfer_kv_mode`, every block from `first_block` on that a finished step
+computed (the source's prefix-cache hits only once the step that first
+scheduled it ended), and the rest with the steps that compute it; a source
+that finishes while a migration from it is not over holds its blocks until
+every migration from it is over, then releases them once; preemption, the
+destination's Abort and a dead destination fail the migration and leave the
+source running. `MigrationMachine` runs every
 interleaving of admissions, finish, settles, Aborts and preemption.
 """
 

@@ -13,7 +13,6 @@ import httpx
 import pytest
 from fake_vllm import MakeFake
 
-from rapidkv.control.framing import read_secret_file
 from rapidkv.harness import free_port, wait_until
 from rapidkv.router.cli import config_from_args, register
 from rapidkv.router.config import Instance, RouterConfig
@@ -85,8 +84,9 @@ def test_command_line_builds_the_config(tmp_path: Path) -> None:
 
 def test_secret_file_must_not_be_empty(tmp_path: Path) -> None:
     (tmp_path / "empty").write_text("\n")
+    args = parse(["--decode=http://127.0.0.1:8200", f"--secret-file={tmp_path / 'empty'}"])
     with pytest.raises(ValueError, match="empty"):
-        read_secret_file(tmp_path / "empty")
+        config_from_args(args)
 
 
 def test_rapidkv_router_is_a_subcommand_and_refuses_a_bad_config() -> None:

@@ -259,7 +259,7 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     """The `RouterConfig` the parsed command line (and its config file) asks
-    for; ValueError (OSError: an unreadable secret file) if it is invalid."""
+    for; ValueError if it is invalid (an unreadable or empty secret file too)."""
     return resolve(settings(args))
 
 

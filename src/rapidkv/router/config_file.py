@@ -112,8 +112,8 @@ def merge(from_file: dict[str, Any], from_flags: dict[str, Any]) -> dict[str, An
 
 def resolve(settings: dict[str, Any]) -> RouterConfig:
     """The `RouterConfig` of `settings` (checked keys: `check`); the secret
-    and admin token are read from their files. `ValueError` (or `OSError` for
-    an unreadable secret file) if it is not valid."""
+    and admin token are read from their files. `ValueError` if it is not
+    valid (an unreadable or empty secret file too)."""
     kwargs = {k: v for k, v in settings.items() if k not in EXTRA}
     for name in INSTANCE_LISTS:
         if name in kwargs:
