@@ -17,18 +17,24 @@ replaced by the stand-ins, the bypass channel by a recorder.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pytest
-from vllm_stand_ins import KVCacheManager, Request, SchedulerOutput, rank_info
+from vllm_stand_ins import (
+    KVCacheManager,
+    Request,
+    SchedulerOutput,
+    handshake,
+    rank_info,
+    wait_counter,
+)
 
 from rapidkv.connector.bypass import BypassMsg
 from rapidkv.connector.config import ConnectorConfig
 from rapidkv.connector.scheduler_side import SchedulerSide
 from rapidkv.control.client import RpcClient
 from rapidkv.control.codes import Code
-from rapidkv.control.messages import Handshake, RankEndpoint, StatsRequest, TransferKV, prompt_hash
+from rapidkv.control.messages import TransferKV, prompt_hash
 from rapidkv.kvt.task import Task
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
@@ -72,17 +78,7 @@ def side() -> Iterator[tuple[SchedulerSide, RpcClient, Recorder]]:
     side.kv_cache_manager = KVCacheManager(blocks={k: list(v) for k, v in P_BLOCKS.items()})
     client = RpcClient()
     assert side.spec is not None
-    hello = Handshake(
-        instance_id="D",
-        control_address="127.0.0.1:7001",
-        spec=side.spec,
-        endpoints=[
-            RankEndpoint(
-                rank=0, transport="tcp", transport_metadata=b"d", layout=b"l", num_blocks=64
-            )
-        ],
-        incarnation="a",
-    )
+    hello = handshake(side, "D", "a", "127.0.0.1:7001")
     assert client.call(side.server.address, hello, 5).code == Code.OK
     try:
         yield side, client, recorder
@@ -102,17 +98,6 @@ def ask(side: SchedulerSide, client: RpcClient) -> None:
         prompt_hash=prompt_hash(R2),
     )
     client.submit(side.server.address, msg, 30)
-
-
-def counters(side: SchedulerSide, client: RpcClient) -> dict[str, float]:
-    return client.call(side.server.address, StatsRequest(), 5).counters
-
-
-def wait_for(side: SchedulerSide, client: RpcClient, name: str) -> None:
-    deadline = time.monotonic() + 5
-    while counters(side, client).get(name, 0) < 1:
-        assert time.monotonic() < deadline, f"no {name}"
-        time.sleep(0.01)
 
 
 def admit_both(side: SchedulerSide) -> None:
@@ -139,7 +124,7 @@ def test_a_hit_on_blocks_the_step_computes_goes_with_the_step_not_before_it(
     """D's TransferKV came first (parked): R2's whole transfer is a step task."""
     p, client, recorder = side
     ask(p, client)
-    wait_for(p, client, "parked")
+    wait_counter(p, client, "parked")
     admit_both(p)
     meta = p.build_meta(step())
     assert early(meta.full_tasks) == []
@@ -159,7 +144,7 @@ def test_a_transfer_kv_arriving_mid_step_attaches_the_hit_to_the_step(
     meta = p.build_meta(step())
     assert meta.step_tasks == [] and meta.full_tasks == []  # no TransferKV yet
     ask(p, client)
-    wait_for(p, client, "substeps_opened")
+    wait_counter(p, client, "substeps_opened")
     sends = [m for m in recorder.msgs if m.kind in ("full", "substep")]
     assert [m.kind for m in sends] == ["substep"]
     (task,) = sends[0].tasks

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 from vllm_stand_ins import Request as StandInRequest
 from vllm_stand_ins import SchedulerOutput as StandInOutput
-from vllm_stand_ins import rank_info
+from vllm_stand_ins import handshake, rank_info, stats, wait_counter
 
 from rapidkv.connector.config import ConnectorConfig
 from rapidkv.connector.consumer_side import Consumed
@@ -24,8 +24,6 @@ from rapidkv.control.messages import (
     AbortReason,
     AbortReply,
     ErrorReply,
-    Handshake,
-    RankEndpoint,
     Request,
     StatsRequest,
     TransferKV,
@@ -56,24 +54,6 @@ def p_side() -> Iterator[tuple[SchedulerSide, RpcClient]]:
         side.close()
 
 
-def handshake(side: SchedulerSide, instance: str, incarnation: str, control: str) -> Handshake:
-    assert side.spec is not None
-    endpoint = RankEndpoint(
-        rank=0,
-        transport="tcp",
-        transport_metadata=f"{instance}/{incarnation}".encode(),
-        layout=b"layout",
-        num_blocks=64,
-    )
-    return Handshake(
-        instance_id=instance,
-        control_address=control,
-        spec=side.spec,
-        endpoints=[endpoint],
-        incarnation=incarnation,
-    )
-
-
 def transfer(xfer_id: str, dst: str = "D") -> TransferKV:
     return TransferKV(
         xfer_id=xfer_id,
@@ -85,16 +65,9 @@ def transfer(xfer_id: str, dst: str = "D") -> TransferKV:
     )
 
 
-def stats(side: SchedulerSide, client: RpcClient) -> dict[str, float]:
-    return client.call(side.server.address, StatsRequest(), 5).counters
-
-
-def wait_parked(side: SchedulerSide, client: RpcClient, n: int = 1, within: float = 5) -> None:
-    """Wait until P holds `n` parked TransferKVs (fails after `within` s)."""
-    deadline = time.monotonic() + within
-    while stats(side, client)["parked_now"] < n:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+def wait_parked(side: SchedulerSide, client: RpcClient) -> None:
+    """Wait until P holds a parked TransferKV."""
+    wait_counter(side, client, "parked_now")
 
 
 def test_a_transfer_kv_from_an_instance_p_has_no_handshake_from_is_unknown_peer(

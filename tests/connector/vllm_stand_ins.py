@@ -1,16 +1,22 @@
 """Stand-ins for the vLLM objects the connector's scheduler side reads, with
 exactly the attributes it reads (docs/vllm-connector-contract.md §4, §8): a
 `Request`, the `SchedulerOutput`, the `KVCacheManager` and its block pool.
-Also `rank_info`, one rank's handshake metadata as a worker reports it.
-Shared by the scheduler-side tests."""
+Also `rank_info`, one rank's handshake metadata as a worker reports it, and
+what the scheduler-side tests ask of a real `SchedulerSide` over its control
+plane (`handshake`, `stats`, `wait_counter`). Shared by the scheduler-side
+tests."""
 
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from rapidkv.connector.metadata import RankInfo
+from rapidkv.connector.scheduler_side import SchedulerSide
+from rapidkv.control.client import RpcClient
+from rapidkv.control.messages import Handshake, RankEndpoint, StatsRequest
 
 
 class Status(enum.Enum):
@@ -83,3 +89,37 @@ def rank_info(transport_metadata: bytes) -> RankInfo:
         dtype="float32",
         kernel_blocks_per_block=1,
     )
+
+
+def handshake(side: SchedulerSide, instance: str, incarnation: str, control: str) -> Handshake:
+    """`instance`'s Handshake to `side`: one tcp rank of 64 blocks."""
+    assert side.spec is not None
+    endpoint = RankEndpoint(
+        rank=0,
+        transport="tcp",
+        transport_metadata=f"{instance}/{incarnation}".encode(),
+        layout=b"layout",
+        num_blocks=64,
+    )
+    return Handshake(
+        instance_id=instance,
+        control_address=control,
+        spec=side.spec,
+        endpoints=[endpoint],
+        incarnation=incarnation,
+    )
+
+
+def stats(side: SchedulerSide, client: RpcClient) -> dict[str, float]:
+    """`side`'s counters, asked over its control plane."""
+    return client.call(side.server.address, StatsRequest(), 5).counters
+
+
+def wait_counter(
+    side: SchedulerSide, client: RpcClient, name: str, n: int = 1, within: float = 5
+) -> None:
+    """Wait until `side`'s counter `name` is at least `n` (fails after `within` s)."""
+    deadline = time.monotonic() + within
+    while stats(side, client).get(name, 0) < n:
+        assert time.monotonic() < deadline, f"{name} below {n} after {within} s"
+        time.sleep(0.01)
