@@ -11,6 +11,7 @@ import os
 import socket
 import struct
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -25,6 +26,7 @@ from rapidkv.harness.client import (
     get_metrics,
     metric_sum,
 )
+from rapidkv.harness.procs import all_pids
 from rapidkv.harness.server import kv_bytes_per_token
 
 MAX_TOKENS = 16
@@ -298,6 +300,14 @@ def assert_back_to_baseline(pair: Pair, within: float = 2.0) -> None:
         )
 
 
+def router_healthy(url: str) -> bool:
+    """The router at `url` answers its `/health` with 200 now."""
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def log_mark(server: VLLMServer) -> int:
     """Where `server`'s log ends now (`logged_since` reads what comes after)."""
     return server.log_path.stat().st_size if server.log_path.exists() else 0
@@ -314,21 +324,17 @@ def logged_since(server: VLLMServer, mark: int) -> str:
 # that it left nothing behind when it exited
 
 
-def _socket_inodes(pids: list[int]) -> set[int]:
-    inodes = set()
+def _fd_links(pids: list[int]) -> Iterator[str]:
+    """Where each open file descriptor of `pids` points (those still readable)."""
     for pid in pids:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if link.startswith("socket:["):
-                inodes.add(int(link[8:-1]))
-    return inodes
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    yield os.readlink(f"/proc/{pid}/fd/{fd}")
+
+
+def _socket_inodes(pids: list[int]) -> set[int]:
+    return {int(link[8:-1]) for link in _fd_links(pids) if link.startswith("socket:[")}
 
 
 def _tcp_address(hex_addr: str) -> tuple[str, int]:
@@ -361,14 +367,12 @@ def listening(pids: list[int]) -> tuple[set[tuple[str, int]], set[str]]:
 
 def shm_paths(pids: list[int]) -> set[str]:
     """The files under /dev/shm that `pids` have open or mapped (not yet unlinked)."""
-    out = set()
+    out = {
+        link
+        for link in _fd_links(pids)
+        if link.startswith("/dev/shm/") and not link.endswith(" (deleted)")
+    }
     for pid in pids:
-        with contextlib.suppress(OSError):
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                with contextlib.suppress(OSError):
-                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
-                    if link.startswith("/dev/shm/") and not link.endswith(" (deleted)"):
-                        out.add(link)
         with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as f:
             for line in f:
                 fields = line.split(maxsplit=5)
@@ -380,7 +384,7 @@ def shm_paths(pids: list[int]) -> set[str]:
 
 def shm_held_by_anyone() -> set[str]:
     """The /dev/shm files some live process has open or mapped."""
-    return shm_paths([int(p) for p in os.listdir("/proc") if p.isdigit()])
+    return shm_paths(all_pids())
 
 
 def tcp_port_closed(host: str, port: int) -> bool:

@@ -25,6 +25,7 @@ from pd_harness import (
     listening,
     log_mark,
     logged_since,
+    router_healthy,
     shm_held_by_anyone,
     shm_paths,
     tcp_port_closed,
@@ -368,13 +369,14 @@ def test_a_p_sent_sigterm_while_it_holds_kv_for_d_exits_leaving_nothing_behind(
     both that it is computing. SIGTERM to its API server only, as Kubernetes
     sends it. Then:
 
-    - its whole process tree exits on its own within seconds (vLLM killed
-      nothing), the API server with status 0, its connector closed;
-    - every TCP port and unix socket it listened on (HTTP, control plane,
-      whatever NIXL/UCX and vLLM opened) refuses connections and can be bound
-      again, no /dev/shm file it created and no rapidkv file in its TMPDIR is
-      left;
-    - its etcd record is gone at once (revoked, not expired);
+    - its whole process tree exits on its own within `SIGTERM_EXIT_S` (vLLM
+      killed nothing), the API server with status 0, its connector closed;
+    - every TCP port it listened on (HTTP, control plane, whatever NIXL/UCX
+      and vLLM opened) refuses connections and can be bound again, every unix
+      socket refuses connections, no /dev/shm file it created and no rapidkv
+      file in its TMPDIR is left;
+    - its etcd record is gone within seconds of the signal (revoked: its
+      lease is renewed every 10 s, so it could not have expired yet);
     - the parked request is answered GONE at once and D recomputes it, the
       router's request is finished: both outputs are the single instance's,
       and D is back at its baseline (every block free, nothing awaited)."""
@@ -398,15 +400,17 @@ def test_a_p_sent_sigterm_while_it_holds_kv_for_d_exits_leaving_nothing_behind(
         extra_args=(*pd_pair.p.spec.extra_args, "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)),
     )
     shm_before = set(os.listdir("/dev/shm"))
-    p = VLLMServer.start(spec, harness_log_dir)
-    pair = Pair(tiny_model, p, pd_pair.d, f"127.0.0.1:{control}", pd_pair.d_control)
-    config = RouterConfig(
-        prefill=(Instance(p.base_url, pair.p_control),),
-        decode=(Instance(pd_pair.d.base_url, pd_pair.d_control),),
-        port=0,
-        split_prefill=False,
-    )
-    try:
+    with contextlib.ExitStack() as undo:
+        p = VLLMServer.start(spec, harness_log_dir)
+        undo.callback(p.stop, grace=0)
+        pair = Pair(tiny_model, p, pd_pair.d, f"127.0.0.1:{control}", pd_pair.d_control)
+        undo.callback(pair.close)
+        config = RouterConfig(
+            prefill=(Instance(p.base_url, pair.p_control),),
+            decode=(Instance(pd_pair.d.base_url, pd_pair.d_control),),
+            port=0,
+            split_prefill=False,
+        )
         with start_router(config) as router, ThreadPoolExecutor(2) as pool:
             if etcd:
                 wait_until(
@@ -449,10 +453,11 @@ def test_a_p_sent_sigterm_while_it_holds_kv_for_d_exits_leaving_nothing_behind(
 
             os.kill(p.pid, signal.SIGTERM)
             sent = time.monotonic()
+            if etcd:  # revoked: its lease (30 s, renewed every 10) cannot expire this soon
+                assert key, "P's etcd record"
+                wait_until(lambda: key[0] not in etcd_urls(fleet_etcd), 10, what="P's revoke")
             wait_until(lambda: not p.process.live_pids(), SIGTERM_EXIT_S, what="P to exit")
             exited = time.monotonic() - sent
-            if etcd:  # revoked: its 30 s lease has not expired
-                assert key and key[0] not in etcd_urls(fleet_etcd), key
             (out, answered) = parked.result(60)
             assert out.token_ids == expected[1]
             assert answered - sent < 5.0, f"D waited {answered - sent:.1f}s for a P shutting down"
@@ -473,9 +478,6 @@ def test_a_p_sent_sigterm_while_it_holds_kv_for_d_exits_leaving_nothing_behind(
         assert not left - held_now, f"left in /dev/shm: {sorted(left - held_now)}"
         assert p.tmp_dir is not None and not list(p.tmp_dir.glob("rapidkv-*"))
         logging.getLogger(__name__).info("P exited %.1fs after its SIGTERM", exited)
-    finally:
-        pair.close()
-        p.stop(grace=0)
     assert_back_to_baseline(pd_pair)
 
 
@@ -495,13 +497,6 @@ def router_process(pair: Pair, port: int, log_dir: Path) -> ManagedProcess:
         proc.stop(grace=0)
         raise
     return proc
-
-
-def router_healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def test_a_router_killed_while_requests_run_leaves_nothing_and_a_new_one_serves(

@@ -33,7 +33,8 @@ from typing import Any
 
 import httpx
 import pytest
-from wheel_venv import WheelVenv, build_wheel_venv
+from pd_harness import router_healthy
+from wheel_venv import WheelVenv, build_wheel_venv, installed_env
 
 from rapidkv.connector.config import kv_transfer_config
 from rapidkv.control.client import RpcClient
@@ -182,21 +183,15 @@ def router_process(
         "--port", str(port),
         "--secret-file", str(case["secret_file"]),
     ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = ManagedProcess(argv, env, harness_log_dir / f"router-smollm2-{port}.log", name="router")
+    proc = ManagedProcess(
+        argv, installed_env(), harness_log_dir / f"router-smollm2-{port}.log", name="router"
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until(lambda: router_healthy(url), 60, what="the installed router to start")
         yield proc, url
     finally:
         proc.stop()
-
-
-def router_healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 @pytest.mark.parametrize("split", [True, False], ids=["split", "whole"])

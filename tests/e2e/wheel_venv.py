@@ -27,7 +27,6 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,8 +79,6 @@ class DependencyCheck:
 @dataclass(frozen=True)
 class WheelVenv:
     venv: Path
-    wheel: Path
-    seconds: float  # build, environment and install
 
     @property
     def python(self) -> str:
@@ -93,9 +90,14 @@ class WheelVenv:
         return str(self.venv / "bin" / "rapidkv")
 
     def check(self) -> DependencyCheck:
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        out = _run([self.python, "-c", _CHECK, "", *INSTALLED_EXTRAS], env)
+        out = _run([self.python, "-c", _CHECK, "", *INSTALLED_EXTRAS], installed_env())
         return DependencyCheck(**json.loads(out.splitlines()[-1]))
+
+
+def installed_env() -> dict[str, str]:
+    """This process's environment without `PYTHONPATH`: what runs from the
+    installed wheel sees nothing of the checkout."""
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
 
 def _run(argv: list[str | Path], env: dict[str, str]) -> str:
@@ -107,8 +109,7 @@ def _run(argv: list[str | Path], env: dict[str, str]) -> str:
 
 def build_wheel_venv(work: Path) -> WheelVenv:
     """The wheel of this checkout, installed into a fresh environment under `work`."""
-    t0 = time.monotonic()
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = installed_env()
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
     tree = work / "tree"
     tree.mkdir(parents=True)
@@ -131,4 +132,4 @@ def build_wheel_venv(work: Path) -> WheelVenv:
     python = str(venv / "bin" / "python")
     install = ["install", "--no-deps", "--no-index", "--ignore-installed", str(wheel)]
     _run([python, "-m", "pip", "--quiet", *install], env)
-    return WheelVenv(venv, wheel, time.monotonic() - t0)
+    return WheelVenv(venv)
