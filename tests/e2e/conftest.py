@@ -1,11 +1,12 @@
 """Session fixtures of the P/D e2e tests: the reference outputs (computed once,
-before a pair takes the cores), the shared P/D pair, and a P with a small
-block pool."""
+before a pair takes the cores), the shared P/D pair, a P with a small block
+pool, and the SmolLM2 references (one SmolLM2 instance, started once)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -31,6 +32,7 @@ from pd_harness import (
     connector_config,
     migration_chat_body,
 )
+from smollm2_refs import take as take_smollm2_references
 
 from rapidkv.connector.config import kv_transfer_config
 from rapidkv.harness import ServerPool, ServerSpec, free_port, random_prompts
@@ -67,6 +69,7 @@ E2E_ORDER = (
     "test_pd_faults.py",
     "test_fleet_etcd.py",
     "test_fleet.py",
+    "test_pd_failing_transfers.py",
     "test_pd_abort_while_writing.py",
     "test_pd_small_p.py",
     "test_pd_netns.py",
@@ -268,3 +271,10 @@ def small_p_pair(server_pool: ServerPool, tiny_model: Path, workloads: dict) -> 
     pair = Pair(tiny_model, p, d, f"127.0.0.1:{pc}", f"127.0.0.1:{dc}")
     assert pair.stats("p")["free_blocks"] == 15
     return pair
+
+
+@pytest.fixture(scope="session")
+def smollm2_references(server_pool: ServerPool) -> dict[str, Any]:
+    """`smollm2_refs.take`: every SmolLM2 answer test_pd_smollm2 and
+    test_kv_aware compare with, from one SmolLM2 instance started once."""
+    return take_smollm2_references(server_pool)

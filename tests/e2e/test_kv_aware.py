@@ -33,6 +33,7 @@ from typing import Any
 
 import httpx
 import pytest
+from smollm2_refs import SMOLLM2_BLOCK, SMOLLM2_KV_AWARE_TOKENS
 
 from rapidkv.connector.config import kv_transfer_config
 from rapidkv.control.client import RpcClient
@@ -42,8 +43,8 @@ from rapidkv.harness.client import complete_full, get_metrics, metric_sum, strea
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
-MAX_TOKENS = 16
-BLOCK = 128  # vLLM-CPU's block size
+MAX_TOKENS = SMOLLM2_KV_AWARE_TOKENS
+BLOCK = SMOLLM2_BLOCK  # vLLM-CPU's block size
 ADMIN = "kv-aware-admin-token"
 HEADER = "x-rapidkv-placement"
 
@@ -92,37 +93,10 @@ def wait_for(what: str, check: Any, timeout: float = 15.0) -> Any:
 
 
 @pytest.fixture(scope="module")
-def conversation(server_pool: Any) -> dict[str, Any]:
-    """Four turns of a ShareGPT conversation with one SmolLM2 instance's answers."""
-    from rapidkv.demo.workload import Chat, sharegpt_conversations
-    from rapidkv.models.smollm2 import ensure_smollm2
-
-    model = ensure_smollm2("float32")
-    chat = Chat(model)
-
-    def tokens(messages: list[str]) -> int:
-        return len(chat.prompt([{"role": "user", "content": m} for m in messages]))
-
-    # a first turn of two whole blocks and more; the whole conversation, its
-    # answers too, within the servers' 1,024 positions
-    questions = next(
-        c
-        for c in sharegpt_conversations(300, 91, 4, max_chars=1400)
-        if tokens(c[:1]) >= 2 * BLOCK + 20 and tokens(c) <= 880
-    )
-    single = server_pool.get_one(
-        "single_smollm2", ServerSpec(model=model, name="single-smollm2", cpus=(1,))
-    )
-    history: list[dict[str, str]] = []
-    messages, prompts, refs = [], [], []
-    for question in questions:
-        history.append({"role": "user", "content": question})
-        messages.append(list(history))
-        prompts.append(chat.prompt(history))
-        refs.append(complete_full(single.base_url, prompts[-1], MAX_TOKENS).token_ids)
-        history.append({"role": "assistant", "content": chat.text(refs[-1])})
-    server_pool.stop("single_smollm2")
-    return {"model": model, "messages": messages, "prompts": prompts, "refs": refs}
+def conversation(smollm2_references: dict[str, Any]) -> dict[str, Any]:
+    """Four turns of a ShareGPT conversation with one SmolLM2 instance's answers
+    (`smollm2_refs`)."""
+    return {"model": smollm2_references["model"], **smollm2_references["kv_aware"]}
 
 
 @pytest.fixture(scope="module")

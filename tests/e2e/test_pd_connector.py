@@ -41,11 +41,18 @@ STALL_S = 0.5
 """No gap between two events of a stream through the router may be longer
 than this: the bug this guards against lost a whole second."""
 
+LOADED_STALL_S = 0.8
+"""`STALL_S` for 32 streams at once, whose client and router share the two
+cores with P and D: a scheduling hiccup there once made a gap of 507 ms on a
+slow machine; a lost second still fails it."""
 
-def assert_usage_and_no_stall(outs: list, prompts: list, ttft_s: float | None = None) -> None:
+
+def assert_usage_and_no_stall(
+    outs: list, prompts: list, ttft_s: float | None = None, stall_s: float = STALL_S
+) -> None:
     """Every stream asked for `include_usage` (the harness's default, as vLLM's
     benchmark client and the OpenAI SDK do) and ends with the usage one vLLM
-    instance reports for it; no event waited `STALL_S` after the one before
+    instance reports for it; no event waited `stall_s` after the one before
     it, nor the first one `ttft_s` (when given: P and D were idle)."""
     for out, prompt in zip(outs, prompts, strict=True):
         n = len(prompt)
@@ -55,7 +62,7 @@ def assert_usage_and_no_stall(outs: list, prompts: list, ttft_s: float | None = 
             "total_tokens": n + MAX_TOKENS,
         }, out.usage
         longest = max(b - a for a, b in itertools.pairwise(out.chunk_ms))
-        assert longest < STALL_S * 1000, f"a {n}-token prompt's stream paused {longest:.0f} ms"
+        assert longest < stall_s * 1000, f"a {n}-token prompt's stream paused {longest:.0f} ms"
         if ttft_s is not None:
             assert out.ttft_ms < ttft_s * 1000, f"a {n}-token prompt's TTFT: {out.ttft_ms:.0f} ms"
 
@@ -330,7 +337,7 @@ def test_32_streams_through_the_router_start_as_the_engines_answer_and_flow_as_p
     splits while idle), each asking for `include_usage`: the outputs are the
     single instance's, with its usage; the client's TTFT p90 is within 1.5x the
     engines' own (their `time_to_first_token` histograms, to the bucket) + 50 ms,
-    so nothing waits outside them; no event waits `STALL_S`; and the tokens
+    so nothing waits outside them; no event waits `LOADED_STALL_S`; and the tokens
     come as they are produced, not in lumps (median gap over 1 ms)."""
     from rapidkv.bench.common.stats import (
         ENGINE_TTFT_FACTOR,
@@ -369,7 +376,7 @@ def test_32_streams_through_the_router_start_as_the_engines_answer_and_flow_as_p
         assert wait_for(lambda: engines_ttft(before).count >= 2 * len(prompts), 5)
         engines = engines_ttft(before)
     assert [o.token_ids for o in outs] == expected
-    assert_usage_and_no_stall(outs, prompts)
+    assert_usage_and_no_stall(outs, prompts, stall_s=LOADED_STALL_S)
     engine_p90_ms = histogram_percentile(engines, 90) * 1000
     client_p90_ms = percentile(sorted(o.ttft_ms for o in outs), 90)
     bound = ENGINE_TTFT_FACTOR * engine_p90_ms + ENGINE_TTFT_SLACK_MS

