@@ -164,6 +164,28 @@ def test_an_invalid_task_registers_none_of_its_batch() -> None:
         worker.close()
 
 
+def test_tasks_of_a_transfer_already_settled_are_dropped_not_raised(pair) -> None:
+    """A transfer failed (a write the transport gave up on, an abort) while its
+    next chunk was being planned, or a resend crossed it: the late task is
+    dropped and counted, in a step, a substep and a full send, and the engine
+    step goes on; the transfer settled once, with its error."""
+    src, _, peer, _, dst_mem, src_done = pair
+    first = Task("late", peer, (0,), (5,), 0, BLOCK, False)
+    src.send_full([first])
+    src.fail("late", "given up")
+    wait_for(lambda: any(d.xfer_id == "late" for d in src_done), 5, "the failed SendDone")
+    more = Task("late", peer, (1,), (6,), BLOCK, BLOCK, True)
+    src.begin_step(1, [more])  # the next chunk, planned before the failure was known
+    for layer in range(LAYERS):
+        src.layer_done(layer)
+    assert src.attach_substep(1, 1, [more]) in (Attach.ATTACHED, Attach.PENDING, Attach.REJECTED)
+    src.freeze_step()
+    src.send_full([more])
+    assert src.stats.late_tasks_dropped == 3
+    assert [(d.xfer_id, d.ok) for d in src_done] == [("late", False)]
+    assert not src.busy() and not dst_mem[:, 6].any()
+
+
 def test_poll_received_collects_notifications_without_the_background_poll(pair) -> None:
     """A destination whose owner thread never polls on its own (idle interval of
     an hour) gets its SendDone by asking: each `poll_received` makes the owner

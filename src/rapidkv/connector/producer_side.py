@@ -650,7 +650,8 @@ class ProducerSide:
 
     def _resolve(self, r: Resolution[Undo]) -> None:
         """Every rank acked a step with substeps: roll back what no rank sent (the
-        next step sends it), have the ranks that missed a substep send it alone."""
+        next step sends it), have the ranks that missed a substep send it alone
+        (unless its transfer is over by now: aborted, failed or settled)."""
         self._counters["substeps_accepted"] += len(r.accepted)
         for entry in r.rolled_back:
             self._counters["substeps_rolled_back"] += 1
@@ -659,6 +660,9 @@ class ProducerSide:
                 p.sent_upto, p.issued, p.last_issued = entry.undo
                 self._maybe_release(p)
         for entry, ranks in r.resend:
+            p = self._produced.get(entry.xfer_id)
+            if p is None or p.aborted or p.window is None:
+                continue  # aborted, failed or settled since: nothing to send
             self._counters["substeps_resent"] += 1
             for rank in ranks:
                 self._shared.pending.rank_full.setdefault(rank, []).extend(entry.tasks)

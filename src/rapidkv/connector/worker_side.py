@@ -51,6 +51,12 @@ from rapidkv.kvt.worker import KvtWorker
 
 log = logging.getLogger(__name__)
 
+KVT_COUNTERS = {
+    "injected_failures": "debug_injected_failures",
+    "late_tasks_dropped": "late_tasks_dropped",
+}
+"""kvt's own counters (`KvtStats` fields) reported as the connector's."""
+
 SPLIT_POLL_S = 0.0002  # a waiting forward asks the kvt owner for notifications this often
 SPLIT_MEMORY = 1024  # finished split loads whose late SendDones are dropped
 
@@ -99,7 +105,8 @@ class WorkerSide:
         self._first_layer_post: float | None = None
         self._last_layer_done = 0.0
         self._computes_prompt = False
-        self._injected_counted = 0  # kvt's injected failures already in _counters
+        # kvt's counters already in _counters: KvtStats field -> what was counted
+        self._kvt_counted = {"injected_failures": 0, "late_tasks_dropped": 0}
         # this step's timing (engine thread): bound at, its layer waits and hooks
         self._bound_at = 0.0
         self._layer_wait_s = 0.0
@@ -366,11 +373,12 @@ class WorkerSide:
         return sending, recving, failed
 
     def worker_meta(self) -> WorkerMeta:
-        if self.kvt is not None and self.kvt.faults is not None:
-            injected = self.kvt.stats.injected_failures  # written by the kvt owner thread
-            if injected > self._injected_counted:
-                self._count("debug_injected_failures", injected - self._injected_counted)
-                self._injected_counted = injected
+        if self.kvt is not None:
+            for field, name in KVT_COUNTERS.items():
+                n = getattr(self.kvt.stats, field)  # written by kvt's threads
+                if n > self._kvt_counted[field]:
+                    self._count(name, n - self._kvt_counted[field])
+                    self._kvt_counted[field] = n
         with self._lock:
             meta = WorkerMeta(
                 self._acks,

@@ -83,7 +83,7 @@ class CompletionTracker:
         self.rank = rank
         self._xfers: dict[str, _Transfer] = {}
         self._busy: dict[str, set[int]] = {}  # peer -> dst blocks of live transfers
-        self._finished: OrderedDict[str, None] = OrderedDict()
+        self._finished: OrderedDict[str, bool] = OrderedDict()  # xfer id -> settled ok
         # write id -> (task, first layer, stop layer) it carries
         self._writes: dict[int, list[tuple[Tracked, int, int]]] = {}
 
@@ -169,6 +169,11 @@ class CompletionTracker:
     def live_transfers(self) -> int:
         return len(self._xfers)
 
+    def settled_ok(self, xfer_id: str) -> bool | None:
+        """How a transfer settled here (None: not among the last
+        `FINISHED_MEMORY` settled, or live)."""
+        return self._finished.get(xfer_id)
+
     def is_live(self, xfer_id: str) -> bool:
         """The transfer is registered and has not settled yet."""
         return xfer_id in self._xfers
@@ -212,7 +217,7 @@ class CompletionTracker:
         del self._xfers[xfer_id]
         for tracked in xfer.tasks:
             self._busy[tracked.task.peer].difference_update(tracked.task.dst_blocks)
-        self._finished[xfer_id] = None
+        self._finished[xfer_id] = done.ok
         while len(self._finished) > self.FINISHED_MEMORY:
             self._finished.popitem(last=False)
         return Settled(xfer.peer, done)

@@ -109,6 +109,7 @@ class KvtStats:
     received_ok: int = 0
     received_failed: int = 0
     injected_failures: int = 0  # transfers failed by `faults`
+    late_tasks_dropped: int = 0  # tasks of transfers already settled here (`_add_all`)
 
 
 @dataclass
@@ -379,10 +380,25 @@ class KvtWorker:
             self._jobs.put(_Job([(t, send.first, send.stop) for t in send.tasks], kind, t_event))
 
     def _add_all(self, tasks: Sequence[Task]) -> list[Tracked]:
-        """Register every task or none (an invalid one raises, nothing stays)."""
+        """Register every task or none (an invalid one raises, nothing stays).
+        A task of a transfer that already settled here is dropped, counted in
+        `late_tasks_dropped`: its SendDone is out, and whoever planned the task
+        learns the outcome from it (a write failed while a prompt's next chunk
+        was being planned; a resend crossed an abort). Raising instead would
+        take the engine step down with it."""
         added: list[Tracked] = []
         try:
             for task in tasks:
+                ok = self._tracker.settled_ok(task.xfer_id)
+                if ok is not None:
+                    self.stats.late_tasks_dropped += 1
+                    (log.error if ok else log.info)(
+                        "kvt rank %d: task of %s dropped: the transfer already settled %s",
+                        self.rank,
+                        task.xfer_id,
+                        "ok" if ok else "with an error",
+                    )
+                    continue
                 added.append(self._tracker.add_task(task))
         except Exception:
             self._tracker.discard(added)

@@ -23,6 +23,7 @@ from rapidkv.kvt.head_map import rank_heads
         (["--tp-from", "2", "--head-layouts", ","], "names none"),
         (["--tp-from", "2", "--netns-link", "1gbit"], "does not combine"),
         (["--tp-to", "2", "--repeats", "0"], "--repeats must be at least 1"),
+        (["--tp-to", "2", "--blocks", "0"], "--blocks must be at least 1"),
     ],
 )
 def test_bad_tp_options_exit_2_naming_the_problem(args, says, capsys) -> None:
@@ -58,12 +59,15 @@ def test_bench_kvt_tp_2_to_1_moves_every_head_and_reports_both_figures() -> None
         "nixl",
         "--head-layouts",
         "cpu",
+        "--blocks",
+        "128",  # 256 MiB a side: every byte checked, in a quarter of the default's time
         "--json",
         timeout=380,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.loads(next(x for x in reversed(proc.stdout.splitlines()) if x.startswith("{")))
     assert (result["mode"], result["tp_from"], result["tp_to"]) == ("tp", 2, 1)
+    assert result["blocks"] == 128
     cpu = result["transports"]["nixl"]["cpu"]
     assert cpu["pairs"] == [[0, 0], [1, 0]]
     assert cpu["contiguous_gbps"] > 0 and cpu["tp_gbps"] > 0

@@ -65,6 +65,14 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         default="cpu,nhd",
         help="with --tp-from/--tp-to: block layouts (cpu: vLLM CPU, nhd: GPU FlashAttention)",
     )
+    from rapidkv.bench.kvt.sender import BLOCKS
+
+    parser.add_argument(
+        "--blocks",
+        type=int,
+        default=BLOCKS,
+        help="with --tp-from/--tp-to: blocks a layer on each side (512: 1 GiB of KV)",
+    )
     from rapidkv.bench.kvt.run import run
 
     return run

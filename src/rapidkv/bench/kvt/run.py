@@ -59,6 +59,8 @@ def run_tp(args: argparse.Namespace) -> int:
         problems.append("--netns-link does not combine with --tp-from/--tp-to")
     if args.repeats < 1:
         problems.append("--repeats must be at least 1")
+    if args.blocks < 1:
+        problems.append("--blocks must be at least 1")
     if problems:
         for problem in problems:
             print(f"rapidkv bench kvt: {problem}", file=sys.stderr)
@@ -72,6 +74,7 @@ def run_tp(args: argparse.Namespace) -> int:
         sender_cpu=args.sender_cpu,
         receiver_cpu=args.receiver_cpu,
         progress=None if args.json else lambda msg: print(msg, file=sys.stderr),
+        blocks=args.blocks,
     )
     print(json.dumps(result, indent=None if args.json else 2))
     return 0

@@ -1,8 +1,9 @@
 """`rapidkv bench kvt --tp-from P --tp-to D`: what moving KV between tensor-parallel
 sizes costs, next to moving it whole.
 
-One model's KV, 1 GiB on each side: 32 layers x 512 blocks, 8 KV heads of 128
-two-byte elements, 16 tokens a block (64 KiB a block and layer over all heads).
+One model's KV, 1 GiB on each side: 32 layers x 512 blocks (`--blocks`), 8 KV
+heads of 128 two-byte elements, 16 tokens a block (64 KiB a block and layer
+over all heads).
 P's ranks are `P` KvtWorkers in this process (pinned to the sender CPU), D's
 ranks `D` KvtWorkers in a spawned process (pinned to the receiver CPU); every
 rank holds its heads as vLLM splits them, in one of two block layouts:
@@ -107,7 +108,7 @@ def rank_kvs(
     return out
 
 
-def wrong_elements(kind: str, storages: list[Any]) -> list[int]:
+def wrong_elements(kind: str, storages: list[Any], blocks: int = BLOCKS) -> list[int]:
     """Per D rank, the elements of its memory that are not the KV its heads
     should hold."""
     from rapidkv.kvt.head_map import rank_heads
@@ -115,7 +116,7 @@ def wrong_elements(kind: str, storages: list[Any]) -> list[int]:
     tp, head_dim = len(storages), dims(kind)[1]
     wrong = [0] * tp
     for i in range(LAYERS):
-        whole = model_layer(kind, i)
+        whole = model_layer(kind, i, blocks)
         for r, storage in enumerate(storages):
             held = rank_heads(KV_HEADS, tp, r)
             wrong[r] += int((storage[i] != whole.narrow(head_dim, held.start, len(held))).sum())
@@ -126,7 +127,7 @@ def wrong_elements(kind: str, storages: list[Any]) -> list[int]:
 
 
 def receiver_main(transport: str, cpu: int, conn: Any) -> None:
-    """D: on ("setup", layout, tp) its ranks' KvtWorkers over zeroed memory
+    """D: on ("setup", layout, tp, blocks) its ranks' KvtWorkers over zeroed memory
     (answering their metadata and layouts); ("check",) the elements wrong per
     rank; ("close",) the workers closed; None: exit."""
     import msgspec
@@ -136,14 +137,14 @@ def receiver_main(transport: str, cpu: int, conn: Any) -> None:
 
     os.sched_setaffinity(0, {cpu})
     ranks: list[tuple[Any, Any]] = []
-    kind = "cpu"
+    kind, blocks = "cpu", BLOCKS
     n = 0
     while (msg := conn.recv()) is not None:
         if msg[0] == "setup":
-            _, kind, tp = msg
+            _, kind, tp, blocks = msg
             n += 1
             ranks = []
-            for r, (storage, layout) in enumerate(rank_kvs(kind, tp, fill=False)):
+            for r, (storage, layout) in enumerate(rank_kvs(kind, tp, False, blocks=blocks)):
                 worker = KvtWorker(
                     create_transport(transport, f"tp-dst{n}-{r}"), layout, rank=r, block_size=TOKENS
                 )
@@ -151,7 +152,7 @@ def receiver_main(transport: str, cpu: int, conn: Any) -> None:
                 ranks.append((worker, storage))
             conn.send([(w.metadata, msgspec.msgpack.encode(w.layout)) for w, _ in ranks])
         elif msg[0] == "check":
-            conn.send(wrong_elements(kind, [s for _, s in ranks]))
+            conn.send(wrong_elements(kind, [s for _, s in ranks], blocks))
         elif msg[0] == "close":
             for worker, _ in ranks:
                 worker.close()
@@ -187,11 +188,18 @@ class Receiver:
 
 
 def send_gbps(
-    transport: str, receiver: Receiver, kind: str, tp_from: int, tp_to: int, repeats: int
+    transport: str,
+    receiver: Receiver,
+    kind: str,
+    tp_from: int,
+    tp_to: int,
+    repeats: int,
+    n_blocks: int = BLOCKS,
 ) -> dict[str, Any]:
-    """P at `tp_from` -> D at `tp_to` in layout `kind`: best throughput of
-    `repeats` full sends, the descriptors one send hands the transports (after
-    merging rows that touch), the smallest segment, and D's check."""
+    """P at `tp_from` -> D at `tp_to` in layout `kind`, `n_blocks` blocks a
+    layer: best throughput of `repeats` full sends, the descriptors one send
+    hands the transports (after merging rows that touch), the smallest
+    segment, and D's check."""
     import threading
 
     import msgspec
@@ -204,7 +212,7 @@ def send_gbps(
     from rapidkv.kvt.transport.nixl import coalesce
     from rapidkv.kvt.worker import KvtWorker
 
-    peers = receiver.ask(("setup", kind, tp_to))
+    peers = receiver.ask(("setup", kind, tp_to, n_blocks))
     dst_layouts = [msgspec.msgpack.decode(layout, type=Layout) for _, layout in peers]
     done: list[Any] = []
     cond = threading.Condition()
@@ -217,8 +225,8 @@ def send_gbps(
     workers, names = [], []  # per P rank: its worker, D rank -> peer name
     routes = pairs(KV_HEADS, tp_from, tp_to)
     rows = segment = 0
-    blocks = tuple(range(BLOCKS))
-    ranks = rank_kvs(kind, tp_from, fill=True)
+    blocks = tuple(range(n_blocks))
+    ranks = rank_kvs(kind, tp_from, fill=True, blocks=n_blocks)
     try:
         for p, (_, layout) in enumerate(ranks):
             worker = KvtWorker(
@@ -250,7 +258,7 @@ def send_gbps(
             t = time.perf_counter()
             for p, worker in enumerate(workers):
                 tasks = [
-                    Task(f"r{r}-{p}-{d}", name, blocks, blocks, 0, BLOCKS * TOKENS, True)
+                    Task(f"r{r}-{p}-{d}", name, blocks, blocks, 0, n_blocks * TOKENS, True)
                     for d, name in names[p].items()
                 ]
                 if tasks:
@@ -269,7 +277,7 @@ def send_gbps(
         receiver.ask(("close",))
     if any(wrong):
         raise AssertionError(f"{kind} TP {tp_from} -> {tp_to}: D's ranks hold wrong KV {wrong}")
-    total = LAYERS * BLOCKS * KV_HEADS * TOKENS * 2 * HEAD_SIZE * ELEMENT_BYTES
+    total = LAYERS * n_blocks * KV_HEADS * TOKENS * 2 * HEAD_SIZE * ELEMENT_BYTES
     return {
         "gbps": round(total / best / 1e9, 2),
         "descriptors": rows,
@@ -287,6 +295,7 @@ def measure_tp(
     sender_cpu: int,
     receiver_cpu: int,
     progress: Callable[[str], None] | None,
+    blocks: int = BLOCKS,
 ) -> dict[str, Any]:
     from rapidkv.bench.kvt.sender import memcpy_gbps
 
@@ -303,7 +312,7 @@ def measure_tp(
         "element_bytes": ELEMENT_BYTES,
         "block_size": TOKENS,
         "layers": LAYERS,
-        "blocks": BLOCKS,
+        "blocks": blocks,
         "memcpy_gbps": memcpy,
         "transports": {},
     }
@@ -313,9 +322,9 @@ def measure_tp(
         try:
             for kind in head_layouts:
                 say(f"{transport} {kind}: TP 1 -> 1 ...")
-                whole = send_gbps(transport, receiver, kind, 1, 1, repeats)
+                whole = send_gbps(transport, receiver, kind, 1, 1, repeats, blocks)
                 say(f"{transport} {kind}: TP {tp_from} -> {tp_to} ...")
-                mapped = send_gbps(transport, receiver, kind, tp_from, tp_to, repeats)
+                mapped = send_gbps(transport, receiver, kind, tp_from, tp_to, repeats, blocks)
                 entry[kind] = {
                     "contiguous_gbps": whole["gbps"],
                     "tp_gbps": mapped["gbps"],
