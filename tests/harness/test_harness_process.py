@@ -135,6 +135,32 @@ def test_spec_command_line_and_environment(tmp_path: Path, monkeypatch: pytest.M
     assert "taskset" not in unpinned[0] and "--dtype bfloat16" in " ".join(unpinned)
 
 
+@pytest.mark.parametrize(
+    ("cpus", "ranks", "bind"),
+    [
+        ((1,), 1, "1"),
+        ((0, 1), 1, "0,1"),
+        ((0, 1), 2, "0|1"),
+        ((0,), 2, "0|0"),
+        ((0, 1, 2), 2, "0|1,2"),
+        ((0, 1, 2, 3), 2, "0,1|2,3"),
+        ((0, 1), 4, "0|1|0|1"),
+    ],
+)
+def test_tensor_parallel_ranks_each_get_their_cores(
+    tmp_path: Path, cpus: tuple[int, ...], ranks: int, bind: str
+) -> None:
+    """vLLM CPU wants one core list a rank, "|"-separated; taskset gets them all."""
+    spec = ServerSpec(model=tmp_path, cpus=cpus, tensor_parallel_size=ranks)
+    assert spec.environment()["VLLM_CPU_OMP_THREADS_BIND"] == bind
+    argv = spec.argv(8000)
+    assert argv[2] == ",".join(map(str, cpus))
+    if ranks == 1:
+        assert "--tensor-parallel-size" not in argv
+    else:
+        assert argv[argv.index("--tensor-parallel-size") + 1] == str(ranks)
+
+
 def test_a_spec_with_an_installed_rapidkvs_python_runs_vllm_off_the_checkout(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

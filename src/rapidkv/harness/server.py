@@ -92,6 +92,11 @@ class ServerSpec:
     `host` is the address the HTTP server binds and `base_url` names; `netns`
     a network namespace to run the server in (None: this process's).
 
+    `tensor_parallel_size` ranks (vLLM CPU runs each in a process of its own)
+    share `cpus`: split in order into one group a rank, given to vLLM as
+    `VLLM_CPU_OMP_THREADS_BIND` ("0|1"); with fewer cores than ranks, rank r
+    takes core r modulo their number.
+
     `python` is the interpreter that runs vLLM: None, this process's, with the
     checkout's `src` first on `PYTHONPATH`; or one of an environment where
     rapidkv is installed, run with `PYTHONPATH` unset, so that nothing of the
@@ -119,6 +124,7 @@ class ServerSpec:
     host: str = LOOPBACK
     netns: str | None = None
     python: str | None = None
+    tensor_parallel_size: int = 1
 
     def replace(self, **changes: Any) -> ServerSpec:
         """A copy with `changes` applied."""
@@ -155,6 +161,8 @@ class ServerSpec:
             # Drops uvicorn's per-request access lines; request logging is off by
             # default in 0.32. Stats logging stays on: it feeds /metrics.
             cmd += ["--uvicorn-log-level", "warning"]
+        if self.tensor_parallel_size != 1:
+            cmd += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
         if self.kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(dict(self.kv_transfer_config))]
         cmd += list(self.extra_args)
@@ -181,7 +189,8 @@ class ServerSpec:
         env.setdefault("PYTHONFAULTHANDLER", "1")
         env["RAPIDKV_ROLE"] = self.role
         if self.cpus is not None:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = _cpu_list(self.cpus)
+            bind = omp_threads_bind(self.cpus, self.tensor_parallel_size)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = bind
         if self.netns is not None:  # vLLM guesses its address by a default route; none here
             env["VLLM_HOST_IP"] = self.host
         env.update(self.env)
@@ -254,6 +263,22 @@ def pinned(cmd: Sequence[str], cpus: Sequence[int]) -> list[str]:
     if taskset is None:
         raise RuntimeError("pinning needs `taskset` (util-linux)")
     return [taskset, "-c", _cpu_list(cpus), *cmd]
+
+
+def omp_threads_bind(cpus: Sequence[int], ranks: int = 1) -> str:
+    """`VLLM_CPU_OMP_THREADS_BIND` for `ranks` ranks on `cpus`: the cores split
+    in order into `ranks` groups ("0|1"; the last takes what does not divide),
+    or, with fewer cores than ranks, core r modulo their number for rank r."""
+    if ranks < 1:
+        raise ValueError(f"ranks must be at least 1, not {ranks}")
+    cpus = list(cpus)
+    if len(cpus) < ranks:
+        groups = [[cpus[r % len(cpus)]] if cpus else [] for r in range(ranks)]
+    else:
+        per = len(cpus) // ranks
+        groups = [cpus[r * per : (r + 1) * per] for r in range(ranks - 1)]
+        groups.append(cpus[(ranks - 1) * per :])
+    return "|".join(_cpu_list(g) for g in groups)
 
 
 def _cpu_list(cpus: Sequence[int]) -> str:
