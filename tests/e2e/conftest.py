@@ -47,17 +47,16 @@ from rapidkv.harness.server import TOOL_CALLING_ARGS, pd_specs
 # most two; switching groups costs a start of ~30 s): the demo first (its
 # servers are its own: it runs alone), the single instance's tests (the
 # reference outputs are computed on it, still running), the router's own e2e
-# test (from tests/router: the same two single instances), the one-P TTL test
-# beside it, then
-# every user of the shared pair, the fleet's last (its pair test first), then
-# the files with groups of their own. A file not named runs after these, in
+# test (from tests/router: the same two single instances), then
+# every user of the shared pair, the fleet's last (its pair test first) but
+# the one that restarts the pair with other control ports (the pair is then
+# stopped), then the files with groups of their own. A file not named runs after these, in
 # collection order; the order inside a file is kept. Names are relative to
 # this directory.
 E2E_ORDER = (
     "test_demo.py",
     "test_single_instance_oracle.py",
     "../router/test_router_e2e.py",
-    "test_pd_finished_ttl.py",
     "test_harness_teardown.py",
     "test_migration.py",
     "test_migration_connector.py",
@@ -69,10 +68,12 @@ E2E_ORDER = (
     "test_pd_faults.py",
     "test_fleet_etcd.py",
     "test_fleet.py",
+    "test_pd_control_moved.py",
     "test_pd_failing_transfers.py",
     "test_pd_abort_while_writing.py",
     "test_pd_small_p.py",
     "test_pd_netns.py",
+    "test_pd_tp.py",
     "test_pd_bf16.py",
     "test_pd_smollm2.py",
     "test_kv_aware.py",

@@ -23,6 +23,7 @@ from rapidkv.harness import VLLMServer
 from rapidkv.harness.client import (
     acomplete_full,
     complete,
+    complete_full,
     get_metrics,
     metric_sum,
 )
@@ -420,3 +421,25 @@ def unix_socket_closed(path: str) -> bool:
         except OSError as e:  # e.g. a SOCK_SEQPACKET or DGRAM listener: not this type
             return e.errno not in (errno.EPROTOTYPE,)
     return False
+
+
+def external_tokens(server: VLLMServer) -> float:
+    return metric_sum(
+        get_metrics(server.base_url),
+        "vllm:prompt_tokens_by_source_total",
+        source="external_kv_transfer",
+    )
+
+
+def served_with_transfer(pair: Pair, router_url: str, ids: list[int], expected: list[int]):
+    """One greedy request through the router: its output is the single
+    instance's, its prompt's KV came from P (P confirmed one more transfer, D
+    counted the tokens as external and fell back to recompute none)."""
+    p0, d0, ext0 = pair.stats("p"), pair.stats("d"), external_tokens(pair.d)
+    out = complete_full(router_url, ids, MAX_TOKENS)
+    assert out.token_ids == expected
+    assert wait_for(
+        lambda: pair.stats("p").get("transfers_ok", 0) == p0.get("transfers_ok", 0) + 1, 2.0
+    ), f"P confirmed no transfer: {pair.stats('p')}"
+    assert pair.since({"d": d0}, "d", "recompute_fallbacks") == 0
+    assert external_tokens(pair.d) - ext0 == len(ids) - 1

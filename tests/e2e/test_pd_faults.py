@@ -26,6 +26,7 @@ from pd_harness import (
     log_mark,
     logged_since,
     router_healthy,
+    served_with_transfer,
     shm_held_by_anyone,
     shm_paths,
     tcp_port_closed,
@@ -35,7 +36,6 @@ from pd_harness import (
 
 from rapidkv.harness import (
     ManagedProcess,
-    ServerPool,
     VLLMServer,
     free_port,
     random_prompts,
@@ -51,28 +51,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 # router left running: the first request after it is healthy crosses with a
 # real transfer (D re-handshakes with a restarted P; P forgets a restarted D's
 # old process when the new one handshakes from its control address)
-
-
-def external_tokens(server: VLLMServer) -> float:
-    return metric_sum(
-        get_metrics(server.base_url),
-        "vllm:prompt_tokens_by_source_total",
-        source="external_kv_transfer",
-    )
-
-
-def served_with_transfer(pair: Pair, router_url: str, ids: list[int], expected: list[int]):
-    """One greedy request through the router: its output is the single
-    instance's, its prompt's KV came from P (P confirmed one more transfer, D
-    counted the tokens as external and fell back to recompute none)."""
-    p0, d0, ext0 = pair.stats("p"), pair.stats("d"), external_tokens(pair.d)
-    out = complete_full(router_url, ids, MAX_TOKENS)
-    assert out.token_ids == expected
-    assert wait_for(
-        lambda: pair.stats("p").get("transfers_ok", 0) == p0.get("transfers_ok", 0) + 1, 2.0
-    ), f"P confirmed no transfer: {pair.stats('p')}"
-    assert pair.since({"d": d0}, "d", "recompute_fallbacks") == 0
-    assert external_tokens(pair.d) - ext0 == len(ids) - 1
 
 
 def p_idle(pair: Pair) -> bool:
@@ -526,51 +504,3 @@ def test_a_router_killed_while_requests_run_leaves_nothing_and_a_new_one_serves(
         served_with_transfer(pd_pair, url, prompts[0], expected[0])
     finally:
         router.stop(grace=0)
-
-
-def test_p_then_d_restarted_with_their_control_plane_elsewhere_are_followed(
-    pd_pair: Pair, workloads: dict, server_pool: ServerPool
-) -> None:
-    """P comes back on its HTTP address with its control plane on another port,
-    before the router saw it down: the first request's D asks the old address
-    and recomputes (the client sees nothing); P's answer names the new address,
-    and the next request crosses with a real transfer. Then D comes back with
-    its control plane elsewhere: its first request after it is healthy crosses
-    with a real transfer (its Handshake tells P where it is)."""
-    from rapidkv.router.config import Instance, RouterConfig
-    from rapidkv.router.server import start_router
-
-    prompts, expected = workloads["moved-p"]
-    config = RouterConfig(
-        prefill=(Instance(pd_pair.p.base_url, None),),
-        decode=(Instance(pd_pair.d.base_url, pd_pair.d_control),),
-        port=0,
-        split_prefill=False,
-    )
-    with start_router(config) as router, contextlib.ExitStack() as undo:
-        # the pair as configured again for whoever needs it next
-        undo.callback(server_pool.stop, "pd")
-        served_with_transfer(pd_pair, router.url, prompts[0], expected[0])
-        pd_pair.p.stop(grace=0)
-        port = free_port()
-        pd_pair.p.spec = pd_pair.p.spec.replace(kv_transfer_config=connector_config(port))
-        pd_pair.p.launch()
-        pd_pair.p.wait_ready()
-        pd_pair.p_control = f"127.0.0.1:{port}"
-        healthy = time.monotonic()
-        d0 = pd_pair.stats("d")
-        assert complete_full(router.url, prompts[1], MAX_TOKENS).token_ids == expected[1]
-        assert pd_pair.since({"d": d0}, "d", "recompute_fallbacks") == 1
-        served_with_transfer(pd_pair, router.url, prompts[2], expected[2])
-        assert time.monotonic() - healthy < 5.0
-
-        # then D, likewise: P learns its new control address from its Handshake
-        pd_pair.d.stop(grace=0)
-        port = free_port()
-        pd_pair.d.spec = pd_pair.d.spec.replace(kv_transfer_config=connector_config(port))
-        pd_pair.d.launch()
-        pd_pair.d.wait_ready()
-        pd_pair.d_control = f"127.0.0.1:{port}"
-        healthy = time.monotonic()
-        served_with_transfer(pd_pair, router.url, prompts[3], expected[3])
-        assert time.monotonic() - healthy < 5.0

@@ -52,7 +52,9 @@ def test_an_endpoint_gives_the_table_of_the_run_that_started_it(tmp_path: Path) 
         "--log-dir", str(tmp_path / "logs"),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    group = start_group("single", model, tmp_path / "own", prefix_caching=True)
+    # the user's instance: the no-op connector's configuration (one vLLM with
+    # rapidkv's NoopConnector loaded, which must change nothing)
+    group = start_group("single-noop-connector", model, tmp_path / "own", prefix_caching=True)
     router = None
     try:
         url = group.servers["single"].base_url
@@ -75,6 +77,7 @@ def test_an_endpoint_gives_the_table_of_the_run_that_started_it(tmp_path: Path) 
         if router is not None:
             router.process.stop()
         group.stop()
+    assert "NoopConnector" in (tmp_path / "own" / "single-noop-connector.log").read_text()
     assert _rows(proc2.stdout) == _rows(proc3.stdout) == _rows(proc.stdout)
     assert re.search(r"\bhit\b", _rows(proc.stdout)[0])
     a, b = json.loads(started.read_text()), json.loads(measured.read_text())
