@@ -651,6 +651,30 @@ def test_a_decode_whose_every_transfer_falls_back_shows_as_degraded(
         stats.server.stop()
 
 
+def test_a_prefill_whose_control_address_cannot_be_discovered_is_not_sent_the_prompt(
+    pd: tuple[FakeVLLM, FakeVLLM], make_router: MakeRouter, http: httpx.Client
+) -> None:
+    """P's answer to the discovery probe names no control address (no connector,
+    or one too slow to answer): D computes the prompt whatever P does, so P is
+    sent only the probe, not the prompt it would compute and hold for a
+    TransferKV that never comes; the request is counted as served without a
+    prefill instance."""
+    p, d = pd  # the fake P's answers carry no control address
+    router = make_router([p], [d], discover=True, split_prefill=False)
+    for _ in range(2):
+        resp = http.post(f"{router.url}/v1/completions", json=COMPLETION)
+        assert resp.status_code == 200, resp.text
+    asked = [r.kv_transfer_params for r in p.requests("/v1/completions")]
+    assert asked and all(x == {"rapidkv": {"discover": True}} for x in asked), asked
+    to_d = d.requests("/v1/completions")
+    assert len(to_d) == 2, to_d
+    for r in to_d:  # asked as one instance: no KV to load
+        params = r.kv_transfer_params or {}
+        assert not params.get("do_remote_prefill"), params
+        assert params.get("rapidkv", {}).get("role") in (None, "local"), params
+    assert metric(router, "rapidkv_router_without_prefill_total") == 2
+
+
 def test_a_prefill_that_answers_from_another_control_address_is_followed(
     pd: tuple[FakeVLLM, FakeVLLM], make_router: MakeRouter, http: httpx.Client
 ) -> None:

@@ -57,7 +57,8 @@ in docs/metrics.md):
   add up to the prompts' tokens (but for the one token vLLM computes of a
   prompt it holds whole, counted both as hit and computed).
 - ``rapidkv_router_without_prefill_total``: dual or serial requests served by D
-  alone because no prefill instance was up.
+  alone because no prefill instance was up, or the chosen one's control
+  address could not be discovered.
 - ``rapidkv_router_migrations_total{outcome}``: live migrations (``ok``,
   ``failed``: the request runs on where it was, ``refused``: not started), and
   ``rapidkv_router_migration_downtime_seconds``: the client's gap in each.
@@ -177,7 +178,8 @@ class RouterMetrics:
         )
         self.without_prefill = Counter(
             "rapidkv_router_without_prefill",
-            "Dual or serial requests served by a decode instance alone: no prefill instance up",
+            "Dual or serial requests served by a decode instance alone: no prefill instance "
+            "up, or its control address unknown",
             registry=r,
         )
         self.split_prefills = Counter(

@@ -419,20 +419,35 @@ class Router:
         prefill: asyncio.Task[bool] | None = None
         relay: asyncio.Task[str] | None = None
         try:
-            if mode == "local":
-                d_content = encode(local_body(streamed(body), ex.xfer_id)) if migrating else raw
-                self._dispatched(ex, "local", d_index, d_index)
-                ex.kv_ready.set()  # D computes the prompt
-            else:
+            p_index = -1
+            if mode != "local":
                 if isinstance(p_choice, int):
                     p_index = p_choice
                     self.fleet.hold(p_index)
                 else:
                     p_index = self.fleet.acquire("prefill", exclude=d_index)
                 ex.prefill = self.fleet.member(p_index).instance
-                head, ids = 0, None
                 try:
                     ex.prefill = await self.fleet.addresses.with_control(ex.prefill, ex.xfer_id)
+                except BaseException:
+                    self.fleet.let_go(p_index)
+                    raise
+                if ex.prefill.control is None and self.config.discover:
+                    # P's control address could not be learned: D computes the
+                    # prompt whatever P does, and P would hold the KV it computed
+                    # for `finished_ttl_s`, for a TransferKV that never comes
+                    self.fleet.let_go(p_index)
+                    ex.prefill = None
+                    mode, stitching = "local", False
+                    self.metrics.without_prefill.inc()
+            if mode == "local":
+                d_content = encode(local_body(streamed(body), ex.xfer_id)) if migrating else raw
+                self._dispatched(ex, "local", d_index, d_index)
+                ex.kv_ready.set()  # D computes the prompt
+            else:
+                assert ex.prefill is not None
+                head, ids = 0, None
+                try:
                     if fetch and ex.prompt_ids is not None and self._can_split(ex, body):
                         head, ids = fetch, ex.prompt_ids
                     elif split == "auto":
