@@ -47,10 +47,10 @@ from rapidkv.harness.server import TOOL_CALLING_ARGS, pd_specs
 # most two; switching groups costs a start of ~30 s): the demo first (its
 # servers are its own: it runs alone), the single instance's tests (the
 # reference outputs are computed on it, still running), the router's own e2e
-# test (from tests/router: the same two single instances), then
-# every user of the shared pair, the fleet's last (its pair test first) but
-# the one that restarts the pair with other control ports (the pair is then
-# stopped), then the files with groups of their own. A file not named runs after these, in
+# test (from tests/router: the same two single instances), then every user
+# of the shared pair, the fleet's last (its pair test first) but the one that
+# restarts the pair with other control ports (the pair is then stopped), then
+# the files with groups of their own. A file not named runs after these, in
 # collection order; the order inside a file is kept. Names are relative to
 # this directory.
 E2E_ORDER = (

@@ -16,7 +16,7 @@ from pd_harness import (
     served_with_transfer,
 )
 
-from rapidkv.harness import ServerPool, free_port
+from rapidkv.harness import ServerPool, VLLMServer, free_port
 from rapidkv.harness.client import complete_full
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -41,16 +41,22 @@ def test_p_then_d_restarted_with_their_control_plane_elsewhere_are_followed(
         port=0,
         split_prefill=False,
     )
+
+    def restart_elsewhere(server: VLLMServer) -> str:
+        """`server` killed and started again on its HTTP address, its control
+        plane on a new port: that control address."""
+        server.stop(grace=0)
+        port = free_port()
+        server.spec = server.spec.replace(kv_transfer_config=connector_config(port))
+        server.launch()
+        server.wait_ready()
+        return f"127.0.0.1:{port}"
+
     with start_router(config) as router, contextlib.ExitStack() as undo:
         # the pair as configured again for whoever needs it next
         undo.callback(server_pool.stop, "pd")
         served_with_transfer(pd_pair, router.url, prompts[0], expected[0])
-        pd_pair.p.stop(grace=0)
-        port = free_port()
-        pd_pair.p.spec = pd_pair.p.spec.replace(kv_transfer_config=connector_config(port))
-        pd_pair.p.launch()
-        pd_pair.p.wait_ready()
-        pd_pair.p_control = f"127.0.0.1:{port}"
+        pd_pair.p_control = restart_elsewhere(pd_pair.p)
         healthy = time.monotonic()
         d0 = pd_pair.stats("d")
         assert complete_full(router.url, prompts[1], MAX_TOKENS).token_ids == expected[1]
@@ -59,12 +65,7 @@ def test_p_then_d_restarted_with_their_control_plane_elsewhere_are_followed(
         assert time.monotonic() - healthy < 5.0
 
         # then D, likewise: P learns its new control address from its Handshake
-        pd_pair.d.stop(grace=0)
-        port = free_port()
-        pd_pair.d.spec = pd_pair.d.spec.replace(kv_transfer_config=connector_config(port))
-        pd_pair.d.launch()
-        pd_pair.d.wait_ready()
-        pd_pair.d_control = f"127.0.0.1:{port}"
+        pd_pair.d_control = restart_elsewhere(pd_pair.d)
         healthy = time.monotonic()
         served_with_transfer(pd_pair, router.url, prompts[3], expected[3])
         assert time.monotonic() - healthy < 5.0

@@ -106,7 +106,7 @@ class WorkerSide:
         self._last_layer_done = 0.0
         self._computes_prompt = False
         # kvt's counters already in _counters: KvtStats field -> what was counted
-        self._kvt_counted = {"injected_failures": 0, "late_tasks_dropped": 0}
+        self._kvt_counted = dict.fromkeys(KVT_COUNTERS, 0)
         # this step's timing (engine thread): bound at, its layer waits and hooks
         self._bound_at = 0.0
         self._layer_wait_s = 0.0

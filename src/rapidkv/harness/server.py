@@ -272,8 +272,10 @@ def omp_threads_bind(cpus: Sequence[int], ranks: int = 1) -> str:
     if ranks < 1:
         raise ValueError(f"ranks must be at least 1, not {ranks}")
     cpus = list(cpus)
+    if not cpus:
+        raise ValueError("cpus must name at least one core")
     if len(cpus) < ranks:
-        groups = [[cpus[r % len(cpus)]] if cpus else [] for r in range(ranks)]
+        groups = [[cpus[r % len(cpus)]] for r in range(ranks)]
     else:
         per = len(cpus) // ranks
         groups = [cpus[r * per : (r + 1) * per] for r in range(ranks - 1)]
