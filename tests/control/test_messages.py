@@ -271,11 +271,26 @@ def test_answer_handshake_refuses_a_mismatch_with_reasons_and_accepts_a_match() 
         handshake(theirs), instance_id="P-1", spec=mine, endpoints=endpoints(2)
     )
     assert refused.code == Code.ERROR and refused.endpoints == []
-    assert refused.reasons == [
-        "KV spec mismatch with D-1: block_size: 16 vs 32",
-        "KV spec mismatch with D-1: tp_size: 2 vs 1",
-    ]
+    assert refused.reasons == ["KV spec mismatch with D-1: block_size: 16 vs 32"]
     assert decode_reply(encode(refused)) == refused
+
+
+def test_specs_of_different_tp_sizes_are_compared_without_their_per_rank_fields() -> None:
+    """Another TP size holds another share of the KV heads a rank: its per-rank
+    block bytes differ too, and neither is a mismatch (the connector decides
+    from the ranks' layouts whether the heads map); every other field still is."""
+    tp2 = make_spec()
+    tp1 = make_spec(tp_size=1, layer_block_bytes=(16384, 16384))
+    assert mismatches(tp2, tp1) == [] and mismatches(tp1, tp2) == []
+    assert mismatches(tp2, make_spec(tp_size=1, dtype="bfloat16")) == [
+        "dtype: 'float32' vs 'bfloat16'"
+    ]
+    # at equal TP the per-rank bytes must be equal
+    assert mismatches(tp2, make_spec(layer_block_bytes=(16384, 16384))) == [
+        "layer_block_bytes: layer 0: 8192 vs 16384, layer 1: 8192 vs 16384"
+    ]
+    ok = answer_handshake(handshake(tp1), instance_id="P-1", spec=tp2, endpoints=endpoints(2))
+    assert ok.code == Code.OK and ok.endpoints == endpoints(2)
 
 
 def test_transfer_problems_bound_check_what_is_written() -> None:

@@ -304,7 +304,7 @@ class KvtCore(RuleBasedStateMachine):
                         n += 1
                     leading.append(n)
                 expected = min(leading)
-            assert self.tracker.leading_layers(xfer.xfer_id) == expected, xfer.xfer_id
+            assert self.tracker.leading_layers(xfer.xfer_id, PEER) == expected, xfer.xfer_id
 
 
 KvtCore.TestCase.settings = settings(max_examples=300, stateful_step_count=60, deadline=None)

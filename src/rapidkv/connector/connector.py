@@ -57,7 +57,7 @@ from rapidkv.connector.metrics import (
     StatsDelta,
 )
 from rapidkv.connector.scheduler_side import SchedulerSide, model_fingerprint
-from rapidkv.connector.worker_side import WorkerSide
+from rapidkv.connector.worker_side import ModelHeads, WorkerSide
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,11 @@ _log_like_vllm()
 
 
 def start_worker_side(
-    config: ConnectorConfig, instance_id: str, rank: int, block_size: int
+    config: ConnectorConfig,
+    instance_id: str,
+    rank: int,
+    block_size: int,
+    heads: ModelHeads | None = None,
 ) -> WorkerSide:
     """The worker role, in a vLLM worker process, before its first forward.
 
@@ -85,7 +89,7 @@ def start_worker_side(
     without asking, and would kill this worker at a forward of a few tokens.
     """
     request_tile_permission()
-    return WorkerSide(config, instance_id, rank, block_size)
+    return WorkerSide(config, instance_id, rank, block_size, heads)
 
 
 class RapidKVConnector(KVConnectorBase_V1):
@@ -120,8 +124,14 @@ class RapidKVConnector(KVConnectorBase_V1):
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
+            model = vllm_config.model_config
+            heads = ModelHeads(
+                total=model.get_total_num_kv_heads(),
+                tp_size=vllm_config.parallel_config.tensor_parallel_size,
+                head_size=model.get_head_size(),
+            )
             self.worker = start_worker_side(
-                self.config, self.instance_id, get_tensor_model_parallel_rank(), block_size
+                self.config, self.instance_id, get_tensor_model_parallel_rank(), block_size, heads
             )
 
     @classmethod

@@ -4,7 +4,9 @@ loop thread) and the destinations that handshook with this instance.
 What each request gets:
 
 - `Handshake`: this instance's spec, ranks and incarnation, if they match the
-  peer's; the peer is then known as a destination (`KnownPeer`) and its ranks
+  peer's and this instance's KV heads map onto the peer's ranks (equal TP
+  sizes, or different ones whose heads split: `rank_pairs`; otherwise ERROR
+  naming every reason); the peer is then known as a destination (`KnownPeer`) and its ranks
   go to the workers as transport peers (with the next step's metadata, and at
   once over the bypass channel, ahead of any bypass send to them).
 - `TransferKV`: UNKNOWN_PEER from a destination that did not handshake (it
@@ -40,6 +42,7 @@ from typing import Any
 from rapidkv.connector.bypass import BypassMsg, Peer
 from rapidkv.connector.producer import Reply
 from rapidkv.connector.producer_side import ProducerSide
+from rapidkv.connector.rank_pairs import rank_pairs
 from rapidkv.connector.shared_state import SharedState
 from rapidkv.control.address import WILDCARD_HOSTS, parse_address
 from rapidkv.control.codes import Code
@@ -57,6 +60,7 @@ from rapidkv.control.messages import (
     TransferKVReply,
     answer_handshake,
 )
+from rapidkv.kvt.head_map import MappingError
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +147,18 @@ class ControlHandlers:
             endpoints=shared.endpoints,
             incarnation=shared.incarnation,
         )
+        pairs = 0
+        if reply.code == Code.OK:
+            try:
+                pairs = rank_pairs(shared.endpoints, hs.endpoints)
+            except MappingError as e:
+                reply = HandshakeReply(
+                    code=Code.ERROR,
+                    instance_id=shared.instance_id,
+                    spec=shared.spec,
+                    reasons=[f"KV heads do not map onto {hs.instance_id}: {e}"],
+                    incarnation=shared.incarnation,
+                )
         if reply.code != Code.OK:
             log.warning(
                 "rapidkv %s: handshake from %s refused: %s",
@@ -152,6 +168,7 @@ class ControlHandlers:
             )
             return reply
         with self._lock:
+            self._shared.peer_pairs[hs.instance_id] = pairs
             known = self._peers.get(hs.instance_id)
             if known is not None and known.incarnation == hs.incarnation:
                 known.control_address = hs.control_address

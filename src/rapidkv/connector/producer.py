@@ -65,19 +65,31 @@ class Produced:
     sent_upto: int = 0
     issued: bool = False  # some task of it went to the workers
     last_issued: bool = False
-    settled_ranks: dict[int, tuple[bool, int, str]] = field(default_factory=dict)
+    # (source rank, destination rank) -> (ok, tokens_sent, error): its SendDones
+    settled_ranks: dict[tuple[int, int], tuple[bool, int, str]] = field(default_factory=dict)
+    # how many (source rank, destination rank) pairs send it: settled once every
+    # one's SendDone came (equal TP: one a rank; `kvt.head_map.pairs` otherwise)
+    settles: int = 1
     finished: bool = False
     finished_at: float = 0.0
     aborted: bool = False
     released: bool = False
     migration: bool = False  # D asked for the KV of a request running here
 
-    def accept(self, window: Window, reply: Reply, block_size: int, mode: str) -> None:
+    def accept(
+        self, window: Window, reply: Reply, block_size: int, mode: str, settles: int
+    ) -> None:
         self.window = window
+        self.settles = settles
         self.reply = reply
         self.mode = mode
         self.accepted_at = time.monotonic()
         self.sent_upto = window.first_block * block_size
+
+    @property
+    def all_settled(self) -> bool:
+        """Every (source rank, destination rank) pair's SendDone came."""
+        return len(self.settled_ranks) >= self.settles
 
     def next_tasks(self, block_size: int, scheduled: bool) -> tuple[Task | None, Task | None]:
         """Full and per-layer tasks for what is computable and not sent yet

@@ -291,8 +291,8 @@ class ProducerSide:
             p = self._produced.get(s.xfer_id)
             if p is None:
                 continue
-            p.settled_ranks[s.rank] = (s.ok, s.tokens_sent, s.error)
-            if len(p.settled_ranks) == self._tp_size:
+            p.settled_ranks[(s.rank, s.dst_rank)] = (s.ok, s.tokens_sent, s.error)
+            if p.all_settled:
                 self._settle(p)
 
     def pending_block_frees(self) -> bool:
@@ -384,7 +384,7 @@ class ProducerSide:
                 )
             p = self._produced.get(msg.xfer_id)
             if p is not None and not p.released:
-                if p.issued and len(p.settled_ranks) < self._tp_size and p.reply is not None:
+                if p.issued and not p.all_settled and p.reply is not None:
                     in_flight = p.reply.future  # resolved when every rank settled
                 self._abort_produced(p, f"aborted by peer: {msg.reason.value}")
                 self._maybe_release(p)
@@ -480,7 +480,7 @@ class ProducerSide:
         window = Window(
             msg.xfer_id, msg.dst_instance, tuple(msg.dst_blocks), msg.first_block, msg.num_tokens
         )
-        p.accept(window, reply, self._block_size, "migration")
+        p.accept(window, reply, self._block_size, "migration", self._settles(msg.dst_instance))
         self._counters["migration_transfers"] += 1
         self._counters["migration_blocks_skipped"] += msg.first_block
         # the step in flight computes some of it (empty between steps)
@@ -545,6 +545,11 @@ class ProducerSide:
         self._tombstone(p.xfer_id)
         self._maybe_release(p)
 
+    def _settles(self, dst_instance: str) -> int:
+        """SendDones that settle a transfer to `dst_instance`: one per (source
+        rank, destination rank) pair that exchanges KV (from its handshake)."""
+        return self._shared.peer_pairs.get(dst_instance, self._tp_size)
+
     def _bytes_written(self, p: Produced, tokens: int) -> int | None:
         """The KV bytes of the blocks `p`'s transfer wrote to hold `tokens`
         tokens at D (every rank's heads; D's prefix hits not included), from
@@ -607,7 +612,7 @@ class ProducerSide:
             msg.notify_layers,
         )
         mode = self._mode(msg)
-        p.accept(window, reply, self._block_size, mode)
+        p.accept(window, reply, self._block_size, mode, self._settles(msg.dst_instance))
         self._shared.timeline.event(p.xfer_id, "accepted")
         if mode != "step":
             self._send_now(p, substep=mode == "substep")
@@ -715,7 +720,7 @@ class ProducerSide:
         while its source runs is forgotten."""
         if p.released:
             return
-        over = settled or len(p.settled_ranks) == self._tp_size or (p.aborted and not p.issued)
+        over = settled or (p.issued and p.all_settled) or (p.aborted and not p.issued)
         if p.migration and not p.finished:
             if over:
                 self._drop(p)
@@ -749,7 +754,7 @@ class ProducerSide:
         first = not p.aborted
         p.aborted = True
         self._tombstone(p.xfer_id)
-        if p.issued and len(p.settled_ranks) < self._tp_size:
+        if p.issued and not p.all_settled:
             self._shared.pending.fail.append((p.xfer_id, why))  # settles with an error
         elif p.reply is not None:
             if first and not p.issued:  # over now (one issued is counted as it settles)

@@ -102,6 +102,9 @@ class SharedState:
         self.timeline = TimelineRecorder()
         self.spec: KVSpec | None = None
         self.endpoints: list[RankEndpoint] = []
+        # destination instance -> how many (rank here, rank there) pairs exchange
+        # KV with it (`kvt.head_map.plan`, at its handshake; absent: one a rank)
+        self.peer_pairs: dict[str, int] = {}
         self.bypass: BypassSender | None = None
         self.control_address = ""
         self.kv_cache_manager: Any = None

@@ -24,6 +24,14 @@ scheduler side's `recv_over` after P answered: no more writes can land). The
 head's blocks of a load that did not complete are reported invalid
 (`load_errors`): vLLM then recomputes them. Such requests never appear in
 `finished_recving` (vLLM loads them synchronously).
+
+Tensor parallelism: each layer's layout says which KV heads the rank holds
+(`kvt.layout.Heads`, where the tensor's shape tells: `kvt.head_map.
+find_head_dim`), so a destination of another TP size can be paired. A rank
+connects to the ranks of a destination it sends KV heads to (`kvt.head_map.
+route`: the same rank at equal TP; P at TP 1 -> D at TP 2: both) and sends each
+task to every one of them (`_mine`). On D, kvt hands on a transfer once every
+source rank that writes this rank sent its SendDone (`kvt.gather`).
 """
 
 from __future__ import annotations
@@ -43,7 +51,8 @@ from rapidkv.connector.config import ConnectorConfig
 from rapidkv.connector.metadata import RankInfo, StepMeta, WorkerMeta, peer_name
 from rapidkv.kvt.coordinator import CoordinatorError
 from rapidkv.kvt.faults import SendFaults
-from rapidkv.kvt.layout import Layout, layer_layout_from_tensor
+from rapidkv.kvt.head_map import MappingError, find_head_dim, heads_from_tensor, route
+from rapidkv.kvt.layout import LayerLayout, Layout, layer_layout_from_tensor
 from rapidkv.kvt.messages import SendDone
 from rapidkv.kvt.task import Task
 from rapidkv.kvt.transport import create_transport
@@ -70,15 +79,34 @@ class SplitLoad:
     ok: bool | None = None  # None: layers still arriving
 
 
+@dataclass(frozen=True)
+class ModelHeads:
+    """What the model says of its KV heads, for `Heads` in the layouts."""
+
+    total: int  # KV heads of the model, all ranks together
+    tp_size: int
+    head_size: int
+
+
 class WorkerSide:
-    def __init__(self, config: ConnectorConfig, instance_id: str, rank: int, block_size: int):
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        instance_id: str,
+        rank: int,
+        block_size: int,
+        heads: ModelHeads | None = None,
+    ):
         self.config = config
         self.instance_id = instance_id
         self.rank = rank
         self.block_size = block_size
+        self.heads = heads
         self.kvt: KvtWorker | None = None
         self.bypass: BypassReceiver | None = None
         self._peers: dict[str, int] = {}  # destination instance -> generation connected
+        # destination instance -> its ranks this rank sends to (connected)
+        self._targets: dict[str, list[int]] = {}
         self._peers_lock = threading.Lock()
         self.info: RankInfo | None = None
         self.layer_index: dict[str, int] = {}
@@ -123,11 +151,10 @@ class WorkerSide:
             self.layer_index[name] = i
             block_dim = 0 if kv.shape[0] % num_blocks == 0 else 1
             k = kv.shape[block_dim] // num_blocks
-            layouts.append(
-                layer_layout_from_tensor(
-                    kv.data_ptr(), kv.shape, kv.stride(), kv.element_size(), block_dim, k
-                )
+            layer = layer_layout_from_tensor(
+                kv.data_ptr(), kv.shape, kv.stride(), kv.element_size(), block_dim, k
             )
+            layouts.append(self._with_heads(layer, kv, block_dim, k))
         layout = Layout(tuple(layouts), num_blocks)
         first = next(iter(kv_caches.values()))
         self.kvt = KvtWorker(
@@ -168,6 +195,42 @@ class WorkerSide:
             layout.block_bytes,
             self.config.transport,
         )
+
+    def _with_heads(
+        self, layer: LayerLayout, kv: torch.Tensor, block_dim: int, k: int
+    ) -> LayerLayout:
+        """`layer` with the KV heads it holds, where the model and the tensor's
+        shape tell (else as it is: it pairs with equal TP only)."""
+        m = self.heads
+        if m is None:
+            return layer
+        shape = tuple(kv.shape)
+        try:
+            local = max(m.total // m.tp_size, 1)
+            head_dim = find_head_dim(shape, block_dim, local, m.head_size)
+            if head_dim is None:
+                raise MappingError(f"no head dimension found in {shape}")
+            heads = heads_from_tensor(
+                shape,
+                kv.element_size(),
+                block_dim,
+                head_dim,
+                total=m.total,
+                tp_size=m.tp_size,
+                rank=self.rank,
+                head_size=m.head_size,
+                block_size=self.block_size,
+                kernel_blocks_per_block=k,
+            )
+        except MappingError as e:
+            log.warning(
+                "rapidkv worker rank %d: KV heads not described (%s); only instances of "
+                "the same TP size can pair with this one",
+                self.rank,
+                e,
+            )
+            return layer
+        return msgspec.structs.replace(layer, heads=heads)
 
     # -- per step ---------------------------------------------------------------
 
@@ -428,29 +491,48 @@ class WorkerSide:
     # -- helpers ----------------------------------------------------------------
 
     def _add_peer(self, peer: Peer) -> None:
-        """Connect to `peer` if it is our rank and newer than what we have (peers
-        arrive both with the step metadata and over the bypass channel, whichever
-        comes first); a newer entry for a connected instance (it restarted)
-        replaces the old connection, whose writes fail."""
-        if peer.rank != self.rank:
+        """Connect to `peer` (one rank of a destination instance) if this rank
+        sends KV heads to it (`kvt.head_map.route`: at equal TP, our own rank)
+        and it is newer than what we have (peers arrive both with the step
+        metadata and over the bypass channel, whichever comes first); a newer
+        entry for a connected instance (it restarted) replaces the old
+        connections, whose writes fail."""
+        kvt = self._require_kvt()
+        try:
+            layout = msgspec.msgpack.decode(peer.layout, type=Layout)
+            sends = route(kvt.layout, self.rank, layout, peer.rank).sends
+        except Exception:  # its tasks go to our rank of it, an unknown peer: D recomputes
+            log.exception(
+                "rapidkv worker rank %d: bad layout of peer %s", self.rank, peer.instance_id
+            )
             return
         with self._peers_lock:
             known = self._peers.get(peer.instance_id)
-            if known is not None and known >= peer.generation:
+            targets = self._targets.get(peer.instance_id, [])
+            if known is not None and (
+                known > peer.generation or (known == peer.generation and peer.rank in targets)
+            ):
                 return
-            kvt = self._require_kvt()
-            if known is not None:
-                kvt.remove_peer(peer_name(peer.instance_id, self.rank))
-                self._count("peers_replaced")
+            if known is not None and known < peer.generation:
+                for rank in targets:
+                    kvt.remove_peer(peer_name(peer.instance_id, rank))
+                if targets:
+                    self._count("peers_replaced")
+                targets = []
             self._peers[peer.instance_id] = peer.generation
+            self._targets[peer.instance_id] = targets
+            if not sends:
+                return
             try:
-                kvt.add_peer(
-                    peer.transport_metadata, msgspec.msgpack.decode(peer.layout, type=Layout)
-                )
+                kvt.add_peer(peer.transport_metadata, layout, peer.rank)
             except Exception:  # its writes fail as to an unknown peer; D recomputes
                 log.exception(
-                    "rapidkv worker rank %d: cannot add peer %s", self.rank, peer.instance_id
+                    "rapidkv worker rank %d: cannot add peer %s rank %d",
+                    self.rank,
+                    peer.instance_id,
+                    peer.rank,
                 )
+            self._targets[peer.instance_id] = [*targets, peer.rank]
 
     def _drop_peer(self, instance_id: str, generation: int) -> None:
         """Forget a destination that is gone, unless a newer entry replaced it."""
@@ -458,7 +540,8 @@ class WorkerSide:
             if self._peers.get(instance_id) != generation:
                 return
             del self._peers[instance_id]
-            self._require_kvt().remove_peer(peer_name(instance_id, self.rank))
+            for rank in self._targets.pop(instance_id, []):
+                self._require_kvt().remove_peer(peer_name(instance_id, rank))
             self._count("peers_dropped")
 
     def _count(self, name: str, n: int = 1) -> None:
@@ -484,8 +567,16 @@ class WorkerSide:
             self._failed_now.add(req_id)
 
     def _mine(self, tasks: list[Task]) -> list[Task]:
-        """The tasks as this rank sends them: to the same rank of the destination."""
-        return [msgspec.structs.replace(t, peer=peer_name(t.peer, self.rank)) for t in tasks]
+        """The tasks as this rank sends them: to each rank of the destination it
+        sends KV heads to (`_add_peer`; none: it holds no head they need), or,
+        for a destination not connected yet, to the same rank (that fails as
+        to an unknown peer: D recomputes)."""
+        out = []
+        for t in tasks:
+            ranks = self._targets.get(t.peer)
+            for rank in [self.rank] if ranks is None else list(ranks):
+                out.append(msgspec.structs.replace(t, peer=peer_name(t.peer, rank)))
+        return out
 
     def _on_posted(self, kind: str, t_event: float, t_post: float, nbytes: int) -> None:
         # kvt owner thread
@@ -498,7 +589,7 @@ class WorkerSide:
         """The transport failed a write to `peer`: the scheduler side forgets
         that destination, so its next TransferKV makes it handshake anew (and
         this rank connect again) instead of failing for ever."""
-        instance_id = peer.removesuffix(f".r{self.rank}")
+        instance_id = peer.rpartition(".r")[0]
         # not under _peers_lock: the engine thread holds it while it waits for
         # this thread to add or remove a peer (one dict read is atomic)
         generation = self._peers.get(instance_id)

@@ -79,8 +79,12 @@ class KVSpec(msgspec.Struct, frozen=True, kw_only=True):
     `rapidkv.kvt.layout.LayerLayout`); equal bytes and runs mean equal run sizes.
     `kernel_blocks_per_block` is vLLM's kernel-block split (kernel blocks per
     manager block). `model_fingerprint` hashes the model config that shapes the
-    KV and the tokenizer vocabulary. TP is equal on both sides, so one list of
-    block ids serves every rank.
+    KV and the tokenizer vocabulary. `layer_block_bytes` are one rank's, so they
+    differ with `tp_size`: two instances of different TP sizes are compared
+    without either (`mismatches`), and whether their KV heads map from one to
+    the other is up to the receiver of the handshake, from the ranks' layouts
+    (the connector: `kvt.head_map.plan`). One list of block ids serves every
+    rank (the ranks of an instance share their block ids).
     """
 
     block_size: Annotated[int, Meta(ge=1, le=1 << 16)]  # tokens per block
@@ -109,11 +113,20 @@ class KVSpec(msgspec.Struct, frozen=True, kw_only=True):
                 raise ValueError(f"layer {i}: {nbytes} block bytes do not split into {runs} runs")
 
 
+PER_RANK_FIELDS = ("tp_size", "layer_block_bytes")
+"""`KVSpec` fields that differ between instances of different TP sizes."""
+
+
 def mismatches(a: KVSpec, b: KVSpec) -> list[str]:
     """Every field in which `a` and `b` differ, as ``"field: <a> vs <b>"``; empty
-    when KV can move between them. Per-layer fields name the differing layers."""
+    when KV can move between them as far as the specs tell. Per-layer fields
+    name the differing layers. Specs of different TP sizes are compared without
+    `PER_RANK_FIELDS` (the KV head mapping decides: `KVSpec`)."""
     out = []
+    skip = PER_RANK_FIELDS if a.tp_size != b.tp_size else ()
     for name in a.__struct_fields__:
+        if name in skip:
+            continue
         va, vb = getattr(a, name), getattr(b, name)
         if va == vb:
             continue
@@ -243,10 +256,11 @@ class TransferKV(msgspec.Struct, frozen=True, tag="transfer_kv", kw_only=True):
     (the migration source), after a successful handshake.
 
     `dst_blocks` are D's block ids for the first `num_tokens` tokens, in order;
-    one list serves every rank (equal TP). Blocks before `first_block` are D's
-    prefix-cache hits (shared blocks): P never writes them. `prompt_hash` is
-    `prompt_hash(prompt_token_ids)` on D; P refuses a mismatch (ERROR), since a
-    different tokenization would otherwise produce garbage. `transfer_kv_mode`
+    one list serves every rank (D's ranks share their block ids, whatever the
+    TP sizes). Blocks before `first_block` are D's prefix-cache hits (shared
+    blocks): P never writes them. `prompt_hash` is `prompt_hash(prompt_token_ids)`
+    on D; P refuses a mismatch (ERROR), since a different tokenization would
+    otherwise produce garbage. `transfer_kv_mode`
     overrides P's configured mode for this request (for side-by-side measurement).
 
     A *migration* (`migration=True`) asks the source instance for the KV of a

@@ -5,17 +5,20 @@ Theory of operation
 -------------------
 The shell registers each task it may send (`add_task`), tells the tracker about
 each write it posts (`posted`: which layers of which tasks one transport request
-carries) and about each write's outcome (`settled`). A transfer (`xfer_id`) is
-*settled* on this rank when
+carries) and about each write's outcome (`settled`). A transfer goes to one
+or more destination peers (a destination of another TP size may take its KV
+heads from several source ranks, and a source rank may send to several of its
+ranks: `kvt.head_map`); the tracker keeps each `(xfer_id, peer)` apart, and
+that is what *settles* on this rank, when
 
 - ok:    a task with the last token is registered and every layer of every
          registered task of the transfer is confirmed written; or
 - error: some write of it failed (or was given up on) and no write of it is
          still outstanding, so nothing more can land.
 
-Settling emits one `SendDone` (ok or error) for the transfer's destination peer
-and forgets the transfer; later tasks for it are refused (`add_task` raises) so
-it cannot be reopened. All tasks of a transfer go to one peer.
+Settling emits one `SendDone` (ok or error) for that peer and forgets it;
+later tasks of the transfer for that peer are refused (`add_task` raises) so it
+cannot be reopened. `fail(xfer_id)` gives up on the transfer to every peer.
 
 Invariants (proved by tests/kvt/test_coordinator_stateful.py)
 ----------
@@ -24,7 +27,8 @@ Invariants (proved by tests/kvt/test_coordinator_stateful.py)
 - `tokens_sent` is the end of the longest run of fully confirmed tasks that
   starts where the transfer's first task starts (what the destination had
   before: its prefix-cache hits); it never exceeds what arrived.
-- Each transfer emits exactly one `SendDone`, after its last outstanding write.
+- Each `(xfer_id, peer)` emits exactly one `SendDone`, after its last
+  outstanding write to that peer.
 """
 
 from __future__ import annotations
@@ -58,6 +62,10 @@ class Tracked:
         return self.task.has_last_token
 
 
+def _key(tracked: Tracked) -> tuple[str, str]:
+    return (tracked.task.xfer_id, tracked.task.peer)
+
+
 @dataclass(frozen=True)
 class Settled:
     """A transfer settled on this rank: `done` goes to the destination `peer`."""
@@ -81,9 +89,11 @@ class CompletionTracker:
         self.num_layers = num_layers
         self.block_size = block_size
         self.rank = rank
-        self._xfers: dict[str, _Transfer] = {}
+        self._xfers: dict[tuple[str, str], _Transfer] = {}  # (xfer id, peer) ->
+        self._peers_of: dict[str, set[str]] = {}  # xfer id -> its peers among _xfers
         self._busy: dict[str, set[int]] = {}  # peer -> dst blocks of live transfers
-        self._finished: OrderedDict[str, bool] = OrderedDict()  # xfer id -> settled ok
+        # (xfer id, peer) -> settled ok
+        self._finished: OrderedDict[tuple[str, str], bool] = OrderedDict()
         # write id -> (task, first layer, stop layer) it carries
         self._writes: dict[int, list[tuple[Tracked, int, int]]] = {}
 
@@ -92,12 +102,10 @@ class CompletionTracker:
     def add_task(self, task: Task) -> Tracked:
         """Register a task before it is handed to the coordinator."""
         validate_task(task, self.block_size)
-        if task.xfer_id in self._finished:
-            raise InvalidTask(f"xfer {task.xfer_id} already settled on rank {self.rank}")
-        xfer = self._xfers.get(task.xfer_id)
-        if xfer is not None and xfer.peer != task.peer:
+        key = (task.xfer_id, task.peer)
+        if key in self._finished:
             raise InvalidTask(
-                f"xfer {task.xfer_id}: task for peer {task.peer}, transfer goes to {xfer.peer}"
+                f"xfer {task.xfer_id} to {task.peer} already settled on rank {self.rank}"
             )
         busy = self._busy.setdefault(task.peer, set())
         clash = busy.intersection(task.dst_blocks)
@@ -108,27 +116,29 @@ class CompletionTracker:
             )
         busy.update(task.dst_blocks)
         tracked = Tracked(task)
-        self._xfers.setdefault(task.xfer_id, _Transfer(task.peer)).tasks.append(tracked)
+        self._xfers.setdefault(key, _Transfer(task.peer)).tasks.append(tracked)
+        self._peers_of.setdefault(task.xfer_id, set()).add(task.peer)
         return tracked
 
     def discard(self, tasks: Iterable[Tracked]) -> list[Settled]:
         """Forget tasks that will never be sent (rejected substeps)."""
         touched = set()
         for tracked in tasks:
-            xfer = self._xfers.get(tracked.task.xfer_id)
+            key = _key(tracked)
+            xfer = self._xfers.get(key)
             if xfer is None or tracked not in xfer.tasks:
                 continue
             xfer.tasks.remove(tracked)
             self._busy[tracked.task.peer].difference_update(tracked.task.dst_blocks)
             if not xfer.tasks and not xfer.outstanding and not xfer.error:
-                del self._xfers[tracked.task.xfer_id]  # nothing left: as if never seen
+                self._forget(key)  # nothing left: as if never seen
             else:
-                touched.add(tracked.task.xfer_id)
-        return [done for x in touched if (done := self._maybe_settle(x))]
+                touched.add(key)
+        return [done for k in touched if (done := self._maybe_settle(k))]
 
     def live(self, tracked: Tracked) -> bool:
         """The task's transfer is still open and has not failed: worth sending."""
-        xfer = self._xfers.get(tracked.task.xfer_id)
+        xfer = self._xfers.get(_key(tracked))
         return xfer is not None and not xfer.error
 
     def posted(self, write_id: int, pieces: list[tuple[Tracked, int, int]]) -> None:
@@ -137,52 +147,56 @@ class CompletionTracker:
         if write_id in self._writes:
             raise ValueError(f"write {write_id} posted twice")
         self._writes[write_id] = pieces
-        for xfer_id in {t.task.xfer_id for t, _, _ in pieces}:
-            self._xfers[xfer_id].outstanding += 1
+        for key in {_key(t) for t, _, _ in pieces}:
+            self._xfers[key].outstanding += 1
 
     def settled(self, write_id: int, ok: bool, error: str = "") -> list[Settled]:
         """A posted write is confirmed DONE (`ok`) or failed/given up on."""
         pieces = self._writes.pop(write_id)
-        xfer_ids = {t.task.xfer_id for t, _, _ in pieces}
+        keys = {_key(t) for t, _, _ in pieces}
         for tracked, first, stop in pieces:
             if ok:
                 tracked.confirmed |= (1 << stop) - (1 << first)
-        for xfer_id in xfer_ids:
-            xfer = self._xfers[xfer_id]
+        for key in keys:
+            xfer = self._xfers[key]
             xfer.outstanding -= 1
             if not ok and not xfer.error:
                 xfer.error = error or "write failed"
-        return [done for x in xfer_ids if (done := self._maybe_settle(x))]
+        return [done for k in keys if (done := self._maybe_settle(k))]
 
     def fail(self, xfer_id: str, error: str) -> list[Settled]:
-        """Give up on a transfer (aborted, peer gone): it settles with an error
-        once its outstanding writes are settled."""
-        xfer = self._xfers.get(xfer_id)
-        if xfer is None:
-            return []
-        xfer.error = xfer.error or error
-        done = self._maybe_settle(xfer_id)
-        return [done] if done else []
+        """Give up on a transfer (aborted, peer gone), to every peer: it settles
+        with an error to each once its outstanding writes to it are settled."""
+        out = []
+        for peer in sorted(self._peers_of.get(xfer_id, ())):
+            key = (xfer_id, peer)
+            xfer = self._xfers[key]
+            xfer.error = xfer.error or error
+            done = self._maybe_settle(key)
+            if done:
+                out.append(done)
+        return out
 
     # -- queries --------------------------------------------------------------
 
     def live_transfers(self) -> int:
-        return len(self._xfers)
+        """Transfers with some peer not settled yet."""
+        return len(self._peers_of)
 
-    def settled_ok(self, xfer_id: str) -> bool | None:
-        """How a transfer settled here (None: not among the last
+    def settled_ok(self, xfer_id: str, peer: str) -> bool | None:
+        """How a transfer to `peer` settled here (None: not among the last
         `FINISHED_MEMORY` settled, or live)."""
-        return self._finished.get(xfer_id)
+        return self._finished.get((xfer_id, peer))
 
     def is_live(self, xfer_id: str) -> bool:
-        """The transfer is registered and has not settled yet."""
-        return xfer_id in self._xfers
+        """The transfer is registered to some peer and has not settled there yet."""
+        return xfer_id in self._peers_of
 
-    def leading_layers(self, xfer_id: str) -> int:
-        """How many leading layers of the whole transfer are confirmed at the
-        destination: every registered task's, once the task with the last token
-        is registered (0 before, or for a transfer not live)."""
-        xfer = self._xfers.get(xfer_id)
+    def leading_layers(self, xfer_id: str, peer: str) -> int:
+        """How many leading layers of the transfer are confirmed at `peer`:
+        every registered task's to it, once its task with the last token is
+        registered (0 before, or for a transfer not live there)."""
+        xfer = self._xfers.get((xfer_id, peer))
         if xfer is None or xfer.error or not any(t.has_last_token for t in xfer.tasks):
             return 0
         return min(t.leading_layers for t in xfer.tasks)
@@ -202,8 +216,16 @@ class CompletionTracker:
             prefix = max(prefix, task.end_tokens)
         return prefix
 
-    def _maybe_settle(self, xfer_id: str) -> Settled | None:
-        xfer = self._xfers[xfer_id]
+    def _forget(self, key: tuple[str, str]) -> None:
+        del self._xfers[key]
+        peers = self._peers_of[key[0]]
+        peers.discard(key[1])
+        if not peers:
+            del self._peers_of[key[0]]
+
+    def _maybe_settle(self, key: tuple[str, str]) -> Settled | None:
+        xfer_id = key[0]
+        xfer = self._xfers[key]
         if xfer.outstanding:
             return None
         if xfer.error:
@@ -214,10 +236,10 @@ class CompletionTracker:
             done = SendDone(xfer_id, self.rank, self._tokens_confirmed(xfer), True)
         else:
             return None
-        del self._xfers[xfer_id]
+        self._forget(key)
         for tracked in xfer.tasks:
             self._busy[tracked.task.peer].difference_update(tracked.task.dst_blocks)
-        self._finished[xfer_id] = done.ok
+        self._finished[key] = done.ok
         while len(self._finished) > self.FINISHED_MEMORY:
             self._finished.popitem(last=False)
         return Settled(xfer.peer, done)

@@ -4,9 +4,9 @@ source rank's block go where in a destination rank's block.
 Theory of operation
 -------------------
 Pure: layouts in (`LayerLayout`s whose `Heads` say which KV heads each rank's
-blocks hold and where, as a rank's handshake entry may carry them: the
-connector does not fill them in yet, so two instances of different TP sizes
-are refused), byte runs out. Nothing here touches memory or a transport.
+blocks hold and where, as each rank's handshake entry carries them: the
+connector's workers describe them when they register their KV caches), byte
+runs out. Nothing here touches memory or a transport.
 
 Every KV head lives on the ranks that own it under vLLM's split (`rank_heads`):
 with at least as many heads as ranks each rank holds `heads / tp` consecutive
@@ -128,6 +128,26 @@ def head_routes(
     return MappingProxyType({pair: tuple(ranges) for pair, ranges in sorted(routes.items())})
 
 
+class Route(NamedTuple):
+    """Between one source rank and one destination rank: whether the source
+    sends there, and how many source ranks send to that destination rank."""
+
+    sends: bool
+    sources: int
+
+
+def route(src: Layout, src_rank: int, dst: Layout, dst_rank: int) -> Route:
+    """The `Route` from rank `src_rank` (layout `src`) to rank `dst_rank` (layout
+    `dst`). Layouts that do not describe their heads are taken as equal TP: rank
+    r sends to rank r alone."""
+    s = src.layers[0].heads if src.layers else None
+    d = dst.layers[0].heads if dst.layers else None
+    if s is None or d is None:
+        return Route(src_rank == dst_rank, 1)
+    routes = head_routes(s.total, s.tp_size, d.tp_size)
+    return Route((src_rank, dst_rank) in routes, sum(1 for _, x in routes if x == dst_rank))
+
+
 def pairs(total: int, src_tp: int, dst_tp: int) -> list[tuple[int, int]]:
     """`(source rank, destination rank)` pairs that exchange KV: whom each source
     rank sends to, and whose SendDone each destination rank waits for."""
@@ -176,6 +196,20 @@ def heads_from_tensor(
         outer=kernel_blocks_per_block * math.prod(shape[block_dim + 1 : head_dim]),
         head_bytes=math.prod(shape[head_dim + 1 :]) * element_size,
     )
+
+
+def find_head_dim(shape: Sequence[int], block_dim: int, heads: int, head_size: int) -> int | None:
+    """The dimension of a layer's KV tensor that indexes this rank's `heads` KV
+    heads, for the layouts vLLM uses (after the block dimension: CPU
+    `[H, N, 2D]`, GPU HND `[H, N, D]`, GPU NHD `[N, H, D]`); None where the
+    shape fits none of them, or fits two with different answers (N == H)."""
+    inner = list(shape[block_dim + 1 :])
+    if len(inner) != 3 or inner[-1] not in (head_size, 2 * head_size):
+        return None
+    found = {block_dim + 1 + i for i in (0, 1) if inner[i] == heads}
+    if len(found) != 1:
+        return None
+    return found.pop()
 
 
 def _side_reasons(name: str, layer: LayerLayout, heads: Heads) -> list[str]:

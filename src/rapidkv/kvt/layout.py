@@ -15,8 +15,8 @@ when blocks are adjacent in memory on both sides.
 A layer may also say which KV heads its blocks hold and where they sit
 (`Heads`): what lets two instances of different tensor-parallel sizes exchange
 blocks, each head moved to the rank that owns it (`kvt.head_map`). The
-connector does not describe its layers' heads yet (`bench kvt --tp-from` and
-the tests do).
+connector's workers describe their layers' heads where the KV tensor's shape
+says where they are (`connector.worker_side`), as `bench kvt --tp-from` does.
 """
 
 from __future__ import annotations

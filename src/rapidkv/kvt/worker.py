@@ -56,7 +56,12 @@ per `xfer_id`; a failed one settles as after a write that failed.
 Peers of another TP size: a peer whose layout differs from this worker's (its
 layers describe their KV heads, `kvt.layout.Heads`) is sent the pieces of each
 block that `kvt.head_map` maps from this rank to that one; `add_peer` refuses
-with the reason (`MappingError`) where no mapping exists.
+with the reason (`MappingError`) where no mapping exists. One transfer may go
+to several peers (this rank holds heads that several destination ranks need):
+the tracker settles each (transfer, peer) on its own, and each SendDone says
+which destination rank it went to and how many source ranks send to that one
+(`kvt.head_map.route`). A receiving worker gathers the SendDones and
+LayersLanded of every source rank before it hands a transfer on (`kvt.gather`).
 
 KV written by a device: with `ready` (`kvt.device_ready`: a CUDA event per
 layer) `layer_done(i)` records layer i's event on the caller's current stream
@@ -83,7 +88,8 @@ from rapidkv.kvt.completions import CompletionTracker, Settled, Tracked
 from rapidkv.kvt.coordinator import Attach, Send, StepCoordinator
 from rapidkv.kvt.device_ready import LayerReady
 from rapidkv.kvt.faults import INJECTED, SendFaults
-from rapidkv.kvt.head_map import Piece, peer_pieces, piece_descs
+from rapidkv.kvt.gather import Gather
+from rapidkv.kvt.head_map import Piece, peer_pieces, piece_descs, route
 from rapidkv.kvt.layout import Layout, layer_descs
 from rapidkv.kvt.memory import advise_hugepages
 from rapidkv.kvt.messages import LayersLanded, SendDone, decode_notif, encode_notif
@@ -205,11 +211,15 @@ class KvtWorker:
         self._jobs: queue.SimpleQueue[_Job | Callable[[], None] | None] = queue.SimpleQueue()
         # peer -> its layout and, where it differs from ours, the pieces per layer
         self._peers: dict[str, tuple[Layout, tuple[tuple[Piece, ...], ...] | None]] = {}
+        # peer -> (its rank, source ranks that send to it): kept after remove_peer,
+        # for the SendDones of its transfers that settle later
+        self._peer_ranks: dict[str, tuple[int, int]] = {}
         self._writes: dict[int, _Write] = {}
         self._next_write = 0
         self._received: list[SendDone] = []
-        self._landed: dict[str, int] = {}  # receiving: xfer_id -> layers in place
-        self._landed_sent: dict[str, int] = {}  # sending: xfer_id -> layers notified
+        self._gather = Gather(LANDED_MEMORY)  # receiving: every source rank's notifications
+        # sending: (xfer_id, peer) -> layers notified
+        self._landed_sent: dict[tuple[str, str], int] = {}
         self._received_lock = threading.Lock()
         self._received_event = threading.Event()
         if hugepages:
@@ -222,17 +232,23 @@ class KvtWorker:
 
     # -- peers ----------------------------------------------------------------
 
-    def add_peer(self, metadata: bytes, layout: Layout) -> str:
-        """Connect to a destination worker; returns its peer name for tasks.
-        Raises `ValueError` (`MappingError` for KV heads that cannot map) when
-        its layout cannot receive this worker's blocks."""
+    def add_peer(self, metadata: bytes, layout: Layout, rank: int | None = None) -> str:
+        """Connect to a destination worker (rank `rank` of its instance; None:
+        the rank its layout's heads name, else this worker's rank); returns its
+        peer name for tasks. Raises `ValueError` (`MappingError` for KV heads
+        that cannot map) when its layout cannot receive this worker's blocks."""
         if len(layout.layers) != len(self.layout.layers):
             raise ValueError(
                 f"peer has {len(layout.layers)} layers, this worker {len(self.layout.layers)}"
             )
         pieces = peer_pieces(self.layout, layout)
+        if rank is None:
+            heads = layout.layers[0].heads if layout.layers else None
+            rank = heads.rank if heads is not None else self.rank
+        sources = route(self.layout, self.rank, layout, rank).sources
         name = self._call(lambda: self.transport.add_peer(metadata))
         self._peers[name] = (layout, pieces)
+        self._peer_ranks[name] = (rank, sources)
         return name
 
     def remove_peer(self, peer: str) -> None:
@@ -311,12 +327,12 @@ class KvtWorker:
         """Receiving side: leading layers of `xfer_id` the source said are in
         place (`LayersLanded`, collected by the owner's notification polls)."""
         with self._received_lock:
-            return self._landed.get(xfer_id, 0)
+            return self._gather.layers(xfer_id)
 
     def forget_landed(self, xfer_ids: Sequence[str]) -> None:
         with self._received_lock:
             for xfer_id in xfer_ids:
-                self._landed.pop(xfer_id, None)
+                self._gather.forget(xfer_id)
 
     def set_awaiting(self, awaiting: bool) -> None:
         """Say whether a transfer into this worker is awaited: the owner then
@@ -389,7 +405,7 @@ class KvtWorker:
         added: list[Tracked] = []
         try:
             for task in tasks:
-                ok = self._tracker.settled_ok(task.xfer_id)
+                ok = self._tracker.settled_ok(task.xfer_id, task.peer)
                 if ok is not None:
                     self.stats.late_tasks_dropped += 1
                     (log.error if ok else log.info)(
@@ -634,14 +650,16 @@ class KvtWorker:
         layer-notifying transfer it carried that is still open, the leading
         layers in place if more than last said (a settled one gets its SendDone)."""
         out = []
+        peer = write.peer
         for xfer_id in {t.task.xfer_id for t, _, _ in write.pieces if t.task.notify_layers}:
-            if not self._tracker.is_live(xfer_id):
-                self._landed_sent.pop(xfer_id, None)
+            key = (xfer_id, peer)
+            layers = self._tracker.leading_layers(xfer_id, peer)
+            if not layers:  # not live there (a settled one gets its SendDone), or none yet
                 continue
-            layers = self._tracker.leading_layers(xfer_id)
-            if layers > self._landed_sent.get(xfer_id, 0):
-                self._landed_sent[xfer_id] = layers
-                out.append((write.peer, LayersLanded(xfer_id, self.rank, layers)))
+            if layers > self._landed_sent.get(key, 0):
+                self._landed_sent[key] = layers
+                sources = self._peer_ranks.get(peer, (0, 1))[1]
+                out.append((peer, LayersLanded(xfer_id, self.rank, layers, sources)))
         return out
 
     def _notify(self, peer: str, msg: SendDone | LayersLanded) -> None:
@@ -652,13 +670,14 @@ class KvtWorker:
 
     def _finish(self, settled: list[Settled]) -> None:
         for item in settled:
-            done = item.done
+            dst_rank, sources = self._peer_ranks.get(item.peer, (self.rank, 1))
+            done = msgspec.structs.replace(item.done, dst_rank=dst_rank, sources=sources)
             if done.ok:
                 self.stats.transfers_ok += 1
             else:
                 self.stats.transfers_failed += 1
             log.debug("kvt rank %d: %s", self.rank, done)
-            self._landed_sent.pop(done.xfer_id, None)
+            self._landed_sent.pop((done.xfer_id, item.peer), None)
             self._fault_plans.pop(done.xfer_id, None)
             self._notify(item.peer, done)
             if self.on_send_done is not None:
@@ -679,17 +698,19 @@ class KvtWorker:
             if isinstance(msg, LayersLanded):
                 landed.append(msg)
                 continue
-            if msg.ok:
-                self.stats.received_ok += 1
-            else:
-                self.stats.received_failed += 1
             received.append(msg)
         with self._received_lock:
             for msg in landed:
-                self._landed[msg.xfer_id] = max(self._landed.get(msg.xfer_id, 0), msg.layers)
-            while len(self._landed) > LANDED_MEMORY:  # never forgotten by the caller
-                del self._landed[next(iter(self._landed))]
-            self._received.extend(received)
+                self._gather.landed(msg)
+            for msg in received:
+                whole = self._gather.send_done(msg)  # None: other source ranks still owe one
+                if whole is None:
+                    continue
+                if whole.ok:
+                    self.stats.received_ok += 1
+                else:
+                    self.stats.received_failed += 1
+                self._received.append(whole)
             if self._received:
                 self._received_event.set()
 
