@@ -32,49 +32,37 @@ from pd_harness import (
     Pair,
     assert_back_to_baseline,
     block_bytes,
-    connector_config,
     wait_for,
 )
+from tp_harness import PD_TP2, SINGLE_TP2, TP, single_tp2_spec, tp2_pair
 
-from rapidkv.harness import ServerPool, ServerSpec, free_port, random_prompts
+from rapidkv.harness import ServerPool, random_prompts
 from rapidkv.harness.client import complete_many, get_metrics, metric_sum, stream_many
-from rapidkv.harness.server import pd_specs
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
-
-TP = 2
-CORES = (0, 1)  # the TP 2 instance's ranks: rank 0 on core 0, rank 1 on core 1
 
 
 @pytest.fixture(scope="module")
 def tp_case(server_pool: ServerPool, tiny_model: Path) -> Iterator[dict]:
-    """The TP 2 instance's answers, then the TP 2 pair (a group of its own), warmed."""
+    """The TP 2 instance's answers, then the TP 2 pair (a group of its own,
+    `tp_harness`: test_pd_tp_mixed uses it too; kept running if it already
+    runs), warmed. The pool stops the pair when another group needs room."""
     prompts = random_prompts(tiny_model, [5, 130, 300, 600, 900, 250, 400, 700], seed=3900)
     split = random_prompts(tiny_model, [450, 800, 640], seed=3901)
-    single = server_pool.get_one(
-        "single_tp2",
-        ServerSpec(model=tiny_model, name="single-tp2", cpus=CORES, tensor_parallel_size=TP),
-    )
+    single = server_pool.get(SINGLE_TP2, [single_tp2_spec(tiny_model)], keep=[PD_TP2])[0]
     refs = complete_many(single.base_url, prompts, MAX_TOKENS, concurrency=4)
     split_refs = complete_many(single.base_url, split, MAX_TOKENS)
-    server_pool.stop("single_tp2")
-    pc, dc = free_port(), free_port()
-    chunked = ("--max-num-batched-tokens", "256")
-    specs = pd_specs(tiny_model, connector_config(pc), connector_config(dc), chunked)
-    # each instance's ranks on its own core (pd_specs' cores): with both
-    # instances' ranks on both cores, one instance's all-reduce spins while its
-    # peer rank waits behind the other instance's
-    specs = [s.replace(tensor_parallel_size=TP) for s in specs]
-    p, d = server_pool.get("pd_tp2", specs)
+    server_pool.stop(SINGLE_TP2)
+    specs, (p_control, d_control) = tp2_pair(tiny_model)
+    p, d = server_pool.get(PD_TP2, specs)
     warm = random_prompts(tiny_model, [100, 300], seed=3902)
     for server in (p, d):
         complete_many(server.base_url, warm, 2)
-    pair = Pair(tiny_model, p, d, f"127.0.0.1:{pc}", f"127.0.0.1:{dc}")
+    pair = Pair(tiny_model, p, d, p_control, d_control)
     try:
         yield {"pair": pair, "prompts": prompts, "refs": refs, "split": (split, split_refs)}
     finally:
         pair.close()
-        server_pool.stop("pd_tp2")
 
 
 def test_p_and_d_at_tp_2_answer_as_one_tp_2_instance_and_free_everything(tp_case: dict) -> None:

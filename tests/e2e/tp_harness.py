@@ -1,0 +1,46 @@
+"""The TP 2 server groups that the TP e2e modules share (`test_pd_tp`,
+`test_pd_tp_mixed`): one spec each, built once a session, so that every
+module asks the pool for exactly the same group under the same key (the pool
+refuses a key asked for with other specs) and a group one module started
+serves the next.
+
+- `single_tp2_spec`: the TP 2 reference instance (pool key `single_tp2`), its
+  ranks on cores 0 and 1;
+- `tp2_pair`: the TP 2 P/D pair (pool key `pd_tp2`), P's two ranks on core 0,
+  D's on core 1, chunked prefill of 256 tokens, control ports fixed for the
+  session.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+from pd_harness import connector_config
+
+from rapidkv.harness import ServerSpec, free_port
+from rapidkv.harness.server import pd_specs
+
+TP = 2
+CORES = (0, 1)  # the TP 2 instance's ranks: rank 0 on core 0, rank 1 on core 1
+SINGLE_TP2 = "single_tp2"
+PD_TP2 = "pd_tp2"
+
+
+def single_tp2_spec(model: Path) -> ServerSpec:
+    """The reference instance at TP 2."""
+    return ServerSpec(model=model, name="single-tp2", cpus=CORES, tensor_parallel_size=TP)
+
+
+@functools.cache
+def tp2_pair(model: Path) -> tuple[tuple[ServerSpec, ...], tuple[str, str]]:
+    """The TP 2 pair's specs and its control addresses (P's, D's), the same
+    for the whole session. Each instance's ranks share its own core
+    (`pd_specs`' cores): with both instances' ranks on both cores, one
+    instance's all-reduce spins while its peer rank waits behind the other
+    instance's."""
+    pc, dc = free_port(), free_port()
+    chunked = ("--max-num-batched-tokens", "256")
+    specs = pd_specs(model, connector_config(pc), connector_config(dc), chunked)
+    specs = [s.replace(tensor_parallel_size=TP) for s in specs]
+    return tuple(specs), (f"127.0.0.1:{pc}", f"127.0.0.1:{dc}")
