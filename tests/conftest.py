@@ -10,6 +10,7 @@ test runner is killed. Logs go to `<pytest tmp>/vllm-logs` unless
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from rapidkv.harness import ServerPool, ServerSpec, VLLMServer
+from rapidkv.harness import ServerPool, ServerSpec, VLLMServer, free_port
 from rapidkv.harness.iterations import FLAG as ITERATION_LOG_FLAG
 from rapidkv.harness.server import TOOL_CALLING_ARGS
 
@@ -90,14 +91,34 @@ def single_spec(model: Path) -> ServerSpec:
     )
 
 
-def chunked_spec(model: Path) -> ServerSpec:
-    """A single instance that must prefill in chunks of `CHUNK_TOKENS`, on core 1."""
+def chunked_spec(model: Path, kv_events: tuple[int, int, str]) -> ServerSpec:
+    """A single instance that must prefill in chunks of `CHUNK_TOKENS`, on core 1.
+
+    It also publishes its KV cache events (ZMQ; `kv_events`: the publisher's
+    port, the replay port, the topic) and serves `POST /reset_prefix_cache`
+    (test_kv_events), which change none of its outputs."""
+    pub, replay, topic = kv_events
+    config = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{pub}",  # vLLM binds only endpoints with "*" (or ipc)
+        "replay_endpoint": f"tcp://127.0.0.1:{replay}",
+        "topic": topic,
+    }
     return ServerSpec(
         model=model,
         name="server",
         role="single",
         cpus=(1,),
-        extra_args=(ITERATION_LOG_FLAG, "--max-num-batched-tokens", str(CHUNK_TOKENS)),
+        extra_args=(
+            ITERATION_LOG_FLAG,
+            "--max-num-batched-tokens",
+            str(CHUNK_TOKENS),
+            "--enable-prefix-caching",
+            "--kv-events-config",
+            json.dumps(config),
+        ),
+        env={"VLLM_SERVER_DEV_MODE": "1"},
     )
 
 
@@ -114,10 +135,20 @@ def single_server_starter(server_pool: ServerPool, tiny_model: Path):
     return lambda: server_pool.get_one("single", single_spec(tiny_model))
 
 
+@pytest.fixture(scope="session")
+def chunked_kv_events() -> tuple[int, int, str]:
+    """Where the chunked-prefill server publishes its KV events: (publisher's
+    port, replay port, topic)."""
+    return free_port(), free_port(), "kv"
+
+
 @pytest.fixture
-def single_server_chunked(server_pool: ServerPool, tiny_model: Path) -> VLLMServer:
-    """Tiny float32 model with `--max-num-batched-tokens 256` (chunked prefill)."""
-    return server_pool.get_one("single_chunked", chunked_spec(tiny_model))
+def single_server_chunked(
+    server_pool: ServerPool, tiny_model: Path, chunked_kv_events: tuple[int, int, str]
+) -> VLLMServer:
+    """Tiny float32 model with `--max-num-batched-tokens 256` (chunked prefill),
+    publishing its KV events (`chunked_spec`)."""
+    return server_pool.get_one("single_chunked", chunked_spec(tiny_model, chunked_kv_events))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

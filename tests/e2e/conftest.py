@@ -1,10 +1,11 @@
 """Session fixtures of the P/D e2e tests: the reference outputs (computed once,
-before a pair takes the cores), the shared P/D pair, a P with a small block
+while the shared pair starts), the shared P/D pair, a P with a small block
 pool, and the SmolLM2 references (one SmolLM2 instance, started once)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +37,7 @@ from smollm2_refs import take as take_smollm2_references
 
 from rapidkv.connector.config import kv_transfer_config
 from rapidkv.harness import ServerPool, ServerSpec, free_port, random_prompts
-from rapidkv.harness.client import (
-    complete_full,
-    complete_many,
-)
+from rapidkv.harness.client import complete_full, complete_many
 from rapidkv.harness.etcd import EtcdServer, EtcdUnavailable
 from rapidkv.harness.server import TOOL_CALLING_ARGS, pd_specs
 
@@ -47,7 +45,8 @@ from rapidkv.harness.server import TOOL_CALLING_ARGS, pd_specs
 # most two; switching groups costs a start of ~30 s): the demo first (its
 # servers are its own: it runs alone), the single instance's tests (the
 # reference outputs are computed on it, still running), the router's own e2e
-# test (from tests/router: the same two single instances), then every user
+# test (from tests/router: the same two single instances) and the KV events'
+# (the chunked one publishes them), then every user
 # of the shared pair, the fleet's last (its pair test first) but the one that
 # restarts the pair with other control ports (the pair is then stopped), then
 # the files with groups of their own. A file not named runs after these, in
@@ -57,6 +56,7 @@ E2E_ORDER = (
     "test_demo.py",
     "test_single_instance_oracle.py",
     "../router/test_router_e2e.py",
+    "test_kv_events.py",
     "test_harness_teardown.py",
     "test_migration.py",
     "test_migration_connector.py",
@@ -149,17 +149,40 @@ def pd_pair(
 
 
 @pytest.fixture(scope="session")
-def workloads(tiny_model: Path, single_server_starter) -> dict[str, tuple[list, list]]:
+def workloads(
+    tiny_model: Path,
+    single_server_starter,
+    server_pool: ServerPool,
+    pd_pair_specs: tuple[list[ServerSpec], tuple[str, str]],
+) -> dict[str, tuple[list, list]]:
     """Prompts per test and the single instance's outputs for them, computed once
-    (before the P/D pair takes the cores)."""
+    on the single instance while the shared P/D pair starts (its tests come
+    next), four batches of prompts at a time (the oracle's own tests show that
+    batching changes no output)."""
     single = single_server_starter()
-    out = {}
+    server_pool.prestart({"pd": pd_pair_specs[0]}, keep=["single"])
+    with ThreadPoolExecutor(4) as batches:
+
+        def ask(prompts: list, max_tokens: int, **kw: Any) -> Future:
+            return batches.submit(complete_many, single.base_url, prompts, max_tokens, **kw)
+
+        out = _references(tiny_model, single.base_url, ask)
+        return {
+            name: (prompts, refs.result() if isinstance(refs, Future) else refs)
+            for name, (prompts, refs) in out.items()
+        }
+
+
+def _references(tiny_model: Path, url: str, ask: Callable[..., Future]) -> dict[str, Any]:
+    """`workloads`' prompts, each with their references on the single instance
+    at `url` (or the `Future` of them, from `ask`, which sends a batch)."""
+    out: dict[str, tuple[Any, Any]] = {}
     for seed, name in enumerate(MODE_RUNS):
         prompts = random_prompts(tiny_model, LENGTHS * 2, seed=1000 + seed)
-        out[name] = (prompts, complete_many(single.base_url, prompts, MAX_TOKENS, concurrency=4))
+        out[name] = (prompts, ask(prompts, MAX_TOKENS, concurrency=4))
     base = random_prompts(tiny_model, [2 * BLOCK + 50], seed=77)[0]
     prefix = [base, base[: 2 * BLOCK] + random_prompts(tiny_model, [300], seed=78)[0]]
-    out["prefix"] = (prefix, complete_many(single.base_url, prefix, MAX_TOKENS))
+    out["prefix"] = (prefix, ask(prefix, MAX_TOKENS))
     # distinct: no D prefix hits
     for seed, name in enumerate(
         ["router-dual", "router-serial", "router-dual-continuation", "router-split"]
@@ -167,87 +190,83 @@ def workloads(tiny_model: Path, single_server_starter) -> dict[str, tuple[list, 
         router = random_prompts(
             tiny_model, LENGTHS * (1 if "continuation" in name else 2), seed=3000 + seed
         )
-        out[name] = (router, complete_many(single.base_url, router, MAX_TOKENS, concurrency=4))
+        out[name] = (router, ask(router, MAX_TOKENS, concurrency=4))
     for r in range(LATE_ROUNDS):
         late = random_prompts(tiny_model, LATE_LENGTHS, seed=5000 + r)
-        out[f"late-{r}"] = (late, complete_many(single.base_url, late, MAX_TOKENS, concurrency=4))
+        out[f"late-{r}"] = (late, ask(late, MAX_TOKENS, concurrency=4))
     for name, lengths, seed, max_tokens in SMALL_P_WORKLOADS:
         prompts = random_prompts(tiny_model, lengths, seed=seed)
-        out[name] = (prompts, complete_many(single.base_url, prompts, max_tokens))
+        out[name] = (prompts, ask(prompts, max_tokens))
     frozen = random_prompts(tiny_model, [900], seed=2212)
-    out["frozen-p"] = (frozen, complete_many(single.base_url, frozen, MAX_TOKENS))
+    out["frozen-p"] = (frozen, ask(frozen, MAX_TOKENS))
     # test_pd_faults: a P sent SIGTERM holds one prefilled, one parked, one in flight
     sigterm = random_prompts(tiny_model, [600, 700, 900], seed=2214)
-    out["sigterm-p"] = (sigterm, complete_many(single.base_url, sigterm, MAX_TOKENS))
+    out["sigterm-p"] = (sigterm, ask(sigterm, MAX_TOKENS))
     failing = random_prompts(tiny_model, [200, 500, 800], seed=2213)
-    out["failing"] = (failing, complete_many(single.base_url, failing, MAX_TOKENS))
+    out["failing"] = (failing, ask(failing, MAX_TOKENS))
     again = random_prompts(tiny_model, [330], seed=2211)
-    out["router-restart"] = (again, complete_many(single.base_url, again, MAX_TOKENS))
+    out["router-restart"] = (again, ask(again, MAX_TOKENS))
     moved = random_prompts(tiny_model, [350, 420, 380, 460], seed=2210)
-    out["moved-p"] = (moved, complete_many(single.base_url, moved, MAX_TOKENS))
+    out["moved-p"] = (moved, ask(moved, MAX_TOKENS))
     for seed, side in enumerate("pd"):
         restart = random_prompts(tiny_model, [300, 450, 200, 900], seed=2200 + seed)
-        out[f"restart-{side}"] = (restart, complete_many(single.base_url, restart, MAX_TOKENS))
+        out[f"restart-{side}"] = (restart, ask(restart, MAX_TOKENS))
     fleet = random_prompts(tiny_model, FLEET_LENGTHS, seed=2300)
-    out["fleet"] = (fleet, complete_many(single.base_url, fleet, MAX_TOKENS, concurrency=4))
+    out["fleet"] = (fleet, ask(fleet, MAX_TOKENS, concurrency=4))
     etcd = random_prompts(tiny_model, [250, 600, 420, 330, 700, 180, 520, 390], seed=2302)
-    out["fleet-etcd"] = (etcd, complete_many(single.base_url, etcd, MAX_TOKENS, concurrency=4))
+    out["fleet-etcd"] = (etcd, ask(etcd, MAX_TOKENS, concurrency=4))
     fleet3 = random_prompts(tiny_model, [300, 500, 700, 200, 600, 400, 800, 250], seed=2301)
-    out["fleet-3"] = (fleet3, complete_many(single.base_url, fleet3, MAX_TOKENS, concurrency=4))
+    out["fleet-3"] = (fleet3, ask(fleet3, MAX_TOKENS, concurrency=4))
     # P and D in two network namespaces (test_pd_netns): at concurrency 4, then
     # one at a time (split prefills across the capped link)
     netns = random_prompts(tiny_model, NETNS_LENGTHS, seed=2400)
-    out["netns"] = (netns, complete_many(single.base_url, netns, MAX_TOKENS, concurrency=4))
+    out["netns"] = (netns, ask(netns, MAX_TOKENS, concurrency=4))
     netns_split = random_prompts(tiny_model, [450, 800], seed=2401)
-    out["netns-split"] = (netns_split, complete_many(single.base_url, netns_split, MAX_TOKENS))
+    out["netns-split"] = (netns_split, ask(netns_split, MAX_TOKENS))
     # live migration (test_migration): long outputs, so that a request is
     # still decoding when it is moved
     for name, lengths, seed in MIGRATION_WORKLOADS:
         prompts = random_prompts(tiny_model, lengths, seed=seed)
         out[name] = (
             prompts,
-            complete_many(single.base_url, prompts, MIGRATION_TOKENS, concurrency=4),
+            ask(prompts, MIGRATION_TOKENS, concurrency=4),
         )
-    chat = httpx.post(
-        f"{single.base_url}/v1/chat/completions", json=migration_chat_body(False), timeout=120
-    )
+    chat = httpx.post(f"{url}/v1/chat/completions", json=migration_chat_body(False), timeout=120)
     chat.raise_for_status()
     [choice] = chat.json()["choices"]
     out["migrate-chat"] = ([choice["message"]["content"]], [choice["token_ids"]])
     # test_pd_abort_while_writing: X aborted mid-transfer, then Y (its reference)
     x_y = random_prompts(tiny_model, [800, 200], seed=98)
-    out["abort-writing"] = (x_y, complete_many(single.base_url, x_y[1:], ABORT_WRITING_TOKENS))
+    out["abort-writing"] = (x_y, ask(x_y[1:], ABORT_WRITING_TOKENS))
     split_fail = random_prompts(tiny_model, [600, 700], seed=2100)
-    out["split_fail"] = (split_fail, complete_many(single.base_url, split_fail, MAX_TOKENS))
+    out["split_fail"] = (split_fail, ask(split_fail, MAX_TOKENS))
     # text prompts (the router tokenizes them on P): random ids, detokenized
     texts = [
-        httpx.post(f"{single.base_url}/detokenize", json={"tokens": ids}, timeout=30).json()[
-            "prompt"
-        ]
+        httpx.post(f"{url}/detokenize", json={"tokens": ids}, timeout=30).json()["prompt"]
         for ids in random_prompts(tiny_model, [300, 450, 700], seed=2102)
     ]
     out["split_text"] = (
         texts,
-        [complete_full(single.base_url, [], MAX_TOKENS, prompt=t).token_ids for t in texts],
+        [complete_full(url, [], MAX_TOKENS, prompt=t).token_ids for t in texts],
     )
     split_step = random_prompts(tiny_model, [500], seed=2101)
-    out["split_step"] = (split_step, complete_many(single.base_url, split_step, MAX_TOKENS))
+    out["split_step"] = (split_step, ask(split_step, MAX_TOKENS))
     substep = random_prompts(tiny_model, [600], seed=2103)
-    out["substep_late"] = (substep, complete_many(single.base_url, substep, MAX_TOKENS))
+    out["substep_late"] = (substep, ask(substep, MAX_TOKENS))
     # the connector's half of live migration (test_migration_connector): one long
     # greedy decode, and a prompt whose migration names a source that is gone
     migrate = random_prompts(tiny_model, [SOURCE_MIGRATION_PROMPT], seed=2600)
-    out["migration"] = (migrate, complete_many(single.base_url, migrate, SOURCE_MIGRATION_TOKENS))
+    out["migration"] = (migrate, ask(migrate, SOURCE_MIGRATION_TOKENS))
     gone = random_prompts(tiny_model, [350], seed=2601)
-    out["migration-gone"] = (gone, complete_many(single.base_url, gone, MAX_TOKENS))
+    out["migration-gone"] = (gone, ask(gone, MAX_TOKENS))
     # test_conformance: every request shape, as one vLLM answers it
     model = str(tiny_model)
-    out["conformance"] = (model, {s.name: run_shape(single.base_url, model, s) for s in SHAPES})
+    out["conformance"] = (model, {s.name: run_shape(url, model, s) for s in SHAPES})
     for seed, name in enumerate(["late_p", "gone", "abort_d", "nothing"]):
         one = random_prompts(
             tiny_model, [BLOCK + 1 if name == "nothing" else 600], seed=2000 + seed
         )
-        out[name] = (one, complete_many(single.base_url, one, MAX_TOKENS))
+        out[name] = (one, ask(one, MAX_TOKENS))
     return out
 
 

@@ -1,7 +1,8 @@
 """vLLM's KV events feed the router's prefix-cache index (`router.kvindex`).
 
-One real vLLM (tiny float32 model, prefix caching on, `--kv-events-config`
-with a ZMQ publisher and a replay socket on free ports) and a
+One real vLLM (the session's chunked-prefill instance: tiny float32 model,
+prefix caching on, `--kv-events-config` with a ZMQ publisher and a replay
+socket on free ports) and a
 `KVIndexService` subscribed to it: completions sharing a long prefix show up
 as the right number of leading cached blocks, computed with the index's own
 hash from the token ids; a prompt never sent has none; a subscriber that
@@ -12,7 +13,6 @@ missed batches catches up by replay; `POST /reset_prefix_cache` ends in
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,11 +21,8 @@ import httpx
 import pytest
 
 from rapidkv.harness import (
-    ServerPool,
-    ServerSpec,
     VLLMServer,
     complete,
-    free_port,
     get_metrics,
     random_prompts,
 )
@@ -33,35 +30,13 @@ from rapidkv.router.kvindex import KVIndexService, Member
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
-TOPIC = "kv"
-
-
-@pytest.fixture(scope="module")
-def kv_spec(tiny_model: Path) -> tuple[ServerSpec, Member]:
-    """A single instance publishing KV events, and the member that follows it."""
-    pub, replay = free_port(), free_port()
-    config = {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        "endpoint": f"tcp://*:{pub}",  # vLLM binds only endpoints with "*" (or ipc)
-        "replay_endpoint": f"tcp://127.0.0.1:{replay}",
-        "topic": TOPIC,
-    }
-    spec = ServerSpec(
-        model=tiny_model,
-        name="server",
-        role="single",
-        cpus=(0,),
-        extra_args=("--enable-prefix-caching", "--kv-events-config", json.dumps(config)),
-        env={"VLLM_SERVER_DEV_MODE": "1"},  # serves POST /reset_prefix_cache
-    )
-    member = Member("kv", f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}", TOPIC)
-    return spec, member
-
 
 @pytest.fixture
-def kv_server(server_pool: ServerPool, kv_spec: tuple[ServerSpec, Member]) -> VLLMServer:
-    return server_pool.get_one("kv_events", kv_spec[0])
+def member(chunked_kv_events: tuple[int, int, str]) -> Member:
+    """The member that follows the session's chunked-prefill server, which
+    publishes its KV events (`chunked_spec` in tests/conftest.py)."""
+    pub, replay, topic = chunked_kv_events
+    return Member("kv", f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}", topic)
 
 
 def block_size(server: VLLMServer) -> int:
@@ -81,9 +56,9 @@ async def until(what: str, check: Callable[[], bool], timeout: float = 15.0) -> 
 
 
 def test_the_index_follows_the_prefix_cache_of_a_real_instance(
-    kv_server: VLLMServer, kv_spec: tuple[ServerSpec, Member], tiny_model: Path
+    single_server_chunked: VLLMServer, member: Member, tiny_model: Path
 ) -> None:
-    member = kv_spec[1]
+    kv_server = single_server_chunked
     n = block_size(kv_server)
     length = 5 * n + n // 3  # five full blocks and a partial one (max-model-len 1024)
     assert length + 2 <= 1024
