@@ -56,8 +56,9 @@ from rapidkv.connector.metrics import (
     StatsCadence,
     StatsDelta,
 )
+from rapidkv.connector.rank_links import ModelHeads
 from rapidkv.connector.scheduler_side import SchedulerSide, model_fingerprint
-from rapidkv.connector.worker_side import ModelHeads, WorkerSide
+from rapidkv.connector.worker_side import WorkerSide
 
 log = logging.getLogger(__name__)
 

@@ -49,10 +49,11 @@ import torch
 from rapidkv.connector.bypass import BypassMsg, BypassReceiver, Peer
 from rapidkv.connector.config import ConnectorConfig
 from rapidkv.connector.metadata import RankInfo, StepMeta, WorkerMeta, peer_name
+from rapidkv.connector.rank_links import ModelHeads, RankLinks, describe_heads
 from rapidkv.kvt.coordinator import CoordinatorError
 from rapidkv.kvt.faults import SendFaults
-from rapidkv.kvt.head_map import MappingError, find_head_dim, heads_from_tensor, route
-from rapidkv.kvt.layout import LayerLayout, Layout, layer_layout_from_tensor
+from rapidkv.kvt.head_map import route
+from rapidkv.kvt.layout import Layout, layer_layout_from_tensor
 from rapidkv.kvt.messages import SendDone
 from rapidkv.kvt.task import Task
 from rapidkv.kvt.transport import create_transport
@@ -79,15 +80,6 @@ class SplitLoad:
     ok: bool | None = None  # None: layers still arriving
 
 
-@dataclass(frozen=True)
-class ModelHeads:
-    """What the model says of its KV heads, for `Heads` in the layouts."""
-
-    total: int  # KV heads of the model, all ranks together
-    tp_size: int
-    head_size: int
-
-
 class WorkerSide:
     def __init__(
         self,
@@ -104,9 +96,7 @@ class WorkerSide:
         self.heads = heads
         self.kvt: KvtWorker | None = None
         self.bypass: BypassReceiver | None = None
-        self._peers: dict[str, int] = {}  # destination instance -> generation connected
-        # destination instance -> its ranks this rank sends to (connected)
-        self._targets: dict[str, list[int]] = {}
+        self._links = RankLinks()  # destination ranks connected (under _peers_lock)
         self._peers_lock = threading.Lock()
         self.info: RankInfo | None = None
         self.layer_index: dict[str, int] = {}
@@ -154,7 +144,25 @@ class WorkerSide:
             layer = layer_layout_from_tensor(
                 kv.data_ptr(), kv.shape, kv.stride(), kv.element_size(), block_dim, k
             )
-            layouts.append(self._with_heads(layer, kv, block_dim, k))
+            if self.heads is not None:
+                layer, why = describe_heads(
+                    layer,
+                    tuple(kv.shape),
+                    kv.element_size(),
+                    block_dim,
+                    k,
+                    self.heads,
+                    self.rank,
+                    self.block_size,
+                )
+                if why and not i:
+                    log.warning(
+                        "rapidkv worker rank %d: KV heads not described (%s); only "
+                        "instances of the same TP size can pair with this one",
+                        self.rank,
+                        why,
+                    )
+            layouts.append(layer)
         layout = Layout(tuple(layouts), num_blocks)
         first = next(iter(kv_caches.values()))
         self.kvt = KvtWorker(
@@ -195,42 +203,6 @@ class WorkerSide:
             layout.block_bytes,
             self.config.transport,
         )
-
-    def _with_heads(
-        self, layer: LayerLayout, kv: torch.Tensor, block_dim: int, k: int
-    ) -> LayerLayout:
-        """`layer` with the KV heads it holds, where the model and the tensor's
-        shape tell (else as it is: it pairs with equal TP only)."""
-        m = self.heads
-        if m is None:
-            return layer
-        shape = tuple(kv.shape)
-        try:
-            local = max(m.total // m.tp_size, 1)
-            head_dim = find_head_dim(shape, block_dim, local, m.head_size)
-            if head_dim is None:
-                raise MappingError(f"no head dimension found in {shape}")
-            heads = heads_from_tensor(
-                shape,
-                kv.element_size(),
-                block_dim,
-                head_dim,
-                total=m.total,
-                tp_size=m.tp_size,
-                rank=self.rank,
-                head_size=m.head_size,
-                block_size=self.block_size,
-                kernel_blocks_per_block=k,
-            )
-        except MappingError as e:
-            log.warning(
-                "rapidkv worker rank %d: KV heads not described (%s); only instances of "
-                "the same TP size can pair with this one",
-                self.rank,
-                e,
-            )
-            return layer
-        return msgspec.structs.replace(layer, heads=heads)
 
     # -- per step ---------------------------------------------------------------
 
@@ -507,21 +479,14 @@ class WorkerSide:
             )
             return
         with self._peers_lock:
-            known = self._peers.get(peer.instance_id)
-            targets = self._targets.get(peer.instance_id, [])
-            if known is not None and (
-                known > peer.generation or (known == peer.generation and peer.rank in targets)
-            ):
+            offer = self._links.offer(peer.instance_id, peer.generation, peer.rank, sends)
+            if offer is None:
                 return
-            if known is not None and known < peer.generation:
-                for rank in targets:
-                    kvt.remove_peer(peer_name(peer.instance_id, rank))
-                if targets:
-                    self._count("peers_replaced")
-                targets = []
-            self._peers[peer.instance_id] = peer.generation
-            self._targets[peer.instance_id] = targets
-            if not sends:
+            for rank in offer.remove:
+                kvt.remove_peer(peer_name(peer.instance_id, rank))
+            if offer.remove:
+                self._count("peers_replaced")
+            if not offer.add:
                 return
             try:
                 kvt.add_peer(peer.transport_metadata, layout, peer.rank)
@@ -532,15 +497,14 @@ class WorkerSide:
                     peer.instance_id,
                     peer.rank,
                 )
-            self._targets[peer.instance_id] = [*targets, peer.rank]
 
     def _drop_peer(self, instance_id: str, generation: int) -> None:
         """Forget a destination that is gone, unless a newer entry replaced it."""
         with self._peers_lock:
-            if self._peers.get(instance_id) != generation:
+            ranks = self._links.drop(instance_id, generation)
+            if ranks is None:
                 return
-            del self._peers[instance_id]
-            for rank in self._targets.pop(instance_id, []):
+            for rank in ranks:
                 self._require_kvt().remove_peer(peer_name(instance_id, rank))
             self._count("peers_dropped")
 
@@ -573,7 +537,7 @@ class WorkerSide:
         to an unknown peer: D recomputes)."""
         out = []
         for t in tasks:
-            ranks = self._targets.get(t.peer)
+            ranks = self._links.targets(t.peer)
             for rank in [self.rank] if ranks is None else list(ranks):
                 out.append(msgspec.structs.replace(t, peer=peer_name(t.peer, rank)))
         return out
@@ -592,7 +556,7 @@ class WorkerSide:
         instance_id = peer.rpartition(".r")[0]
         # not under _peers_lock: the engine thread holds it while it waits for
         # this thread to add or remove a peer (one dict read is atomic)
-        generation = self._peers.get(instance_id)
+        generation = self._links.generation(instance_id)
         if generation is None:
             return  # already dropped
         with self._lock:

@@ -20,7 +20,8 @@ many send to this destination rank (`SendDone.sources`, `LayersLanded.sources`).
 
 Invariants (tests/kvt/test_gather.py, hypothesis over orders and outcomes):
 - one combined `SendDone` per transfer, only after every source's, ok iff all;
-- a duplicate from the same source rank changes nothing;
+- a duplicate from the same source rank changes nothing, also after the
+  transfer was handed on;
 - `layers` never exceeds what some source said, and is monotonic.
 
 Memory: at most `memory` transfers are kept per kind (the oldest forgotten).
@@ -39,6 +40,7 @@ class Gather:
     def __init__(self, memory: int = 4096) -> None:
         self.memory = memory
         self._dones: OrderedDict[str, dict[int, SendDone]] = OrderedDict()
+        self._over: OrderedDict[str, None] = OrderedDict()  # handed on (several sources)
         # xfer id -> (sources, source rank -> leading layers in place)
         self._landed: OrderedDict[str, tuple[int, dict[int, int]]] = OrderedDict()
 
@@ -47,6 +49,8 @@ class Gather:
         every source rank's came, else None."""
         if msg.sources <= 1:
             return msg
+        if msg.xfer_id in self._over:
+            return None  # a duplicate after the transfer was handed on
         if msg.ok:
             self._note(msg.xfer_id, msg.sources, msg.rank, ALL_LAYERS)
         parts = self._dones.setdefault(msg.xfer_id, {})
@@ -55,6 +59,8 @@ class Gather:
         if len(parts) < msg.sources:
             return None
         del self._dones[msg.xfer_id]
+        self._over[msg.xfer_id] = None
+        self._trim(self._over)
         ranks = sorted(parts)
         errors = [f"rank {r}: {parts[r].error}" for r in ranks if not parts[r].ok]
         return SendDone(
