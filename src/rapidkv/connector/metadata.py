@@ -11,7 +11,8 @@
   needs to reach this rank's KV memory.
 
 Tasks in `StepMeta` name the destination *instance* as their peer; each worker
-rank sends to the same rank of the destination, whose transport is named
+rank sends to the ranks of the destination it routes KV heads to (the same rank
+at equal TP sizes; `rank_links`), each of whose transports is named
 `peer_name(instance, rank)`.
 """
 
