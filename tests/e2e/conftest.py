@@ -4,7 +4,7 @@ pool, and the SmolLM2 references (one SmolLM2 instance, started once)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,16 @@ from pd_harness import (
     migration_chat_body,
 )
 from smollm2_refs import take as take_smollm2_references
+from tp_harness import (
+    PD_TP2,
+    SINGLE_TP2,
+    mixed_prompts,
+    single_tp2_spec,
+    tp2_pair,
+    tp_prompts,
+)
 
+from rapidkv.bench.common.reference import take_references
 from rapidkv.connector.config import kv_transfer_config
 from rapidkv.harness import ServerPool, ServerSpec, free_port, random_prompts
 from rapidkv.harness.client import complete_full, complete_many
@@ -42,16 +51,17 @@ from rapidkv.harness.etcd import EtcdServer, EtcdUnavailable
 from rapidkv.harness.server import TOOL_CALLING_ARGS, pd_specs
 
 # The e2e files in the order that starts the fewest servers (the pool runs at
-# most two; switching groups costs a start of ~30 s): the demo first (its
-# servers are its own: it runs alone), the single instance's tests (the
-# reference outputs are computed on it, still running), the router's own e2e
-# test (from tests/router: the same two single instances) and the KV events'
-# (the chunked one publishes them), then every user
-# of the shared pair, the fleet's last (its pair test first) but the one that
-# restarts the pair with other control ports (the pair is then stopped), then
-# the files with groups of their own. A file not named runs after these, in
-# collection order; the order inside a file is kept. Names are relative to
-# this directory.
+# most two but for the groups a test keeps; switching groups costs a start of
+# ~25 s): the demo first (its servers are its own: it runs alone), the single
+# instance's tests (the reference outputs are computed on it, still running),
+# the router's own e2e test (from tests/router: the same two single instances)
+# and the KV events' (the chunked one publishes them), then every user of the
+# shared pair: the fleet's last (its pair test first), then the TP modules (the
+# TP 2 pair starts beside the shared one: the mixed pairs are made of both),
+# then the one that restarts the pair with other control ports (the pair is
+# then stopped); then the files with groups of their own. A file not named runs
+# after these, in collection order; the order inside a file is kept. Names are
+# relative to this directory.
 E2E_ORDER = (
     "test_demo.py",
     "test_single_instance_oracle.py",
@@ -68,12 +78,13 @@ E2E_ORDER = (
     "test_pd_faults.py",
     "test_fleet_etcd.py",
     "test_fleet.py",
+    "test_pd_tp.py",
+    "test_pd_tp_mixed.py",
     "test_pd_control_moved.py",
     "test_pd_failing_transfers.py",
     "test_pd_abort_while_writing.py",
     "test_pd_small_p.py",
     "test_pd_netns.py",
-    "test_pd_tp.py",
     "test_pd_bf16.py",
     "test_pd_smollm2.py",
     "test_kv_aware.py",
@@ -162,21 +173,25 @@ def workloads(
     single = single_server_starter()
     server_pool.prestart({"pd": pd_pair_specs[0]}, keep=["single"])
     with ThreadPoolExecutor(4) as batches:
-
-        def ask(prompts: list, max_tokens: int, **kw: Any) -> Future:
-            return batches.submit(complete_many, single.base_url, prompts, max_tokens, **kw)
-
-        out = _references(tiny_model, single.base_url, ask)
+        out = _references(tiny_model, single.base_url, batches)
         return {
             name: (prompts, refs.result() if isinstance(refs, Future) else refs)
             for name, (prompts, refs) in out.items()
         }
 
 
-def _references(tiny_model: Path, url: str, ask: Callable[..., Future]) -> dict[str, Any]:
+def _references(tiny_model: Path, url: str, batches: ThreadPoolExecutor) -> dict[str, Any]:
     """`workloads`' prompts, each with their references on the single instance
-    at `url` (or the `Future` of them, from `ask`, which sends a batch)."""
+    at `url` (or the `Future` of them: a batch of prompts sent by `batches`)."""
+
+    def ask(prompts: list, max_tokens: int, **kw: Any) -> Future:
+        return batches.submit(complete_many, url, prompts, max_tokens, **kw)
+
     out: dict[str, tuple[Any, Any]] = {}
+    # test_pd_tp_mixed: the TP 1 answers, with their top-2 margins (near-ties)
+    mixed = mixed_prompts(tiny_model)
+    for name, prompts in zip(("tp-mixed", "tp-mixed-split"), mixed, strict=True):
+        out[name] = (prompts, batches.submit(take_references, url, prompts, MAX_TOKENS, 120))
     for seed, name in enumerate(MODE_RUNS):
         prompts = random_prompts(tiny_model, LENGTHS * 2, seed=1000 + seed)
         out[name] = (prompts, ask(prompts, MAX_TOKENS, concurrency=4))
@@ -268,6 +283,37 @@ def _references(tiny_model: Path, url: str, ask: Callable[..., Future]) -> dict[
         )
         out[name] = (one, ask(one, MAX_TOKENS))
     return out
+
+
+@pytest.fixture(scope="session")
+def tp2_references(
+    server_pool: ServerPool,
+    tiny_model: Path,
+    pd_pair_specs: tuple[list[ServerSpec], tuple[str, str]],
+) -> dict[str, Any]:
+    """The TP 2 instance's answers to test_pd_tp's prompts (`tp_prompts`:
+    "tp", "tp-split") and to test_pd_tp_mixed's (`mixed_prompts`, with their
+    top-2 margins: "tp-mixed", "tp-mixed-split"), taken while the TP 2 pair
+    starts beside it, the shared TP 1 pair kept running (the mixed pairs are
+    made of both pairs); the TP 2 instance is stopped after."""
+    spec = single_tp2_spec(tiny_model)
+    pair_specs, _ = tp2_pair(tiny_model)
+    server_pool.prestart({SINGLE_TP2: [spec], PD_TP2: pair_specs}, keep=["pd"])
+    url = server_pool.get_one(SINGLE_TP2, spec).base_url
+    with ThreadPoolExecutor(4) as batches:
+        (tp, tp_split), (mixed, mixed_split) = tp_prompts(tiny_model), mixed_prompts(tiny_model)
+        out = {
+            "tp": (tp, batches.submit(complete_many, url, tp, MAX_TOKENS, concurrency=4)),
+            "tp-split": (tp_split, batches.submit(complete_many, url, tp_split, MAX_TOKENS)),
+            "tp-mixed": (mixed, batches.submit(take_references, url, mixed, MAX_TOKENS, 120)),
+            "tp-mixed-split": (
+                mixed_split,
+                batches.submit(take_references, url, mixed_split, MAX_TOKENS, 120),
+            ),
+        }
+        refs = {name: (prompts, answers.result()) for name, (prompts, answers) in out.items()}
+    server_pool.stop(SINGLE_TP2)
+    return refs
 
 
 # -- a P with a small block pool (15 usable blocks), one transfer per D at a time

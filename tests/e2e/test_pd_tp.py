@@ -4,9 +4,10 @@ RapidKVConnector on every rank, each rank sending its own half of the KV heads
 to the same rank of D.
 
 TP changes the order of the reductions, so the oracle is one instance at TP 2
-(float32, greedy), run first and stopped (at most two servers run). P and D
-are warmed first (a fresh TP 2 engine's first forwards are slow enough for the
-router's discovery probe to give up). Then, through the router:
+(float32, greedy), run while the pair starts and stopped after
+(`tp2_references`). P and D are warmed first (a fresh TP 2 engine's first
+forwards are slow enough for the router's discovery probe to give up). Then,
+through the router:
 
 1. without split prefill, prompts at concurrency 4 (dual dispatch: P's ranks
    send layer by layer and acknowledge substeps): every output is the TP 2
@@ -34,7 +35,7 @@ from pd_harness import (
     block_bytes,
     wait_for,
 )
-from tp_harness import PD_TP2, SINGLE_TP2, TP, single_tp2_spec, tp2_pair
+from tp_harness import PD_TP2, TP, tp2_pair
 
 from rapidkv.harness import ServerPool, random_prompts
 from rapidkv.harness.client import complete_many, get_metrics, metric_sum, stream_many
@@ -43,24 +44,20 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
-def tp_case(server_pool: ServerPool, tiny_model: Path) -> Iterator[dict]:
-    """The TP 2 instance's answers, then the TP 2 pair (a group of its own,
-    `tp_harness`: test_pd_tp_mixed uses it too; kept running if it already
-    runs), warmed. The pool stops the pair when another group needs room."""
-    prompts = random_prompts(tiny_model, [5, 130, 300, 600, 900, 250, 400, 700], seed=3900)
-    split = random_prompts(tiny_model, [450, 800, 640], seed=3901)
-    single = server_pool.get(SINGLE_TP2, [single_tp2_spec(tiny_model)], keep=[PD_TP2])[0]
-    refs = complete_many(single.base_url, prompts, MAX_TOKENS, concurrency=4)
-    split_refs = complete_many(single.base_url, split, MAX_TOKENS)
-    server_pool.stop(SINGLE_TP2)
+def tp_case(server_pool: ServerPool, tiny_model: Path, tp2_references: dict) -> Iterator[dict]:
+    """The TP 2 instance's answers (`tp2_references`, taken while the TP 2
+    pair started), then the TP 2 pair (`tp_harness`: test_pd_tp_mixed uses it
+    too), warmed, the shared TP 1 pair left running beside it for that module.
+    The pool stops the pairs when another group needs room."""
+    prompts, refs = tp2_references["tp"]
     specs, (p_control, d_control) = tp2_pair(tiny_model)
-    p, d = server_pool.get(PD_TP2, specs)
+    p, d = server_pool.get(PD_TP2, specs, keep=["pd"])
     warm = random_prompts(tiny_model, [100, 300], seed=3902)
     for server in (p, d):
         complete_many(server.base_url, warm, 2)
     pair = Pair(tiny_model, p, d, p_control, d_control)
     try:
-        yield {"pair": pair, "prompts": prompts, "refs": refs, "split": (split, split_refs)}
+        yield {"pair": pair, "prompts": prompts, "refs": refs, "split": tp2_references["tp-split"]}
     finally:
         pair.close()
 

@@ -16,7 +16,8 @@ References: a mixed pair computes the prompt at one TP size and decodes at
 the other, so its outputs may follow either instance's order of reductions
 (TP changes the all-reduce sums). Each output is compared with both the TP 1
 single instance's and the TP 2 single instance's (`single_tp2`, as test_pd_tp
-uses it), taken with top-2 logprobs: equal to either passes; otherwise it must
+uses it; both taken once a session, while pairs start: `workloads` and
+`tp2_references`), with top-2 logprobs: equal to either passes; otherwise it must
 be a near-tie of one of them (at the first divergence, that reference's two
 best tokens within `NEAR_TIE_MARGIN`: a different summation order may pick
 either), else it is a hard mismatch and fails. How many outputs matched and
@@ -50,16 +51,14 @@ from pd_harness import (
     block_bytes,
     wait_for,
 )
-from tp_harness import PD_TP2, SINGLE_TP2, TP, single_tp2_spec, tp2_pair
+from tp_harness import PD_TP2, TP, tp2_pair
 
-from rapidkv.bench.common.reference import NEAR_TIE_MARGIN, Reference, classify, take_references
+from rapidkv.bench.common.reference import NEAR_TIE_MARGIN, Reference, classify
 from rapidkv.harness import ServerPool, ServerSpec, random_prompts
 from rapidkv.harness.client import complete_many, get_metrics, metric_sum, stream_many
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 
-PROMPTS = [5, 130, 300, 600, 900, 250]
-SPLIT = [450, 800]
 SHARED = "pd"  # the shared TP 1 pair's pool key (tests/e2e/conftest.py: pd_pair)
 
 
@@ -76,25 +75,21 @@ def verdict(token_ids: list[int], refs: tuple[Reference, Reference]) -> str:
 def mixed(
     server_pool: ServerPool,
     tiny_model: Path,
-    single_server_starter,
+    workloads: dict,
+    tp2_references: dict,
     pd_pair_specs: tuple[list[ServerSpec], tuple[str, str]],
 ) -> Iterator[dict]:
-    """The references of both single instances, then both pairs running at
-    once, and the two mixed pairs made of them."""
-    prompts = random_prompts(tiny_model, PROMPTS, seed=3950)
-    split = random_prompts(tiny_model, SPLIT, seed=3951)
+    """The references of both single instances (TP 1: `workloads`, TP 2:
+    `tp2_references`, both taken once a session while pairs started), then
+    both pairs running at once, and the two mixed pairs made of them; the TP 2
+    pair is stopped after."""
     refs: dict[str, list[tuple[Reference, Reference]]] = {}
-    single = single_server_starter()
-    tp1 = {
-        name: take_references(single.base_url, ps, MAX_TOKENS, 120)
-        for name, ps in (("dual", prompts), ("split", split))
-    }
-    single_tp2 = server_pool.get(SINGLE_TP2, [single_tp2_spec(tiny_model)], keep=["single"])[0]
-    for name, ps in (("dual", prompts), ("split", split)):
-        tp2 = take_references(single_tp2.base_url, ps, MAX_TOKENS, 120)
-        refs[name] = list(zip(tp1[name], tp2, strict=True))
-    server_pool.stop(SINGLE_TP2)
-    server_pool.stop("single")
+    for name, key in (("dual", "tp-mixed"), ("split", "tp-mixed-split")):
+        prompts, tp1 = workloads[key]
+        tp2_prompts, tp2 = tp2_references[key]
+        assert tp2_prompts == prompts
+        refs[name] = list(zip(tp1, tp2, strict=True))
+    prompts, split = workloads["tp-mixed"][0], workloads["tp-mixed-split"][0]
     shared_specs, (shared_pc, shared_dc) = pd_pair_specs
     shared_p, shared_d = server_pool.get(SHARED, shared_specs, keep=[PD_TP2])
     tp2_specs, (tp2_pc, tp2_dc) = tp2_pair(tiny_model)
@@ -113,6 +108,9 @@ def mixed(
     finally:
         for pair in pairs.values():
             pair.close()
+        # the TP 2 pair's last user: its four rank processes stop taking cores
+        # from the shared pair's tests that follow
+        server_pool.stop(PD_TP2)
 
 
 def run_direction(mixed: dict, direction: str, d_ranks: int) -> dict[str, Counter]:

@@ -8,7 +8,10 @@ serves the next.
   ranks on cores 0 and 1;
 - `tp2_pair`: the TP 2 P/D pair (pool key `pd_tp2`), P's two ranks on core 0,
   D's on core 1, chunked prefill of 256 tokens, control ports fixed for the
-  session.
+  session;
+- `tp_prompts`, `mixed_prompts`: each module's prompts (dual dispatch, split
+  prefill), whose references the session fixtures `tp2_references` and
+  `workloads` (TP 1) take in tests/e2e/conftest.py.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from pathlib import Path
 
 from pd_harness import connector_config
 
-from rapidkv.harness import ServerSpec, free_port
+from rapidkv.harness import ServerSpec, free_port, random_prompts
 from rapidkv.harness.server import pd_specs
 
 TP = 2
@@ -44,3 +47,15 @@ def tp2_pair(model: Path) -> tuple[tuple[ServerSpec, ...], tuple[str, str]]:
     specs = pd_specs(model, connector_config(pc), connector_config(dc), chunked)
     specs = [s.replace(tensor_parallel_size=TP) for s in specs]
     return tuple(specs), (f"127.0.0.1:{pc}", f"127.0.0.1:{dc}")
+
+
+def tp_prompts(model: Path) -> tuple[list[list[int]], list[list[int]]]:
+    """test_pd_tp's prompts: for dual dispatch, for split prefill."""
+    prompts = random_prompts(model, [5, 130, 300, 600, 900, 250, 400, 700], seed=3900)
+    return prompts, random_prompts(model, [450, 800, 640], seed=3901)
+
+
+def mixed_prompts(model: Path) -> tuple[list[list[int]], list[list[int]]]:
+    """test_pd_tp_mixed's prompts: for dual dispatch, for split prefill."""
+    prompts = random_prompts(model, [5, 130, 300, 600, 900, 250], seed=3950)
+    return prompts, random_prompts(model, [450, 800], seed=3951)
