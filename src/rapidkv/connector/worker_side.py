@@ -51,6 +51,7 @@ from rapidkv.connector.config import ConnectorConfig
 from rapidkv.connector.metadata import RankInfo, StepMeta, WorkerMeta, peer_name
 from rapidkv.connector.rank_links import ModelHeads, RankLinks, describe_heads
 from rapidkv.kvt.coordinator import CoordinatorError
+from rapidkv.kvt.device_ready import kv_memory, layer_ready_for
 from rapidkv.kvt.faults import SendFaults
 from rapidkv.kvt.head_map import route
 from rapidkv.kvt.layout import Layout, layer_layout_from_tensor
@@ -135,7 +136,14 @@ class WorkerSide:
     # -- start-up ---------------------------------------------------------------
 
     def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
-        """Describe and register the KV caches (one tensor per attention layer)."""
+        """Describe and register the KV caches (one tensor per attention layer):
+        host memory as DRAM, CUDA tensors as VRAM whose layers leave once the
+        GPU wrote them (`kvt.device_ready`). Raises `ValueError` for caches of
+        mixed kinds or devices, or VRAM over a transport that moves host
+        memory only (tcp)."""
+        caches = list(kv_caches.values())
+        memory = kv_memory(self.config.transport, caches)
+        ready = layer_ready_for(caches[0], len(caches))
         layouts = []
         for i, (name, kv) in enumerate(kv_caches.items()):
             self.layer_index[name] = i
@@ -164,12 +172,13 @@ class WorkerSide:
                     )
             layouts.append(layer)
         layout = Layout(tuple(layouts), num_blocks)
-        first = next(iter(kv_caches.values()))
+        first = caches[0]
         self.kvt = KvtWorker(
             create_transport(
                 self.config.transport,
                 peer_name(self.instance_id, self.rank),
                 **self.config.transport_options(),
+                **memory.options,
             ),
             layout,
             rank=self.rank,
@@ -178,9 +187,10 @@ class WorkerSide:
             on_posted=self._on_posted,
             on_peer_failed=self._on_peer_failed,
             write_timeout_s=self.config.write_timeout_s,
-            hugepages=self.config.hugepages,
+            hugepages=self.config.hugepages and memory.host,
             bandwidth_cap_bps=self.config.bandwidth_cap_gbps * 1e9,
             faults=SendFaults(self.config.debug_fail_transfer_rate, self.config.debug_send_delay_s),
+            ready=ready,
         )
         self.bypass = BypassReceiver(self.rank, self._on_bypass, self.config.debug_bypass_delay_s)
         self.info = RankInfo(
@@ -196,12 +206,13 @@ class WorkerSide:
             kernel_blocks_per_block=first.shape[0] // num_blocks if num_blocks else 1,
         )
         log.info(
-            "rapidkv worker rank %d: %d layers, %d blocks of %d bytes registered (%s)",
+            "rapidkv worker rank %d: %d layers, %d blocks of %d bytes registered (%s, %s)",
             self.rank,
             len(layouts),
             num_blocks,
             layout.block_bytes,
             self.config.transport,
+            memory,
         )
 
     # -- per step ---------------------------------------------------------------

@@ -18,19 +18,42 @@ for layer i's event also covers every layer before it.
 - `memory_kind(tensor)`: "DRAM" or "VRAM", what NIXL registers it as;
   `nixl_options(tensors)`: the transport options for a worker's KV caches
   (all of one kind and device, or a clear error).
-- `layer_ready_for(tensor, num_layers)`: the right one of the two above.
+- `layer_ready_for(tensor, num_layers)`: `AlwaysReady` or `CudaReady`, by the
+  tensor's memory kind.
+- `kv_memory(transport, tensors)`: the kind and device as a `KvMemory`, with
+  the options `create_transport(transport, ...)` registers them with, or a
+  `ValueError` (mixed kinds or devices; VRAM over `tcp`).
 
-Whoever builds a `KvtWorker` over CUDA KV caches makes one
-`layer_ready_for(first_kv_cache)` and passes it as `KvtWorker(ready=...)`
-(`scripts/device-check` does); the connector's worker side does not yet: it
-registers its caches as DRAM and passes no `ready`. Nothing else of kvt knows
-about CUDA.
+Whoever builds a `KvtWorker` over KV caches asks this module what they are:
+`kv_memory(transport, kv_caches)` (the kind and device, and the transport
+options that register them: NIXL's `mem_type`/`device_id`; VRAM over a
+transport that moves host memory only, `tcp`, is refused naming both) and
+`layer_ready_for(first_kv_cache, num_layers)`, passed as `KvtWorker(ready=...)`.
+The connector's worker side does so at registration (`WorkerSide.register`):
+on the CPU nothing changes (DRAM, `AlwaysReady`), CUDA KV caches register as
+VRAM with a `CudaReady`, and vLLM's `save_kv_layer` -> `WorkerSide.layer_saved`
+-> `KvtWorker.layer_done(i)` records layer i's event on the engine thread right
+after vLLM queued the layer. `scripts/device-check` builds a `KvtWorker` over
+CUDA caches itself. Nothing has run on a GPU here yet (no device was lent):
+`scripts/device-check` is the check to run on one.
+
+The receiving side needs no event: a destination whose KV caches are VRAM
+takes NIXL's writes straight into them, and its engine reads them only after
+kvt reported them: a whole load once its SendDone arrived (`finished_recving`:
+vLLM schedules the request in a later step, whose kernels are queued after
+that), a split prefill's head layer by layer once `LayersLanded` covered the
+layer (`wait_for_layer_load` returns, and only then is that layer's attention
+queued). D's own forward does not write those blocks meanwhile: they belong
+to the request that waits for them.
+
+Nothing else of kvt knows about CUDA.
 Only this module imports torch, and only for CUDA tensors.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 
@@ -117,3 +140,43 @@ def layer_ready_for(tensor: Any, num_layers: int) -> LayerReady:
     if memory_kind(tensor) == "VRAM":
         return CudaReady(num_layers, f"cuda:{device_id(tensor)}")
     return AlwaysReady()
+
+
+HOST_ONLY = frozenset({"tcp"})
+"""Transports that move host memory only: tcp reads and writes registered
+memory through host pointers (`tcp_memory`) and takes no memory kind."""
+
+
+@dataclass(frozen=True)
+class KvMemory:
+    """A worker's KV caches as its transport registers them."""
+
+    mem_type: str  # "DRAM" or "VRAM"
+    device_id: int
+    options: dict[str, Any] = field(default_factory=dict)  # create_transport's, for them
+
+    @property
+    def host(self) -> bool:
+        """In host memory (huge pages apply to it, `KvtWorker(hugepages=...)`)."""
+        return self.mem_type == "DRAM"
+
+    def __str__(self) -> str:
+        return self.mem_type if self.host else f"{self.mem_type} on cuda:{self.device_id}"
+
+
+def kv_memory(transport: str, tensors: Sequence[Any]) -> KvMemory:
+    """What `tensors` (a worker's KV caches) are and the `create_transport(transport,
+    ...)` options that register them: NIXL's `mem_type` and `device_id`, none for
+    a host-only transport. Raises `ValueError` where they mix kinds or devices,
+    or are VRAM and `transport` moves host memory only."""
+    options = nixl_options(tensors)
+    mem_type, device = options["mem_type"], options["device_id"]
+    if transport not in HOST_ONLY:
+        return KvMemory(mem_type, device, options)
+    if mem_type != "DRAM":
+        raise ValueError(
+            f"transport {transport!r} cannot move {mem_type}: the KV caches are on "
+            f"cuda:{device} and {transport} reads and writes host memory only; "
+            "use transport 'nixl'"
+        )
+    return KvMemory(mem_type, device)
