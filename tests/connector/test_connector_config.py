@@ -116,3 +116,17 @@ def test_an_inline_secret_is_warned_about_once(monkeypatch, caplog, tmp_path) ->
     [record] = caplog.records
     assert "`ps`" in record.message and "secret_file" in record.message
     assert "inline-secret" not in record.message
+
+
+def test_injected_failures_are_limited_to_the_ranks_named() -> None:
+    from rapidkv.kvt.faults import SendFaults
+
+    every = config(debug_fail_transfer_rate=0.5, debug_send_delay_s=0.2)
+    assert every.send_faults(0) == every.send_faults(1) == SendFaults(0.5, 0.2)
+    one = config(debug_fail_transfer_rate=1.0, debug_send_delay_s=0.2, debug_fail_ranks=[1])
+    assert one.debug_fail_ranks == (1,)
+    assert one.send_faults(1) == SendFaults(1.0, 0.2)
+    assert one.send_faults(0) == SendFaults(0.0, 0.2)  # delays everywhere, failures on 1 only
+    assert config().send_faults(0) == SendFaults() and not config().send_faults(0)
+    with pytest.raises(ValueError, match="debug_fail_ranks"):
+        config(debug_fail_ranks=[-1])

@@ -19,6 +19,7 @@ import msgspec
 
 from rapidkv.control.address import WILDCARD_HOSTS
 from rapidkv.control.framing import read_secret_file
+from rapidkv.kvt.faults import SendFaults
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +78,11 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     # transfers at one of their layers, as a write the transport gave up on would
     # (D recomputes, P frees), and hold each transfer's sends for a random time up
     # to `debug_send_delay_s`; both decided from the xfer_id, so every TP rank
-    # agrees (kvt.faults); 0 in production
+    # agrees (kvt.faults); 0 in production. `debug_fail_ranks`: only these TP
+    # ranks fail them (the others write their heads whole); empty: every rank
     debug_fail_transfer_rate: float = 0.0
     debug_send_delay_s: float = 0.0
+    debug_fail_ranks: tuple[int, ...] = ()
     # fleet membership (rapidkv.membership): with etcd endpoints (base URLs),
     # this instance keeps its record (advertise_url, control address, roles,
     # block size, identity) under `<etcd_prefix>instances/<instance id>` with a
@@ -105,6 +108,8 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             raise ValueError("debug_fail_transfer_rate must be between 0 and 1")
         if self.debug_send_delay_s < 0:
             raise ValueError("debug_send_delay_s must be >= 0")
+        if any(r < 0 for r in self.debug_fail_ranks):
+            raise ValueError("debug_fail_ranks are TP ranks: >= 0")
         if not self.peer_idle_ttl_s > 0:
             raise ValueError("peer_idle_ttl_s must be > 0")
         if self.etcd_endpoints and not self.advertise_url:
@@ -170,6 +175,14 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     def control_advertised_host(self) -> str:
         """The host of the control address this instance gives peers and routers."""
         return self.control_advertise_host or self.control_host
+
+    def send_faults(self, rank: int) -> SendFaults:
+        """The injected send faults of TP rank `rank`'s worker (`kvt.faults`):
+        the failure rate only on the ranks `debug_fail_ranks` names (all when
+        it is empty), the send delay on every rank."""
+        failing = not self.debug_fail_ranks or rank in self.debug_fail_ranks
+        rate = self.debug_fail_transfer_rate if failing else 0.0
+        return SendFaults(rate, self.debug_send_delay_s)
 
     def transport_options(self) -> dict[str, Any]:
         """Options of `create_transport` for this instance's data plane: tcp's

@@ -52,7 +52,6 @@ from rapidkv.connector.metadata import RankInfo, StepMeta, WorkerMeta, peer_name
 from rapidkv.connector.rank_links import ModelHeads, RankLinks, describe_heads
 from rapidkv.kvt.coordinator import CoordinatorError
 from rapidkv.kvt.device_ready import kv_memory, layer_ready_for
-from rapidkv.kvt.faults import SendFaults
 from rapidkv.kvt.head_map import route
 from rapidkv.kvt.layout import Layout, layer_layout_from_tensor
 from rapidkv.kvt.messages import SendDone
@@ -189,7 +188,7 @@ class WorkerSide:
             write_timeout_s=self.config.write_timeout_s,
             hugepages=self.config.hugepages and memory.host,
             bandwidth_cap_bps=self.config.bandwidth_cap_gbps * 1e9,
-            faults=SendFaults(self.config.debug_fail_transfer_rate, self.config.debug_send_delay_s),
+            faults=self.config.send_faults(self.rank),
             ready=ready,
         )
         self.bypass = BypassReceiver(self.rank, self._on_bypass, self.config.debug_bypass_delay_s)
