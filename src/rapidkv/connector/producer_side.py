@@ -5,25 +5,32 @@ A request with `kv_transfer_params.rapidkv.role == "prefill"` is tracked as one
 transfer (`Produced`, producer.py) from its admission until its blocks are
 released. A TransferKV that arrives before its request is parked until the
 request arrives; one accepted is planned every step (`plan_step`), at once over
-the bypass channel, or as a substep of the step in flight (`transfer_kv_mode`);
-the ranks' acks resolve substeps (journal.py). When every rank settled the
-transfer, its TransferKV is answered and its request's blocks may go.
+the bypass channel, or as a substep of the step in flight (`transfer_kv_mode`;
+what goes out when is `TransferSender`'s, transfer_sender.py); the ranks' acks
+resolve substeps (journal.py). When every rank settled the transfer, its
+TransferKV is answered and its request's blocks may go (`TransferLedger`,
+transfer_ledger.py, keeps the live transfers and tombstones, settles, aborts
+and releases them).
+
+`ProducerSide` admits requests and parks TransferKVs, fails the transfers of
+preempted requests and serves the control plane (TransferKV, Abort, a
+destination gone): it decides what ends a transfer, the ledger ends it; it
+composes both and is the only one other modules call.
 
 Invariants (all under the shared lock):
 
-- a transfer is in `_produced` from admission until released; its request is
-  in `_xfer_by_req` and `_requests` until vLLM finished it;
+- a transfer is in the ledger's `produced` from admission until released; its
+  request is in `_xfer_by_req` and `_requests` until vLLM finished it;
 - a TransferKV is parked only while its request is not admitted: at most
   `max_parked` of them, each answered NOT_FOUND once `park_ttl_s` passed;
 - at most `max_transfers_per_peer` transfers to one destination are accepted
   and not settled, or parked (a new one beyond is answered BUSY);
-- a settled or aborted transfer is tombstoned for `tombstone_ttl_s`: a
-  TransferKV for it is answered GONE, and a request admitted for it is
+- a TransferKV for a transfer the ledger tombstoned (settled or aborted, for
+  `tombstone_ttl_s`) is answered GONE, and a request admitted for it is
   aborted at once (an Abort may overtake its request);
-- a finished request's blocks are released (`PendingMeta.release`) only once
-  no write from them can be in flight: its transfer settled on every rank, or
-  was aborted before anything was sent; without a TransferKV they go after
-  `finished_ttl_s`;
+- a finished request of ours is held (`request_finished` True); its blocks go
+  once no write from them can be in flight (the ledger's invariants); without
+  a TransferKV they go after `finished_ttl_s`;
 - P's write fence: an Abort is answered OK only once no write of its transfer
   can land any more (its sends in flight settled); BUSY if that takes longer
   than `write_timeout_s`;
@@ -38,15 +45,14 @@ migration's own `xfer_id`, on the source request's `req_id`; tombstones,
 duplicates, `max_transfers_per_peer`, Abort and the write fence,
 `fail_transfers_to` and settling are P's. It is never parked (no such source:
 GONE at once). What the source computed is sent at once over the bypass
-channel, whatever the `transfer_kv_mode`; the rest with the next steps
-(`plan_step`). Further invariants:
+channel, whatever the `transfer_kv_mode` (`TransferSender.send_migration_now`);
+the rest with the next steps (`plan_step`). Further invariants:
 
-- `_migrations[req_id]` holds the migrations from that request that are not
-  over (settled, or aborted with nothing sent); one over while its source runs
-  is forgotten;
-- a request's blocks are released once no transfer from it holds them: its own
-  (P's) and every migration from it (`_live_by_req` counts them); a request
-  that finished with a migration not over is held (`request_finished` True);
+- a request that finished with a migration from it not over is held
+  (`request_finished` True); its blocks go once no transfer from it holds
+  them (its own and every migration from it: the ledger's `live_by_req`), and
+  a migration over while its source runs is forgotten (the ledger's
+  `migrations`);
 - a migration whose source is preempted fails (as P's does: the worker fences
   the freed blocks); the source itself is never touched by its migrations.
 """
@@ -56,18 +62,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from rapidkv.connector.bypass import BypassMsg
-from rapidkv.connector.journal import Entry, JournalError, Resolution, SubstepJournal
 from rapidkv.connector.metadata import StepMeta
 from rapidkv.connector.plan import Window
 from rapidkv.connector.producer import Produced, Reply
 from rapidkv.connector.shared_state import SharedState
-from rapidkv.connector.sources import Source, Sources
+from rapidkv.connector.sources import Sources
+from rapidkv.connector.transfer_ledger import TransferLedger
+from rapidkv.connector.transfer_sender import TransferSender
 from rapidkv.control.codes import Code
 from rapidkv.control.messages import (
     Abort,
@@ -82,9 +87,6 @@ log = logging.getLogger(__name__)
 
 SHUTTING_DOWN = "P is shutting down"
 
-# what a rolled-back substep restores on its Produced: (sent_upto, issued, last_issued)
-Undo = tuple[int, bool, bool]
-
 
 @dataclass
 class ParkedTransferKV:
@@ -95,8 +97,9 @@ class ParkedTransferKV:
 
 
 class ProducerSide:
-    """P's transfers: what is computed and asked for, what goes out when, and
-    when the blocks may be freed."""
+    """P's transfers: admitted and asked for (or parked), and what ends them;
+    how they end and when the blocks may be freed is the ledger's
+    (`TransferLedger`), what goes out when the sender's (`TransferSender`)."""
 
     def __init__(self, shared: SharedState, sources: Sources) -> None:
         self._shared = shared
@@ -107,18 +110,18 @@ class ProducerSide:
         self._lock = shared.lock
         self._block_size = shared.block_size
         self._tp_size = shared.tp_size
-        self._produced: dict[str, Produced] = {}  # xfer_id -> (not yet released)
+        # how transfers end, and the blocks they hold (transfer_ledger.py)
+        self._ledger = TransferLedger(shared)
+        # the ledger's own objects, never reassigned
+        self._produced = self._ledger.produced  # xfer_id -> (not yet released)
+        self._tombstones = self._ledger.tombstones  # xfer_id -> when, oldest first
+        self._migrations = self._ledger.migrations  # req_id -> migrations from it not over
         self._xfer_by_req: dict[str, str] = {}  # req_id -> xfer_id (until finished)
-        self._requests: dict[str, Any] = {}  # vLLM's request, for num_computed_tokens
+        # vLLM's request, for num_computed_tokens (the sender reads it)
+        self._requests: dict[str, Any] = {}
+        # what goes out when: each step's plan, bypass sends (transfer_sender.py)
+        self._sender = TransferSender(shared, sources, self._ledger, self._requests)
         self._parked: dict[str, ParkedTransferKV] = {}  # xfer_id ->
-        self._tombstones: OrderedDict[str, float] = OrderedDict()  # xfer_id -> when, oldest first
-        self._freeing: set[str] = set()  # released req ids whose blocks vLLM still holds
-        # req_id -> migrations from it not over (xfer_ids)
-        self._migrations: dict[str, set[str]] = {}
-        # req_id -> its transfers in _produced (its own and migrations from it)
-        self._live_by_req: Counter[str] = Counter()
-        # substeps attached to the step in flight, awaiting every rank's ack
-        self._journal: SubstepJournal[Undo] = SubstepJournal(shared.tp_size)
 
     # -- request lifecycle (engine thread; caller holds the lock) -----------------
 
@@ -135,14 +138,13 @@ class ProducerSide:
             prompt_hash(request.prompt_token_ids),
             prompt_hash(request.prompt_token_ids[:-1]),
         )
-        self._produced[xfer_id] = p
-        self._live_by_req[p.req_id] += 1
+        self._ledger.add(p)
         self._xfer_by_req[request.request_id] = xfer_id
         self._shared.timeline.event(xfer_id, "admitted")
         self._requests[request.request_id] = request
         if xfer_id in self._tombstones:
             self._counters["aborted_before_admission"] += 1
-            self._abort_produced(p, "aborted before P admitted it")
+            self._ledger.abort(p, "aborted before P admitted it")
             return
         parked = self._parked.pop(xfer_id, None)
         if parked is not None:
@@ -152,49 +154,19 @@ class ProducerSide:
     def plan_step(self, meta: StepMeta, so: Any, now: float) -> None:
         """Into the metadata of step `shared.step_id` (vLLM's scheduler output
         `so`): transfers whose request was preempted fail, what is computable
-        and asked for goes out; finished requests no TransferKV came for and old
-        tombstones expire."""
-        scheduled = so.num_scheduled_tokens
-        step_id = self._shared.step_id
-        self._expire(now)
+        and asked for goes out (`TransferSender.plan_step`); finished requests
+        no TransferKV came for and old tombstones expire."""
+        self._ledger.expire(now)
         for req_id in so.preempted_req_ids or ():
             xfer_id = self._xfer_by_req.get(req_id)
             p = self._produced.get(xfer_id) if xfer_id else None
             if p is not None and not p.aborted:
-                self._preempted(p, meta)
+                self._ledger.preempted(p, meta)
             for mx in sorted(self._migrations.get(req_id, ())):
                 m = self._produced[mx]
                 if not m.aborted:
-                    self._preempted(m, meta)
-        for p in list(self._produced.values()):
-            n = scheduled.get(p.req_id)
-            if n is not None:
-                p.block_ids = tuple(self._shared.kv_cache_manager.get_block_ids(p.req_id)[0])
-                request = self._requests.get(p.req_id)
-                start = p.computed
-                if request is not None:  # (KV past the prompt is not ours to send)
-                    start = min(request.num_computed_tokens, p.prompt_len)
-                    if self._sources.stepped(p.req_id):
-                        p.computed = start
-                    # else its first step: vLLM counts its prefix-cache hits computed,
-                    # but it hashed blocks into its cache as it *scheduled* them: a
-                    # hit may be on blocks another request computes in this very
-                    # step. Final only once the step that first scheduled the
-                    # request ended (`Sources.stepped`: a prefill request is a
-                    # source too); until then they go layer by layer, as this
-                    # step computes them.
-                p.in_flight_end = min(start + n, p.prompt_len)
-                p.scheduled_step = step_id
-                if not p.migration:  # a migration's source computes no prompt of ours
-                    meta.computes_prompt |= p.computed < p.prompt_len
-                    if p.computed < p.prompt_len - 1 <= p.in_flight_end:
-                        p.last_chunk_step = step_id
-                        self._shared.timeline.event(p.xfer_id, "last_chunk_begin", now)
-            full, step = p.next_tasks(self._block_size, scheduled=n is not None)
-            if full is not None:
-                meta.full_tasks.append(full)
-            if step is not None:
-                meta.step_tasks.append(step)
+                    self._ledger.preempted(m, meta)
+        self._sender.plan_step(meta, so, now)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> bool:
         """vLLM finished the request: whether its blocks are held until nothing
@@ -212,10 +184,10 @@ class ProducerSide:
             self._shared.timeline.event(mx, "source_finished")
             if m.window is not None and m.computed < m.window.num_tokens:
                 # what is asked for will never be computed now
-                self._abort_produced(m, "migration source finished before computing it")
+                self._ledger.abort(m, "migration source finished before computing it")
         held = bool(migrations)
         for mx in sorted(migrations):
-            self._maybe_release(self._produced[mx])
+            self._ledger.maybe_release(self._produced[mx])
         xfer_id = self._xfer_by_req.pop(req_id, None)
         if xfer_id is None:
             return held
@@ -226,12 +198,12 @@ class ProducerSide:
         p.computed = min(request.num_computed_tokens, p.prompt_len)
         p.block_ids = tuple(block_ids) or p.block_ids
         if request.status.name == "FINISHED_ABORTED":
-            self._abort_produced(p, "request aborted on P")
+            self._ledger.abort(p, "request aborted on P")
         elif self._shared.closing and p.window is None:
             # the engine is shutting down: no TransferKV is waited for
             self._counters["shutdown_released"] += 1
-            self._abort_produced(p, SHUTTING_DOWN)
-        self._maybe_release(p)
+            self._ledger.abort(p, SHUTTING_DOWN)
+        self._ledger.maybe_release(p)
         return True
 
     def shut_down(self) -> tuple[int, int]:
@@ -245,15 +217,15 @@ class ProducerSide:
         answered = released = 0
         for xfer_id, parked in list(self._parked.items()):
             del self._parked[xfer_id]
-            self._tombstone(xfer_id)
+            self._ledger.tombstone(xfer_id)
             parked.reply.resolve(
                 TransferKVReply(xfer_id=xfer_id, code=Code.GONE, message=SHUTTING_DOWN)
             )
             answered += 1
         for p in list(self._produced.values()):
             if p.finished and not p.released and p.window is None and not p.migration:
-                self._abort_produced(p, SHUTTING_DOWN)
-                self._maybe_release(p)
+                self._ledger.abort(p, SHUTTING_DOWN)
+                self._ledger.maybe_release(p)
                 released += 1
         self._counters["shutdown_refused"] += answered
         self._counters["shutdown_released"] += released
@@ -263,50 +235,28 @@ class ProducerSide:
 
     def blocks_freed(self, req_ids: Iterable[str]) -> None:
         """vLLM freed these released requests' blocks (`finished_sending`)."""
-        self._freeing.difference_update(req_ids)
+        self._ledger.blocks_freed(req_ids)
 
     def step_ended(self, step_id: int, now: float) -> None:
-        """Step `step_id` returned at `now`: what it computed is final."""
-        for p in self._produced.values():
-            if p.last_chunk_step == step_id:
-                self._shared.timeline.event(p.xfer_id, "last_chunk_end", now)
-            if p.scheduled_step == step_id:
-                p.scheduled_step = None
-                p.computed = max(p.computed, p.in_flight_end)
+        """Step `step_id` returned at `now`: what it computed is final
+        (`TransferSender.step_ended`)."""
+        self._sender.step_ended(step_id, now)
 
     def take_acks(self, acks: Iterable[tuple[int, int, int]]) -> None:
-        """The ranks' `(step, ack, rank)`: resolve the substeps of fully acked steps."""
-        for step_id, ack, rank in acks:
-            try:
-                resolution = self._journal.ack(step_id, rank, ack)
-            except JournalError:
-                log.exception("rapidkv %s: bad ack from rank %d", self._shared.instance_id, rank)
-                continue
-            if resolution is not None:
-                self._resolve(resolution)
+        """The ranks' `(step, ack, rank)`: resolve the substeps of fully acked
+        steps (`TransferSender.take_acks`)."""
+        self._sender.take_acks(acks)
 
     def take_settled(self, settled: Iterable[SendDone]) -> None:
-        """Transfers settled on a rank; one settled on every rank is over."""
-        for s in settled:
-            p = self._produced.get(s.xfer_id)
-            if p is None:
-                continue
-            p.settled_ranks[(s.rank, s.dst_rank)] = (s.ok, s.tokens_sent, s.error)
-            if p.all_settled:
-                self._settle(p)
+        """Transfers settled on a rank; one settled on every rank is over
+        (`TransferLedger.take_settled`)."""
+        self._ledger.take_settled(settled)
 
     def pending_block_frees(self) -> bool:
-        """Finished P requests still hold blocks that will be freed without
-        preempting anyone (their transfer settles, or they were released and vLLM
-        frees them at the next step): vLLM then waits a step instead of preempting
-        a running request."""
-        with self._lock:
-            pending = bool(self._freeing) or any(
-                p.finished and not p.released for p in self._produced.values()
-            )
-            if pending:
-                self._counters["pending_block_frees_waits"] += 1
-            return pending
+        """Whether finished P requests still hold blocks that will be freed
+        without preempting anyone (`TransferLedger.pending_block_frees`; takes
+        the lock)."""
+        return self._ledger.pending_block_frees()
 
     def gauges(self) -> dict[str, float]:
         """Parked TransferKVs, live transfers, tombstones, finished requests
@@ -386,9 +336,9 @@ class ProducerSide:
             if p is not None and not p.released:
                 if p.issued and not p.all_settled and p.reply is not None:
                     in_flight = p.reply.future  # resolved when every rank settled
-                self._abort_produced(p, f"aborted by peer: {msg.reason.value}")
-                self._maybe_release(p)
-            self._tombstone(msg.xfer_id)
+                self._ledger.abort(p, f"aborted by peer: {msg.reason.value}")
+                self._ledger.maybe_release(p)
+            self._ledger.tombstone(msg.xfer_id)
         if in_flight is not None:
             try:
                 await asyncio.wait_for(asyncio.shield(in_flight), self._config.write_timeout_s)
@@ -414,8 +364,8 @@ class ProducerSide:
         for p in list(self._produced.values()):
             if p.window is not None and p.window.peer == instance_id and not p.released:
                 self._counters["transfers_failed_peer_gone"] += 1
-                self._abort_produced(p, f"destination {instance_id} {why}")
-                self._maybe_release(p)
+                self._ledger.abort(p, f"destination {instance_id} {why}")
+                self._ledger.maybe_release(p)
 
     # -- internals (caller holds the lock) ---------------------------------------
 
@@ -436,7 +386,7 @@ class ProducerSide:
             self._accept(p, msg, reply)
         elif self._shared.closing:  # its request will not be admitted any more
             self._counters["shutdown_refused"] += 1
-            self._tombstone(msg.xfer_id)
+            self._ledger.tombstone(msg.xfer_id)
             return TransferKVReply(xfer_id=msg.xfer_id, code=Code.GONE, message=SHUTTING_DOWN)
         elif len(self._parked) >= self._config.max_parked:
             return TransferKVReply(
@@ -473,9 +423,7 @@ class ProducerSide:
         p = Produced(
             msg.xfer_id, source.req_id, msg.num_tokens + 1, msg.prompt_hash, migration=True
         )
-        self._produced[msg.xfer_id] = p
-        self._live_by_req[p.req_id] += 1
-        self._migrations.setdefault(p.req_id, set()).add(p.xfer_id)
+        self._ledger.add(p)
         self._requests[p.req_id] = source.request  # read by plan_step until it finishes
         window = Window(
             msg.xfer_id, msg.dst_instance, tuple(msg.dst_blocks), msg.first_block, msg.num_tokens
@@ -488,7 +436,7 @@ class ProducerSide:
         state = "in_step" if in_step else "between_steps"
         self._shared.timeline.arrival(msg.xfer_id, state, "migration")
         self._shared.timeline.event(msg.xfer_id, "accepted")
-        final = self._send_migration_now(p, source)
+        final = self._sender.send_migration_now(p, source)
         log.info(
             "rapidkv %s: migration %s of %s (%s) to %s: %d tokens asked from block %d; the "
             "source has %d tokens, %d computed (%d of them scheduled in the step in flight), "
@@ -508,62 +456,10 @@ class ProducerSide:
         )
         return None
 
-    def _send_migration_now(self, p: Produced, source: Source) -> int:
-        """Send over the bypass channel every block of the migration whose KV
-        is final now (in every `transfer_kv_mode`); the rest goes with the steps
-        that compute it (`plan_step`). How many tokens were final."""
-        final = self._sources.final_tokens(source)
-        bypass = self._shared.bypass
-        if bypass is None:
-            return final
-        p.computed = max(p.computed, final)
-        p.in_flight_end = max(p.in_flight_end, p.computed)
-        p.block_ids = self._sources.block_ids(source)
-        try:
-            full, _ = p.next_tasks(self._block_size, scheduled=False)
-        except ValueError as e:  # no blocks: vLLM preempted it just now (the step fails it)
-            log.warning("rapidkv %s: migration %s: %s", self._shared.instance_id, p.xfer_id, e)
-            return final
-        if full is not None:
-            bypass.send(BypassMsg(kind="full", tasks=[full]))
-            self._counters["bypass_full_sends"] += 1
-            self._shared.timeline.event(p.xfer_id, "bypass_sent")
-        return final
-
-    def _preempted(self, p: Produced, meta: StepMeta) -> None:
-        """`p`'s request was preempted: its blocks are gone, the transfer cannot
-        finish; D recomputes (the worker fences what was sent from them)."""
-        self._counters["preempted_transfers"] += 1
-        p.aborted = True
-        if p.issued:
-            meta.preempted_xfers.append(p.xfer_id)
-        elif p.reply is not None:
-            self._count_migration(p, ok=False)
-            p.reply.resolve(
-                TransferKVReply(xfer_id=p.xfer_id, code=Code.GONE, message="request preempted on P")
-            )
-        self._tombstone(p.xfer_id)
-        self._maybe_release(p)
-
     def _settles(self, dst_instance: str) -> int:
         """SendDones that settle a transfer to `dst_instance`: one per (source
         rank, destination rank) pair that exchanges KV (from its handshake)."""
         return self._shared.peer_pairs.get(dst_instance, self._tp_size)
-
-    def _bytes_written(self, p: Produced, tokens: int) -> int | None:
-        """The KV bytes of the blocks `p`'s transfer wrote to hold `tokens`
-        tokens at D (every rank's heads; D's prefix hits not included), from
-        this instance's KV spec; None before the spec is known."""
-        spec = self._shared.spec
-        if spec is None or p.window is None:
-            return None
-        blocks = max(-(-tokens // self._block_size) - p.window.first_block, 0)
-        return blocks * sum(spec.layer_block_bytes) * spec.tp_size
-
-    def _count_migration(self, p: Produced, ok: bool) -> None:
-        """A migration is over: count how it ended."""
-        if p.migration:
-            self._counters["migration_transfers_ok" if ok else "migration_transfers_failed"] += 1
 
     def _arrived(self, msg: TransferKV, p: Produced | None) -> None:
         """Note a TransferKV's arrival and where its request was then."""
@@ -600,8 +496,8 @@ class ProducerSide:
                 )
             )
             # nothing of it will ever be asked for: free it once it finishes
-            self._abort_produced(p, "prompt token ids differ between P and D")
-            self._maybe_release(p)
+            self._ledger.abort(p, "prompt token ids differ between P and D")
+            self._ledger.maybe_release(p)
             return
         window = Window(
             msg.xfer_id,
@@ -615,62 +511,7 @@ class ProducerSide:
         p.accept(window, reply, self._block_size, mode, self._settles(msg.dst_instance))
         self._shared.timeline.event(p.xfer_id, "accepted")
         if mode != "step":
-            self._send_now(p, substep=mode == "substep")
-
-    def _send_now(self, p: Produced, substep: bool) -> None:
-        """bypass / substep: act on a TransferKV the moment it is accepted.
-
-        A finished request's KV is complete (its blocks are held for the
-        transfer): send it all now over the bypass channel. With `substep`, a
-        request whose last chunk the step in flight computes gets that step's
-        part attached to the step (what earlier steps computed goes now). Anything
-        else waits for the next step, as in `step` mode."""
-        bypass = self._shared.bypass
-        if bypass is None or p.aborted or p.window is None:
-            return
-        if p.finished:
-            full, _ = p.next_tasks(self._block_size, scheduled=False)
-            if full is not None:
-                bypass.send(BypassMsg(kind="full", tasks=[full]))
-                self._counters["bypass_full_sends"] += 1
-                self._shared.timeline.event(p.xfer_id, "bypass_sent")
-            return
-        step_id = self._shared.step_in_flight
-        in_flight = step_id is not None and p.scheduled_step == step_id
-        if not substep or not in_flight or p.in_flight_end < p.window.num_tokens:
-            return
-        issued_before = p.issued
-        full, step = p.next_tasks(self._block_size, scheduled=True)
-        if full is not None:
-            bypass.send(BypassMsg(kind="full", tasks=[full]))
-            self._counters["bypass_full_sends"] += 1
-        if step is None:
-            return
-        assert step_id is not None
-        undo = (step.seen_tokens, issued_before or full is not None, False)
-        substep_id = self._journal.open_substep(step_id, [Entry(p.xfer_id, (step,), undo)])
-        bypass.send(BypassMsg(kind="substep", tasks=[step], step_id=step_id, substep_id=substep_id))
-        self._counters["substeps_opened"] += 1
-        self._shared.timeline.event(p.xfer_id, "substep_sent")
-
-    def _resolve(self, r: Resolution[Undo]) -> None:
-        """Every rank acked a step with substeps: roll back what no rank sent (the
-        next step sends it), have the ranks that missed a substep send it alone
-        (unless its transfer is over by now: aborted, failed or settled)."""
-        self._counters["substeps_accepted"] += len(r.accepted)
-        for entry in r.rolled_back:
-            self._counters["substeps_rolled_back"] += 1
-            p = self._produced.get(entry.xfer_id)
-            if p is not None and p.window is not None:
-                p.sent_upto, p.issued, p.last_issued = entry.undo
-                self._maybe_release(p)
-        for entry, ranks in r.resend:
-            p = self._produced.get(entry.xfer_id)
-            if p is None or p.aborted or p.window is None:
-                continue  # aborted, failed or settled since: nothing to send
-            self._counters["substeps_resent"] += 1
-            for rank in ranks:
-                self._shared.pending.rank_full.setdefault(rank, []).extend(entry.tasks)
+            self._sender.send_now(p, substep=mode == "substep")
 
     def outstanding(self, dst_instance: str) -> int:
         """Transfers to `dst_instance` accepted and not yet settled, or parked."""
@@ -680,107 +521,3 @@ class ProducerSide:
             if p.window is not None and p.window.peer == dst_instance
         )
         return live + sum(1 for x in self._parked.values() if x.msg.dst_instance == dst_instance)
-
-    def _settle(self, p: Produced) -> None:
-        self._shared.timeline.event(p.xfer_id, "settled")
-        oks = [v[0] for v in p.settled_ranks.values()]
-        tokens = min(v[1] for v in p.settled_ranks.values())
-        ok = all(oks)
-        if p.migration:
-            self._count_migration(p, ok)
-        else:
-            self._counters["transfers_ok" if ok else "transfers_failed"] += 1
-        if ok and p.accepted_at:
-            # TransferKV taken up -> every rank confirmed: the hand-off as D sees it
-            prefix = "migration_" if p.migration else ""
-            observations = self._shared.observations
-            observations.observe(f"{prefix}transfer_seconds", time.monotonic() - p.accepted_at)
-            nbytes = self._bytes_written(p, tokens)
-            if nbytes is not None:
-                observations.observe(f"{prefix}transfer_bytes", nbytes)
-        if p.reply is not None:
-            errors = "; ".join(v[2] for v in p.settled_ranks.values() if v[2])
-            p.reply.resolve(
-                TransferKVReply(
-                    xfer_id=p.xfer_id,
-                    code=Code.OK if ok else Code.ERROR,
-                    tokens_sent=tokens,
-                    message=errors,
-                )
-            )
-        p.window = None  # nothing more to send
-        p.last_issued = True
-        self._tombstone(p.xfer_id)
-        self._maybe_release(p, settled=True)
-
-    def _maybe_release(self, p: Produced, settled: bool = False) -> None:
-        """Free a finished request's blocks once nothing can be sent from them:
-        its transfer settled on every rank, or it was aborted before any send
-        (and no other transfer from the request holds them). A migration over
-        while its source runs is forgotten."""
-        if p.released:
-            return
-        over = settled or (p.issued and p.all_settled) or (p.aborted and not p.issued)
-        if p.migration and not p.finished:
-            if over:
-                self._drop(p)
-            return
-        if p.finished and over:
-            self._release(p)
-
-    def _release(self, p: Produced) -> None:
-        if self._drop(p):
-            return  # another transfer from the request still holds its blocks
-        self._shared.pending.release.append(p.req_id)
-        self._freeing.add(p.req_id)  # until vLLM frees the blocks (finished_sending)
-
-    def _drop(self, p: Produced) -> int:
-        """`p` is over: forget it; how many transfers from its request remain."""
-        p.released = True
-        self._produced.pop(p.xfer_id, None)
-        if p.migration:
-            same = self._migrations.get(p.req_id)
-            if same is not None:
-                same.discard(p.xfer_id)
-                if not same:
-                    del self._migrations[p.req_id]
-        self._live_by_req[p.req_id] -= 1
-        left = self._live_by_req[p.req_id]
-        if left <= 0:
-            del self._live_by_req[p.req_id]
-        return left
-
-    def _abort_produced(self, p: Produced, why: str) -> None:
-        first = not p.aborted
-        p.aborted = True
-        self._tombstone(p.xfer_id)
-        if p.issued and not p.all_settled:
-            self._shared.pending.fail.append((p.xfer_id, why))  # settles with an error
-        elif p.reply is not None:
-            if first and not p.issued:  # over now (one issued is counted as it settles)
-                self._count_migration(p, ok=False)
-            p.reply.resolve(TransferKVReply(xfer_id=p.xfer_id, code=Code.GONE, message=why))
-
-    def _expire(self, now: float) -> None:
-        """Finished requests no TransferKV came for, old tombstones. (Parked
-        TransferKVs expire in their RPC handler, which runs even if P never steps.)"""
-        for p in list(self._produced.values()):
-            if (
-                p.finished
-                and not p.released
-                and p.window is None
-                and not p.issued
-                and now - p.finished_at > self._config.finished_ttl_s
-            ):
-                self._counters["finished_expired"] += 1
-                self._abort_produced(p, "no TransferKV in time")
-                self._release(p)
-        while (
-            self._tombstones
-            and now - next(iter(self._tombstones.values())) > self._config.tombstone_ttl_s
-        ):
-            self._tombstones.popitem(last=False)
-
-    def _tombstone(self, xfer_id: str) -> None:
-        self._tombstones[xfer_id] = time.monotonic()
-        self._tombstones.move_to_end(xfer_id)  # oldest first, for _expire
