@@ -3,7 +3,6 @@ one SmolLM2 instance (float32) started once for both."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rapidkv.harness import ServerPool, ServerSpec
@@ -15,15 +14,9 @@ SMOLLM2_PD_TOKENS = 20  # test_pd_smollm2's MAX_TOKENS
 SMOLLM2_KV_AWARE_TOKENS = 16  # test_kv_aware's MAX_TOKENS
 
 
-_taken: dict[str, Any] = {}  # take's answer, once taken in this session
-
-
-def take(
-    server_pool: ServerPool, beside: Mapping[str, Sequence[ServerSpec]] | None = None
-) -> dict[str, Any]:
-    """Every SmolLM2 (float32) answer the e2e tests compare with, taken once a
-    session on one SmolLM2 instance (on core 1, stopped after; the pool's
-    groups in `beside` start with it, `ServerPool.prestart`):
+def take(server_pool: ServerPool) -> dict[str, Any]:
+    """Every SmolLM2 (float32) answer the e2e tests compare with, taken on one
+    SmolLM2 instance (started once, on core 1, stopped after):
 
     - "questions", "refs": ShareGPT questions of two whole blocks and more, and
       their answers (test_pd_smollm2);
@@ -33,8 +26,6 @@ def take(
     - "kv_aware": four turns of another conversation, its first of two whole
       blocks and more, the whole within 880 tokens: their "messages",
       "prompts" and "refs" (test_kv_aware)."""
-    if _taken:
-        return _taken
     from rapidkv.demo.workload import Chat, sharegpt_conversations, sharegpt_turns
     from rapidkv.models.smollm2 import ensure_smollm2
 
@@ -59,9 +50,9 @@ def take(
         for c in sharegpt_conversations(300, 91, 4, max_chars=1400)
         if tokens(c[:1]) >= 2 * SMOLLM2_BLOCK + 20 and tokens(c) <= 880
     )
-    spec = ServerSpec(model=model, name="single-smollm2", cpus=(1,))
-    server_pool.prestart({"single_smollm2": [spec], **(beside or {})})
-    single = server_pool.get_one("single_smollm2", spec)
+    single = server_pool.get_one(
+        "single_smollm2", ServerSpec(model=model, name="single-smollm2", cpus=(1,))
+    )
 
     def converse(questions: list[str], max_tokens: int) -> tuple[list, list, list]:
         """Each turn's messages, prompt and the single instance's answer."""
@@ -81,12 +72,11 @@ def take(
         messages, prompts, kv_refs = converse(kv_aware_questions, SMOLLM2_KV_AWARE_TOKENS)
     finally:
         server_pool.stop("single_smollm2")
-    _taken.update(
-        model=model,
-        questions=questions,
-        refs=refs,
-        turns=turns,
-        turn_refs=turn_refs,
-        kv_aware={"messages": messages, "prompts": prompts, "refs": kv_refs},
-    )
-    return _taken
+    return {
+        "model": model,
+        "questions": questions,
+        "refs": refs,
+        "turns": turns,
+        "turn_refs": turn_refs,
+        "kv_aware": {"messages": messages, "prompts": prompts, "refs": kv_refs},
+    }

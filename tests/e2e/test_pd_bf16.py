@@ -80,14 +80,11 @@ CONCURRENCY = (1, 4)
 @pytest.fixture(scope="session")
 def bf16_case(server_pool: ServerPool, bf16_model: Path):
     """Per concurrency its own prompts (D's prefix cache must not serve them)
-    and the single bf16 instance's references, taken while the bf16 P/D pair
-    starts beside it; then the pair (the single instance stopped)."""
-    pc, dc = free_port(), free_port()
-    chunked = ("--max-num-batched-tokens", "256")
-    pair_specs = pd_specs(bf16_model, kv_transfer_config(pc), kv_transfer_config(dc), chunked)
-    single_spec = ServerSpec(model=bf16_model, name="single-bf16", cpus=(1,))
-    server_pool.prestart({"single_bf16": [single_spec], "pd_bf16": pair_specs})
-    single = server_pool.get_one("single_bf16", single_spec)
+    and the single bf16 instance's references, taken before the pair starts (at
+    most two servers run); then the bf16 P/D pair."""
+    single = server_pool.get_one(
+        "single_bf16", ServerSpec(model=bf16_model, name="single-bf16", cpus=(1,))
+    )
     cases = {}
     for c in CONCURRENCY:
         prompts = prompts_for(bf16_model, seed=1700 + c)
@@ -101,7 +98,11 @@ def bf16_case(server_pool: ServerPool, bf16_model: Path):
         ]
         cases[c] = (prompts, refs)
     server_pool.stop("single_bf16")
-    p, d = server_pool.get("pd_bf16", pair_specs)
+    pc, dc = free_port(), free_port()
+    chunked = ("--max-num-batched-tokens", "256")
+    p, d = server_pool.get(
+        "pd_bf16", pd_specs(bf16_model, kv_transfer_config(pc), kv_transfer_config(dc), chunked)
+    )
     return cases, p, d, f"127.0.0.1:{pc}", f"127.0.0.1:{dc}"
 
 

@@ -35,7 +35,6 @@ import httpx
 import pytest
 from pd_harness import router_healthy
 from smollm2_refs import SMOLLM2_BLOCK, SMOLLM2_PD_TOKENS, SMOLLM2_QUESTIONS
-from smollm2_refs import take as take_smollm2_references
 from wheel_venv import WheelVenv, build_wheel_venv, installed_env
 
 from rapidkv.connector.config import kv_transfer_config
@@ -112,19 +111,15 @@ def smollm2_case(
     server_pool: ServerPool,
     installed: WheelVenv,
     secret_file: tuple[Path, bytes],
+    smollm2_references: dict[str, Any],
 ) -> dict[str, Any]:
-    """The SmolLM2 P/D pair, run from the wheel's environment, started beside
-    the instance that takes the references (`smollm2_refs.take`)."""
-    from rapidkv.models.smollm2 import ensure_smollm2
-
-    model = ensure_smollm2("float32")
+    refs = smollm2_references
+    model = refs["model"]
     pc, dc = free_port(), free_port()
     chunked = ("--max-num-batched-tokens", "256")
     path, secret = secret_file
     specs = pd_specs(model, by_name(pc, path), by_name(dc, path), chunked)
-    specs = [s.replace(python=installed.python) for s in specs]
-    refs = take_smollm2_references(server_pool, beside={"pd_smollm2": specs})
-    p, d = server_pool.get("pd_smollm2", specs)
+    p, d = server_pool.get("pd_smollm2", [s.replace(python=installed.python) for s in specs])
     return {
         "secret": secret,
         "secret_file": path,

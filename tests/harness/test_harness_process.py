@@ -108,8 +108,7 @@ def test_spec_command_line_and_environment(tmp_path: Path, monkeypatch: pytest.M
         env={"EXTRA": "1"},
     )
     argv = spec.argv(12345)
-    # not under taskset: the tree is pinned once healthy (`pin_tree`)
-    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[:3] == [argv[0], "-c", "1"] and argv[0].endswith("taskset")
     joined = " ".join(argv)
     for flag in (
         "-m vllm.entrypoints.openai.api_server",
@@ -132,9 +131,8 @@ def test_spec_command_line_and_environment(tmp_path: Path, monkeypatch: pytest.M
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert env["RAPIDKV_ROLE"] == "prefill" and env["EXTRA"] == "1"
     assert env["PYTHONFAULTHANDLER"] == "1"
-    unpinned = spec.replace(cpus=None, dtype="bfloat16")
-    assert "--dtype bfloat16" in " ".join(unpinned.argv(1))
-    assert "VLLM_CPU_OMP_THREADS_BIND" not in unpinned.environment({})
+    unpinned = spec.replace(cpus=None, dtype="bfloat16").argv(1)
+    assert "taskset" not in unpinned[0] and "--dtype bfloat16" in " ".join(unpinned)
 
 
 @pytest.mark.parametrize(
@@ -152,10 +150,11 @@ def test_spec_command_line_and_environment(tmp_path: Path, monkeypatch: pytest.M
 def test_tensor_parallel_ranks_each_get_their_cores(
     tmp_path: Path, cpus: tuple[int, ...], ranks: int, bind: str
 ) -> None:
-    """vLLM CPU wants one core list a rank, "|"-separated."""
+    """vLLM CPU wants one core list a rank, "|"-separated; taskset gets them all."""
     spec = ServerSpec(model=tmp_path, cpus=cpus, tensor_parallel_size=ranks)
     assert spec.environment()["VLLM_CPU_OMP_THREADS_BIND"] == bind
     argv = spec.argv(8000)
+    assert argv[2] == ",".join(map(str, cpus))
     if ranks == 1:
         assert "--tensor-parallel-size" not in argv
     else:
@@ -364,11 +363,11 @@ def test_random_prompts_are_deterministic_and_valid(tiny_model: Path) -> None:
 
 def test_spec_in_a_network_namespace_runs_behind_ip_netns_exec(tmp_path: Path) -> None:
     """`netns`: `ip netns exec NS` first (it execs: the server keeps its pid and
-    group); `host` is what the server binds and its URL names."""
+    group), then taskset; `host` is what the server binds and its URL names."""
     spec = ServerSpec(model=tmp_path, cpus=(0,), netns="rapidkv-1-2-a", host="10.77.1.1")
     argv = spec.argv(8000)
     assert argv[0].endswith("/ip") and argv[1:4] == ["netns", "exec", "rapidkv-1-2-a"]
-    assert argv[5:7] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[4].endswith("taskset") and argv[5:7] == ["-c", "0"]
     assert argv[argv.index("--host") + 1] == "10.77.1.1"
     from rapidkv.harness import VLLMServer
 
@@ -383,46 +382,3 @@ def test_spec_in_a_network_namespace_runs_behind_ip_netns_exec(tmp_path: Path) -
     assert "netns" not in plain and plain[plain.index("--host") + 1] == "127.0.0.1"
     with pytest.raises(ValueError, match="namespace name"):
         spec.replace(netns="../x").argv(1)
-
-
-# A thread bound to the last core (as vLLM binds its OpenMP threads), a free
-# main thread; writes its thread ids, then waits.
-BOUND_THREAD = """
-import os, sys, threading, time
-ready = threading.Event()
-def bound():
-    os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
-    ready.set()
-    time.sleep(120)
-threading.Thread(target=bound, daemon=True).start()
-ready.wait()
-open(sys.argv[1], "w").write(" ".join(os.listdir("/proc/self/task")))
-time.sleep(120)
-"""
-
-
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
-@pytest.mark.timeout(60)
-def test_pin_tree_pins_free_threads_and_keeps_those_bound_within_the_cores(
-    tmp_path: Path,
-) -> None:
-    from rapidkv.harness.server import pin_tree
-
-    cores = sorted(os.sched_getaffinity(0))[:2]
-    tids = tmp_path / "tids"
-    mp = ManagedProcess(
-        [sys.executable, "-c", BOUND_THREAD, str(tids)], _env(), tmp_path / "t.log", name="pin"
-    )
-    try:
-        wait_until(lambda: tids.exists() and tids.read_text(), 20, what="the thread ids")
-        threads = [int(t) for t in tids.read_text().split()]
-        bound = {t for t in threads if os.sched_getaffinity(t) == {cores[1]}}
-        assert len(bound) == 1 and len(threads) == 2
-        pin_tree(mp.live_pids(), cores)  # both cores: the bound thread keeps its one
-        assert {t: os.sched_getaffinity(t) for t in threads} == {
-            t: {cores[1]} if t in bound else set(cores) for t in threads
-        }
-        pin_tree(mp.live_pids(), cores[:1])  # the other core only: every thread there
-        assert all(os.sched_getaffinity(t) == {cores[0]} for t in threads)
-    finally:
-        mp.stop(grace=0.1)

@@ -4,10 +4,7 @@ A *group* is a list of `ServerSpec`s started together (a single server, or a
 prefill/decode pair) under a key. `get(key, specs)` returns the running group,
 starting it on first use; at most `max_running` servers run at once, the least
 recently used groups being stopped to make room (2 cores: one or two servers),
-but for the groups a caller asks to `keep` beside the new one. `prestart`
-launches groups without waiting for them, so that their start-up (about 25 s
-of imports, one core a server) overlaps the caller's work on another group;
-`get` waits for such a group to be healthy before it returns it.
+but for the groups a caller asks to `keep` beside the new one.
 
 Invariants: a key always maps to the same specs (asking again with different
 specs is an error, so two tests cannot silently share a differently configured
@@ -19,10 +16,10 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
-from rapidkv.harness.server import ServerSpec, VLLMServer, start_servers, stop_servers
+from rapidkv.harness.server import ServerSpec, VLLMServer, start_servers
 
 
 class ServerPool:
@@ -33,9 +30,6 @@ class ServerPool:
         self.max_running = max_running
         self._specs: dict[str, tuple[ServerSpec, ...]] = {}
         self._running: OrderedDict[str, list[VLLMServer]] = OrderedDict()
-        # launched by `prestart`, not yet returned by `get`: the thread that
-        # waits for the group to be healthy, and what it raised
-        self._pending: dict[str, tuple[threading.Thread, list[BaseException]]] = {}
         self._lock = threading.RLock()
         self.startups: list[tuple[str, float]] = []  # (server name, seconds), every start
 
@@ -46,13 +40,14 @@ class ServerPool:
         The groups named in `keep` are not stopped to make room for it, even if
         that runs more than `max_running` servers (one more server beside a
         running pair costs less than starting three)."""
+        specs = tuple(spec.replace(name=f"{key}.{spec.name}") for spec in specs)
         with self._lock:
-            specs = self._named(key, specs)
+            known = self._specs.setdefault(key, specs)
+            if known != specs:
+                raise ValueError(f"pool key {key!r} already used with other specs")
             group = self._running.get(key)
             if group is not None and all(s.running for s in group):
                 self._running.move_to_end(key)
-                if key in self._pending:
-                    self._wait_pending(key)
                 return group
             if group is not None:  # something died: restart the whole group
                 self.stop(key)
@@ -61,57 +56,6 @@ class ServerPool:
             self._record(group)
             self._running[key] = group
             return group
-
-    def prestart(
-        self, groups: Mapping[str, Sequence[ServerSpec]], *, keep: Sequence[str] = ()
-    ) -> None:
-        """Launch each of `groups` ({key: specs}, as `get` takes them) that is
-        not running, all at once, without waiting for any to be healthy; `get`
-        waits. Room is made as `get` makes it, sparing `keep` and `groups`."""
-        with self._lock:
-            todo: dict[str, tuple[ServerSpec, ...]] = {}
-            for key, specs in groups.items():
-                named = self._named(key, specs)
-                group = self._running.get(key)
-                if group is not None and all(s.running for s in group):
-                    continue
-                if group is not None:
-                    self.stop(key)
-                todo[key] = named
-            self._make_room(sum(len(s) for s in todo.values()), (*keep, *groups))
-            for key, specs in todo.items():
-                servers = [VLLMServer(spec, self.log_dir) for spec in specs]
-                self._running[key] = servers
-                try:
-                    for server in servers:
-                        server.launch()
-                except BaseException:
-                    self.stop(key)
-                    raise
-                errors: list[BaseException] = []
-                waiter = threading.Thread(
-                    target=_wait_ready, args=(servers, errors), name=f"pool-{key}", daemon=True
-                )
-                waiter.start()
-                self._pending[key] = (waiter, errors)
-
-    def _named(self, key: str, specs: Sequence[ServerSpec]) -> tuple[ServerSpec, ...]:
-        """`specs` named under `key`; raises if `key` was used with other specs."""
-        specs = tuple(spec.replace(name=f"{key}.{spec.name}") for spec in specs)
-        known = self._specs.setdefault(key, specs)
-        if known != specs:
-            raise ValueError(f"pool key {key!r} already used with other specs")
-        return specs
-
-    def _wait_pending(self, key: str) -> None:
-        """Wait for the prestarted group `key` to be healthy (all stopped and
-        the error raised if one does not become so)."""
-        waiter, errors = self._pending.pop(key)
-        waiter.join()
-        if errors:
-            self.stop(key)
-            raise errors[0]
-        self._record(self._running[key])
 
     def get_one(self, key: str, spec: ServerSpec) -> VLLMServer:
         """`get` for a group of one server."""
@@ -132,13 +76,9 @@ class ServerPool:
     def stop(self, key: str) -> None:
         """Stop group `key` if it runs."""
         with self._lock:
-            waiting = self._pending.pop(key, None)
             group = self._running.pop(key, None)
-            errors = stop_servers(group or ())
-            if waiting is not None:
-                waiting[0].join()  # it ends once the servers are stopped
-            if errors:
-                raise errors[0][1]
+            for server in group or ():
+                server.stop()
 
     def close(self) -> None:
         """Stop every group; raises the first stop error after trying them all."""
@@ -167,13 +107,3 @@ class ServerPool:
         for server in group:
             if server.startup_s is not None:
                 self.startups.append((server.spec.name, server.startup_s))
-
-
-def _wait_ready(servers: Sequence[VLLMServer], errors: list[BaseException]) -> None:
-    """A prestarted group's waiter: each server healthy, or the first error
-    kept (after it the others are not waited for: `get` stops them)."""
-    try:
-        for server in servers:
-            server.wait_ready()
-    except BaseException as e:
-        errors.append(e)

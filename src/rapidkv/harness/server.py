@@ -18,11 +18,8 @@ Invariants:
   A spec naming another interpreter (`ServerSpec.python`: a virtual environment
   with rapidkv installed) runs vLLM there with `PYTHONPATH` unset: rapidkv and
   its vLLM plugin are that environment's.
-* With `cpus` set, vLLM's OpenMP threads are bound to those cores from the
-  start (`VLLM_CPU_OMP_THREADS_BIND`), and every other thread of the tree is
-  pinned to them once the server is healthy (`pin_tree`): its start-up,
-  three processes importing vLLM one after the other, may use any core, so
-  that servers started together (`start_servers`) share the idle ones.
+* With `cpus` set, the whole tree is pinned (`taskset -c`, inherited by every
+  child) and vLLM's OpenMP threads are bound to the same cores.
 * Every server is a `ManagedProcess`: it is stopped by process group, and the
   watchdog kills it if the Python process that started it dies.
 * `start` returns only once `/health` answers 200; otherwise it stops the tree
@@ -134,8 +131,8 @@ class ServerSpec:
         return dataclasses.replace(self, **changes)
 
     def argv(self, port: int) -> list[str]:
-        """The command line for a server on `port` (behind `ip netns exec`
-        with a namespace)."""
+        """The command line for a server on `port` (with `taskset` when pinned,
+        behind `ip netns exec` with a namespace)."""
         cmd = [
             self.python or sys.executable,
             "-m",
@@ -169,6 +166,8 @@ class ServerSpec:
         if self.kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(dict(self.kv_transfer_config))]
         cmd += list(self.extra_args)
+        if self.cpus is not None:
+            cmd = pinned(cmd, self.cpus)
         return netns_exec_prefix(self.netns) + cmd
 
     def environment(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -266,37 +265,6 @@ def pinned(cmd: Sequence[str], cpus: Sequence[int]) -> list[str]:
     return [taskset, "-c", _cpu_list(cpus), *cmd]
 
 
-def pin_tree(pids: Sequence[int], cpus: Sequence[int]) -> None:
-    """Every thread of `pids` on `cpus`: a thread held to some of them keeps
-    its own (vLLM binds each OpenMP thread to its core), any other gets all of
-    them. Passes repeat until one changes nothing (a thread started during a
-    pass takes its creator's affinity, perhaps not yet set); threads that exit
-    meanwhile are skipped."""
-    want = set(cpus)
-    for _ in range(PIN_PASSES):
-        changed = False
-        for pid in pids:
-            try:
-                tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-            except FileNotFoundError:
-                continue
-            for tid in tids:
-                try:
-                    have = os.sched_getaffinity(tid)
-                    new = (have & want) or want
-                    if new != have:
-                        os.sched_setaffinity(tid, new)
-                        changed = True
-                except ProcessLookupError:
-                    continue
-        if not changed:
-            return
-    raise RuntimeError(f"threads of {list(pids)} kept appearing unpinned")
-
-
-PIN_PASSES = 5
-
-
 def omp_threads_bind(cpus: Sequence[int], ranks: int = 1) -> str:
     """`VLLM_CPU_OMP_THREADS_BIND` for `ranks` ranks on `cpus`: the cores split
     in order into `ranks` groups ("0|1"; the last takes what does not divide),
@@ -386,14 +354,10 @@ class VLLMServer:
                         break
                     if _healthy(http, self.base_url):
                         self.startup_s = time.monotonic() - self._t_launch
-                        if self.spec.cpus is not None:
-                            pin_tree(proc.live_pids(), self.spec.cpus)
                         return
                     if time.monotonic() > deadline:
                         self._fail(f"not healthy after {timeout:.0f}s")
                     time.sleep(0.25)
-            if proc.stopped:  # by `stop`, from another thread: never launched again
-                raise ServerStartError(f"vLLM server {self.spec.name!r} was stopped while starting")
             tail = proc.log_tail()
             clash = any(s in tail.lower() for s in _PORT_CLASH)
             if clash and self.spec.port is None and attempt < PORT_ATTEMPTS:
