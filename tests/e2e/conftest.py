@@ -1,5 +1,5 @@
 """Session fixtures of the P/D e2e tests: the reference outputs (computed once,
-while the shared pair starts), the shared P/D pair, a P with a small block
+before a pair takes the cores), the shared P/D pair, a P with a small block
 pool, and the SmolLM2 references (one SmolLM2 instance, started once)."""
 
 from __future__ import annotations
@@ -35,11 +35,10 @@ from pd_harness import (
 )
 from smollm2_refs import take as take_smollm2_references
 from tp_harness import (
-    PD_TP2,
     SINGLE_TP2,
+    faults_prompts,
     mixed_prompts,
     single_tp2_spec,
-    tp2_pair,
     tp_prompts,
 )
 
@@ -79,6 +78,7 @@ E2E_ORDER = (
     "test_fleet_etcd.py",
     "test_fleet.py",
     "test_pd_tp.py",
+    "test_pd_tp_faults.py",
     "test_pd_tp_mixed.py",
     "test_pd_control_moved.py",
     "test_pd_failing_transfers.py",
@@ -160,18 +160,11 @@ def pd_pair(
 
 
 @pytest.fixture(scope="session")
-def workloads(
-    tiny_model: Path,
-    single_server_starter,
-    server_pool: ServerPool,
-    pd_pair_specs: tuple[list[ServerSpec], tuple[str, str]],
-) -> dict[str, tuple[list, list]]:
+def workloads(tiny_model: Path, single_server_starter) -> dict[str, tuple[list, list]]:
     """Prompts per test and the single instance's outputs for them, computed once
-    on the single instance while the shared P/D pair starts (its tests come
-    next), four batches of prompts at a time (the oracle's own tests show that
-    batching changes no output)."""
+    (before the P/D pair takes the cores), four batches of prompts at a time
+    (the oracle's own tests show that batching changes no output)."""
     single = single_server_starter()
-    server_pool.prestart({"pd": pd_pair_specs[0]}, keep=["single"])
     with ThreadPoolExecutor(4) as batches:
         out = _references(tiny_model, single.base_url, batches)
         return {
@@ -189,9 +182,13 @@ def _references(tiny_model: Path, url: str, batches: ThreadPoolExecutor) -> dict
 
     out: dict[str, tuple[Any, Any]] = {}
     # test_pd_tp_mixed: the TP 1 answers, with their top-2 margins (near-ties)
-    mixed = mixed_prompts(tiny_model)
-    for name, prompts in zip(("tp-mixed", "tp-mixed-split"), mixed, strict=True):
-        out[name] = (prompts, batches.submit(take_references, url, prompts, MAX_TOKENS, 120))
+    mixed, mixed_split, migrated = mixed_prompts(tiny_model)
+    for name, prompts, n in (
+        ("tp-mixed", mixed, MAX_TOKENS),
+        ("tp-mixed-split", mixed_split, MAX_TOKENS),
+        ("tp-mixed-migrate", migrated, MIGRATION_TOKENS),
+    ):
+        out[name] = (prompts, batches.submit(take_references, url, prompts, n, 120))
     for seed, name in enumerate(MODE_RUNS):
         prompts = random_prompts(tiny_model, LENGTHS * 2, seed=1000 + seed)
         out[name] = (prompts, ask(prompts, MAX_TOKENS, concurrency=4))
@@ -292,23 +289,30 @@ def tp2_references(
     pd_pair_specs: tuple[list[ServerSpec], tuple[str, str]],
 ) -> dict[str, Any]:
     """The TP 2 instance's answers to test_pd_tp's prompts (`tp_prompts`:
-    "tp", "tp-split") and to test_pd_tp_mixed's (`mixed_prompts`, with their
-    top-2 margins: "tp-mixed", "tp-mixed-split"), taken while the TP 2 pair
-    starts beside it, the shared TP 1 pair kept running (the mixed pairs are
-    made of both pairs); the TP 2 instance is stopped after."""
+    "tp", "tp-split"), to test_pd_tp_faults' (`faults_prompts`: "tp-faults",
+    "tp-abort", Y's only) and to test_pd_tp_mixed's (`mixed_prompts`, with
+    their top-2 margins: "tp-mixed", "tp-mixed-split", "tp-mixed-migrate"),
+    taken once, the shared TP 1 pair kept running (the mixed pairs are made of
+    it and the TP 2 pair); the TP 2 instance is stopped after."""
     spec = single_tp2_spec(tiny_model)
-    pair_specs, _ = tp2_pair(tiny_model)
-    server_pool.prestart({SINGLE_TP2: [spec], PD_TP2: pair_specs}, keep=["pd"])
-    url = server_pool.get_one(SINGLE_TP2, spec).base_url
+    url = server_pool.get(SINGLE_TP2, [spec], keep=["pd"])[0].base_url
     with ThreadPoolExecutor(4) as batches:
-        (tp, tp_split), (mixed, mixed_split) = tp_prompts(tiny_model), mixed_prompts(tiny_model)
+        tp, tp_split = tp_prompts(tiny_model)
+        mixed, mixed_split, migrated = mixed_prompts(tiny_model)
+        failing, x_y = faults_prompts(tiny_model)
         out = {
             "tp": (tp, batches.submit(complete_many, url, tp, MAX_TOKENS, concurrency=4)),
             "tp-split": (tp_split, batches.submit(complete_many, url, tp_split, MAX_TOKENS)),
+            "tp-faults": (failing, batches.submit(complete_many, url, failing, MAX_TOKENS)),
+            "tp-abort": (x_y, batches.submit(complete_many, url, x_y[1:], MAX_TOKENS)),
             "tp-mixed": (mixed, batches.submit(take_references, url, mixed, MAX_TOKENS, 120)),
             "tp-mixed-split": (
                 mixed_split,
                 batches.submit(take_references, url, mixed_split, MAX_TOKENS, 120),
+            ),
+            "tp-mixed-migrate": (
+                migrated,
+                batches.submit(take_references, url, migrated, MIGRATION_TOKENS, 120),
             ),
         }
         refs = {name: (prompts, answers.result()) for name, (prompts, answers) in out.items()}

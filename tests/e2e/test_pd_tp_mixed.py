@@ -34,6 +34,10 @@ Through a `rapidkv router`, for each direction:
    recomputed;
 3. afterwards every block of both pools is free, nothing parked, held or
    awaited.
+
+And live migration across TP sizes: a stream on one of the two decode
+instances (TP 2 and TP 1) moved to the other and back, its KV crossing TP
+sizes both ways.
 """
 
 from __future__ import annotations
@@ -84,12 +88,17 @@ def mixed(
     both pairs running at once, and the two mixed pairs made of them; the TP 2
     pair is stopped after."""
     refs: dict[str, list[tuple[Reference, Reference]]] = {}
-    for name, key in (("dual", "tp-mixed"), ("split", "tp-mixed-split")):
+    for name, key in (
+        ("dual", "tp-mixed"),
+        ("split", "tp-mixed-split"),
+        ("migrate", "tp-mixed-migrate"),
+    ):
         prompts, tp1 = workloads[key]
         tp2_prompts, tp2 = tp2_references[key]
         assert tp2_prompts == prompts
         refs[name] = list(zip(tp1, tp2, strict=True))
     prompts, split = workloads["tp-mixed"][0], workloads["tp-mixed-split"][0]
+    migrated = workloads["tp-mixed-migrate"][0]
     shared_specs, (shared_pc, shared_dc) = pd_pair_specs
     shared_p, shared_d = server_pool.get(SHARED, shared_specs, keep=[PD_TP2])
     tp2_specs, (tp2_pc, tp2_dc) = tp2_pair(tiny_model)
@@ -102,9 +111,19 @@ def mixed(
     pairs = {
         "2->1": Pair(tiny_model, tp2_p, shared_d, tp2_pc, shared_dc),
         "1->2": Pair(tiny_model, shared_p, tp2_d, shared_pc, tp2_dc),
+        # not a P and a D: two instances a stream moves between, of
+        # different TP sizes, and both at TP 2
+        "tp2-tp1": Pair(tiny_model, tp2_d, shared_d, tp2_dc, shared_dc),
+        "tp2-tp2": Pair(tiny_model, tp2_p, tp2_d, tp2_pc, tp2_dc),
     }
     try:
-        yield {"pairs": pairs, "prompts": prompts, "split": split, "refs": refs}
+        yield {
+            "pairs": pairs,
+            "prompts": prompts,
+            "split": split,
+            "migrated": migrated,
+            "refs": refs,
+        }
     finally:
         for pair in pairs.values():
             pair.close()
@@ -170,3 +189,55 @@ def test_p_at_tp_2_to_d_at_tp_1(mixed: dict) -> None:
 def test_p_at_tp_1_to_d_at_tp_2(mixed: dict) -> None:
     verdicts = run_direction(mixed, "1->2", d_ranks=TP)
     print(f"P TP 1 -> D TP {TP}: {verdicts}")
+
+
+MOVES = ["tp2-tp1", "tp2-tp2"]  # each with a prompt of its own: no prefix-cache hits
+
+
+@pytest.mark.parametrize("moves", MOVES)
+def test_a_stream_moved_to_another_instance_and_back_at_tp_2_goes_on_as_one_instance(
+    mixed: dict, moves: str
+) -> None:
+    """Live migration at TP 2: a stream placed on one of two instances (local
+    dispatch; "tp2-tp1": the TP 2 pair's decode instance and the shared TP 1
+    pair's, its KV crossing TP sizes both ways; "tp2-tp2": the TP 2 pair's
+    two instances) is moved to the other after 20 tokens and back after 120
+    (pre-copy and cut-over each time): its answer is the TP 1 or the TP 2
+    instance's or a near-tie, both migrations succeeded, nothing was
+    recomputed, both instances are back to their baseline."""
+    import asyncio
+
+    import httpx
+    from migration_harness import TOKEN, mover, stream
+
+    from rapidkv.router.config import Instance, RouterConfig
+    from rapidkv.router.server import start_router
+
+    pair: Pair = mixed["pairs"][moves]
+    k = MOVES.index(moves)
+    prompt, refs = mixed["migrated"][k], mixed["refs"]["migrate"][k]
+    urls = [pair.p.base_url, pair.d.base_url]
+    config = RouterConfig(
+        instances=(Instance(urls[0]), Instance(urls[1])),
+        dispatch="local",
+        admin_token=TOKEN,
+        port=0,
+    )
+    before = {"p": pair.stats("p"), "d": pair.stats("d")}
+
+    async def main(router: str):
+        async with httpx.AsyncClient() as client:
+            run = await stream(client, router, prompt, mover(client, router, urls, [20, 120]))
+            run.migrations = [await m for m in run.migrations]
+            return run
+
+    with start_router(config) as router:
+        run = asyncio.run(main(router.url))
+    assert [a.status_code for a in run.migrations] == [200, 200], [a.text for a in run.migrations]
+    found = verdict(run.tokens, refs)
+    print(f"{moves}: moved from instance {run.decode} and back: {found}")
+    assert found != "hard", (run.tokens, [r.token_ids for r in refs])
+    since = lambda name: sum(pair.since(before, w, name) for w in ("p", "d"))  # noqa: E731
+    assert since("recompute_fallbacks") == 0
+    assert since("transfer_kv_ok") == 4  # two per migration: the pre-copy, the cut-over
+    assert_back_to_baseline(pair)

@@ -9,8 +9,8 @@ serves the next.
 - `tp2_pair`: the TP 2 P/D pair (pool key `pd_tp2`), P's two ranks on core 0,
   D's on core 1, chunked prefill of 256 tokens, control ports fixed for the
   session;
-- `tp_prompts`, `mixed_prompts`: each module's prompts (dual dispatch, split
-  prefill), whose references the session fixtures `tp2_references` and
+- `tp_prompts`, `mixed_prompts`, `faults_prompts`: each module's prompts,
+  whose references the session fixtures `tp2_references` and
   `workloads` (TP 1) take in tests/e2e/conftest.py.
 """
 
@@ -55,7 +55,17 @@ def tp_prompts(model: Path) -> tuple[list[list[int]], list[list[int]]]:
     return prompts, random_prompts(model, [450, 800, 640], seed=3901)
 
 
-def mixed_prompts(model: Path) -> tuple[list[list[int]], list[list[int]]]:
-    """test_pd_tp_mixed's prompts: for dual dispatch, for split prefill."""
+def mixed_prompts(model: Path) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+    """test_pd_tp_mixed's prompts: for dual dispatch, for split prefill, and
+    the migrated ones (one per migration test; answers `MIGRATION_TOKENS`
+    long)."""
     prompts = random_prompts(model, [5, 130, 300, 600, 900, 250], seed=3950)
-    return prompts, random_prompts(model, [450, 800], seed=3951)
+    split = random_prompts(model, [450, 800], seed=3951)
+    return prompts, split, random_prompts(model, [330, 290], seed=3952)
+
+
+def faults_prompts(model: Path) -> tuple[list[list[int]], list[list[int]]]:
+    """test_pd_tp_faults' prompts: those whose transfer one P rank fails; X
+    (aborted mid-transfer) and Y (computed on D right after)."""
+    failing = random_prompts(model, [300, 600, 200], seed=3960)
+    return failing, random_prompts(model, [800, 200], seed=3961)
