@@ -12,10 +12,12 @@ import threading
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 import torch
+from cuda_stand_ins import FakeEvent
+from cuda_stand_ins import install as install_fake_cuda
 
 from rapidkv.connector import worker_side
 from rapidkv.connector.config import ConnectorConfig
@@ -52,37 +54,9 @@ def host_caches(fill: bool = True) -> dict[str, torch.Tensor]:
     return out
 
 
-class FakeEvent:
-    """Stands in for torch.cuda.Event: completes when the test says."""
-
-    made: ClassVar[list[FakeEvent]] = []
-
-    def __init__(self, blocking: bool = False) -> None:
-        self.blocking = blocking
-        self.stream: str | None = None
-        self.thread = ""
-        self.fired = threading.Event()
-        FakeEvent.made.append(self)
-
-    def record(self, stream: str) -> None:
-        self.stream = stream
-        self.thread = threading.current_thread().name
-
-    def query(self) -> bool:
-        return self.fired.is_set()
-
-    def synchronize(self) -> None:
-        assert self.fired.wait(10), "event never completed"
-
-
 @pytest.fixture
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> type[FakeEvent]:
-    FakeEvent.made = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: f"forward stream of {device}")
-    return FakeEvent
+    return install_fake_cuda(monkeypatch)
 
 
 class Built:

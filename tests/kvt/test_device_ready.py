@@ -9,11 +9,12 @@ import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import ClassVar
 
 import msgspec
 import pytest
 import torch
+from cuda_stand_ins import FakeEvent
+from cuda_stand_ins import install as install_fake_cuda
 
 from rapidkv.kvt import device_ready
 from rapidkv.kvt.device_ready import (
@@ -68,35 +69,9 @@ def test_cuda_events_without_cuda_are_refused_with_the_reason() -> None:
         CudaReady(4)
 
 
-class FakeEvent:
-    """Stands in for torch.cuda.Event: completes when the test says."""
-
-    made: ClassVar[list[FakeEvent]] = []
-
-    def __init__(self, blocking: bool = False) -> None:
-        assert blocking, "a waiting thread must sleep, not spin"
-        self.stream = None
-        self.fired = threading.Event()
-        FakeEvent.made.append(self)
-
-    def record(self, stream) -> None:
-        self.stream = stream
-
-    def query(self) -> bool:
-        return self.fired.is_set()
-
-    def synchronize(self) -> None:
-        assert self.fired.wait(10), "event never completed"
-
-
 @pytest.fixture
-def fake_cuda(monkeypatch):
-    FakeEvent.made = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: f"forward stream of {device}")
-    return FakeEvent
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> type[FakeEvent]:
+    return install_fake_cuda(monkeypatch)
 
 
 def test_cuda_ready_records_on_the_current_stream_and_waits_for_the_latest(fake_cuda) -> None:
@@ -106,6 +81,7 @@ def test_cuda_ready_records_on_the_current_stream_and_waits_for_the_latest(fake_
     ready.record(0)
     (first,) = fake_cuda.made
     assert first.stream == "forward stream of cuda:0"
+    assert first.blocking  # a waiting thread sleeps in the driver, not spinning
     assert not ready.done(0)
     ready.record(0)  # the next step's: a waiter now waits for this one (later, never earlier)
     first.fired.set()
