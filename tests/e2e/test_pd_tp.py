@@ -23,6 +23,7 @@ through the router:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,7 +36,7 @@ from pd_harness import (
     block_bytes,
     wait_for,
 )
-from tp_harness import PD_TP2, TP, tp2_pair
+from tp_harness import PD_TP2, TP, pair_router, tp2_pair
 
 from rapidkv.harness import ServerPool, random_prompts
 from rapidkv.harness.client import complete_many, get_metrics, metric_sum, stream_many
@@ -63,19 +64,12 @@ def tp_case(server_pool: ServerPool, tiny_model: Path, tp2_references: dict) -> 
 
 
 def test_p_and_d_at_tp_2_answer_as_one_tp_2_instance_and_free_everything(tp_case: dict) -> None:
-    from rapidkv.router.config import Instance, RouterConfig
     from rapidkv.router.server import start_router
 
     pair: Pair = tp_case["pair"]
     prompts, refs = tp_case["prompts"], tp_case["refs"]
 
-    def router(**kw: object) -> RouterConfig:
-        return RouterConfig(
-            prefill=(Instance(pair.p.base_url),),
-            decode=(Instance(pair.d.base_url, pair.d_control),),
-            port=0,
-            **kw,
-        )
+    router = functools.partial(pair_router, pair)
 
     before = {"p": pair.stats("p"), "d": pair.stats("d")}
     with start_router(router(split_prefill=False)) as r:

@@ -42,7 +42,7 @@ from rapidkv.kvt.faults import SendFaults
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 FAIL_RATE = 0.5
-LAYER_DELAY_S = 0.3  # P's step with X's prompt: ~1.2 s (4 layers)
+LAYER_DELAY_S = 0.15  # P's steps with X's prompt (4 chunks): ~0.6 s each (4 layers)
 FAULTY = "pd_tp2_faulty"
 
 

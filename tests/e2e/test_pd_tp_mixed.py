@@ -42,6 +42,7 @@ sizes both ways.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,7 +56,7 @@ from pd_harness import (
     block_bytes,
     wait_for,
 )
-from tp_harness import PD_TP2, TP, tp2_pair
+from tp_harness import PD_TP2, TP, pair_router, tp2_pair
 
 from rapidkv.bench.common.reference import NEAR_TIE_MARGIN, Reference, classify
 from rapidkv.harness import ServerPool, ServerSpec, random_prompts
@@ -134,19 +135,12 @@ def mixed(
 
 def run_direction(mixed: dict, direction: str, d_ranks: int) -> dict[str, Counter]:
     """Both router runs of one mixed pair, asserted; the verdicts of each."""
-    from rapidkv.router.config import Instance, RouterConfig
     from rapidkv.router.server import start_router
 
     pair: Pair = mixed["pairs"][direction]
     prompts, split = mixed["prompts"], mixed["split"]
 
-    def router(**kw: object) -> RouterConfig:
-        return RouterConfig(
-            prefill=(Instance(pair.p.base_url),),
-            decode=(Instance(pair.d.base_url, pair.d_control),),
-            port=0,
-            **kw,
-        )
+    router = functools.partial(pair_router, pair)
 
     verdicts: dict[str, Counter] = {}
     before = {"p": pair.stats("p"), "d": pair.stats("d")}

@@ -9,6 +9,7 @@ serves the next.
 - `tp2_pair`: the TP 2 P/D pair (pool key `pd_tp2`), P's two ranks on core 0,
   D's on core 1, chunked prefill of 256 tokens, control ports fixed for the
   session;
+- `pair_router`: the config of a router in front of one pair;
 - `tp_prompts`, `mixed_prompts`, `faults_prompts`: each module's prompts,
   whose references the session fixtures `tp2_references` and
   `workloads` (TP 1) take in tests/e2e/conftest.py.
@@ -18,11 +19,15 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from pd_harness import connector_config
+from pd_harness import Pair, connector_config
 
 from rapidkv.harness import ServerSpec, free_port, random_prompts
 from rapidkv.harness.server import pd_specs
+
+if TYPE_CHECKING:
+    from rapidkv.router.config import RouterConfig
 
 TP = 2
 CORES = (0, 1)  # the TP 2 instance's ranks: rank 0 on core 0, rank 1 on core 1
@@ -67,5 +72,18 @@ def mixed_prompts(model: Path) -> tuple[list[list[int]], list[list[int]], list[l
 def faults_prompts(model: Path) -> tuple[list[list[int]], list[list[int]]]:
     """test_pd_tp_faults' prompts: those whose transfer one P rank fails; X
     (aborted mid-transfer) and Y (computed on D right after)."""
-    failing = random_prompts(model, [300, 600, 200], seed=3960)
+    failing = random_prompts(model, [300, 200], seed=3960)
     return failing, random_prompts(model, [800, 200], seed=3961)
+
+
+def pair_router(pair: Pair, **kw: object) -> RouterConfig:
+    """A router in front of `pair` alone: P by its URL (its control address
+    discovered), D with its control address; `kw` as `RouterConfig` takes."""
+    from rapidkv.router.config import Instance, RouterConfig
+
+    return RouterConfig(
+        prefill=(Instance(pair.p.base_url),),
+        decode=(Instance(pair.d.base_url, pair.d_control),),
+        port=0,
+        **kw,
+    )
