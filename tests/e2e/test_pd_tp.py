@@ -4,7 +4,7 @@ RapidKVConnector on every rank, each rank sending its own half of the KV heads
 to the same rank of D.
 
 TP changes the order of the reductions, so the oracle is one instance at TP 2
-(float32, greedy), run while the pair starts and stopped after
+(float32, greedy), run before the pair starts and stopped after
 (`tp2_references`). P and D are warmed first (a fresh TP 2 engine's first
 forwards are slow enough for the router's discovery probe to give up). Then,
 through the router:
@@ -46,10 +46,10 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 @pytest.fixture(scope="module")
 def tp_case(server_pool: ServerPool, tiny_model: Path, tp2_references: dict) -> Iterator[dict]:
-    """The TP 2 instance's answers (`tp2_references`, taken while the TP 2
-    pair started), then the TP 2 pair (`tp_harness`: test_pd_tp_mixed uses it
-    too), warmed, the shared TP 1 pair left running beside it for that module.
-    The pool stops the pairs when another group needs room."""
+    """The TP 2 instance's answers (`tp2_references`, taken before the TP 2
+    pair starts), then the TP 2 pair (`tp_harness`: test_pd_tp_faults and
+    test_pd_tp_mixed use it too, and the last of them stops it), warmed, the
+    shared TP 1 pair left running beside it for those modules."""
     prompts, refs = tp2_references["tp"]
     specs, (p_control, d_control) = tp2_pair(tiny_model)
     p, d = server_pool.get(PD_TP2, specs, keep=["pd"])

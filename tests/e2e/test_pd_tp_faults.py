@@ -55,7 +55,8 @@ def xfer_ids(prefix: str, failing: bool, n: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def pair(server_pool: ServerPool, tiny_model: Path, tp2_references: dict) -> Iterator[Pair]:
-    """The faulty TP 2 P and the TP 2 pair's D (both pairs kept running)."""
+    """The faulty TP 2 P and the TP 2 pair's D (both pairs kept running;
+    `tp2_references` first: its TP 2 instance runs before the pairs)."""
     pc = free_port()
     config = connector_config(
         pc,

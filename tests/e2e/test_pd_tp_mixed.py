@@ -16,7 +16,7 @@ References: a mixed pair computes the prompt at one TP size and decodes at
 the other, so its outputs may follow either instance's order of reductions
 (TP changes the all-reduce sums). Each output is compared with both the TP 1
 single instance's and the TP 2 single instance's (`single_tp2`, as test_pd_tp
-uses it; both taken once a session, while pairs start: `workloads` and
+uses it; both taken once a session, before their pairs start: `workloads` and
 `tp2_references`), with top-2 logprobs: equal to either passes; otherwise it must
 be a near-tie of one of them (at the first divergence, that reference's two
 best tokens within `NEAR_TIE_MARGIN`: a different summation order may pick
@@ -85,7 +85,7 @@ def mixed(
     pd_pair_specs: tuple[list[ServerSpec], tuple[str, str]],
 ) -> Iterator[dict]:
     """The references of both single instances (TP 1: `workloads`, TP 2:
-    `tp2_references`, both taken once a session while pairs started), then
+    `tp2_references`, both taken once a session before their pairs start), then
     both pairs running at once, and the two mixed pairs made of them; the TP 2
     pair is stopped after."""
     refs: dict[str, list[tuple[Reference, Reference]]] = {}

@@ -1,5 +1,5 @@
 """The TP 2 server groups that the TP e2e modules share (`test_pd_tp`,
-`test_pd_tp_mixed`): one spec each, built once a session, so that every
+`test_pd_tp_faults`, `test_pd_tp_mixed`): one spec each, built once a session, so that every
 module asks the pool for exactly the same group under the same key (the pool
 refuses a key asked for with other specs) and a group one module started
 serves the next.
