@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import msgspec
+
 from rapidkv.kvt.head_map import MappingError, find_head_dim, heads_from_tensor
 from rapidkv.kvt.layout import LayerLayout
 
@@ -49,8 +51,6 @@ def describe_heads(
 ) -> tuple[LayerLayout, str]:
     """`layer` with the KV heads rank `rank` holds, and "" ; or `layer` as it
     is and why its heads are not described."""
-    import msgspec
-
     try:
         local = max(model.total // model.tp_size, 1)
         head_dim = find_head_dim(shape, block_dim, local, model.head_size)
