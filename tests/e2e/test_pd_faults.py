@@ -190,7 +190,21 @@ def leave_when(pair: Pair, sock: socket.socket | None, when: str) -> None:
     """Block until the request is at `when`, then return (the caller closes)."""
     what = f"the request to reach {when}"
     if when == "p_computes":
-        wait_until(lambda: engine_gauge(pair.p, "num_requests_running") >= 1, 30, what=what)
+        # P holds the request: its connector has the transfer live (from the
+        # moment P's scheduler admits it until D has the KV), polled every 5 ms.
+        # Not P's engine gauge alone: vLLM sets it from the stats a step ends
+        # with, and a 900-token prefill on the tiny model is one ~0.2 s step,
+        # so a poll of /metrics can miss the whole window.
+        wait_until(
+            lambda: (
+                pair.stats("p").get("transfers_live", 0) >= 1
+                or engine_gauge(pair.p, "num_requests_running") >= 1
+            ),
+            30,
+            interval=0.005,
+            max_interval=0.005,
+            what=what,
+        )
     elif when == "kv_crossing":
         # P holds the transfer live (it admitted the request: it computes the
         # prompt, sending each layer as it is done) and D waits for the KV.

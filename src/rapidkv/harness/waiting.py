@@ -19,11 +19,12 @@ def wait_until(
     timeout: float,
     *,
     interval: float = 0.05,
+    max_interval: float = 0.5,
     what: str = "condition",
 ) -> T:
     """Call `predicate` until it returns something truthy; return that value.
 
-    Polls every `interval` seconds (growing to at most 0.5 s). Raises
+    Polls every `interval` seconds (growing to at most `max_interval`). Raises
     `TimeoutError` naming `what` when `timeout` seconds pass without success.
     """
     deadline = time.monotonic() + timeout
@@ -36,4 +37,4 @@ def wait_until(
         if remaining <= 0:
             raise TimeoutError(f"timed out after {timeout:.1f}s waiting for {what}")
         time.sleep(min(delay, remaining))
-        delay = min(delay * 1.5, 0.5)
+        delay = min(delay * 1.5, max(max_interval, interval))
