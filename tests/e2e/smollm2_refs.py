@@ -1,11 +1,12 @@
 """SmolLM2's reference answers for test_pd_smollm2 and test_kv_aware, taken on
-one SmolLM2 instance (float32) started once for both."""
+one SmolLM2 instance (float32) started once for both (`conftest`'s
+`late_references` runs it beside the bf16 one)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from rapidkv.harness import ServerPool, ServerSpec
+from rapidkv.harness import ServerSpec
 from rapidkv.harness.client import complete_full
 
 SMOLLM2_BLOCK = 128  # vLLM-CPU's block size
@@ -14,18 +15,16 @@ SMOLLM2_PD_TOKENS = 20  # test_pd_smollm2's MAX_TOKENS
 SMOLLM2_KV_AWARE_TOKENS = 16  # test_kv_aware's MAX_TOKENS
 
 
-def take(server_pool: ServerPool) -> dict[str, Any]:
-    """Every SmolLM2 (float32) answer the e2e tests compare with, taken on one
-    SmolLM2 instance (started once, on core 1, stopped after):
+def single_spec(cpu: int) -> ServerSpec:
+    """The reference instance: stock vLLM (no connector), float32, on core `cpu`."""
+    from rapidkv.models.smollm2 import ensure_smollm2
 
-    - "questions", "refs": ShareGPT questions of two whole blocks and more, and
-      their answers (test_pd_smollm2);
-    - "turns", "turn_refs": a conversation whose second turn's prompt spans
-      whole blocks, each turn the history so far with that instance's answers
-      through the chat template (test_pd_smollm2);
-    - "kv_aware": four turns of another conversation, its first of two whole
-      blocks and more, the whole within 880 tokens: their "messages",
-      "prompts" and "refs" (test_kv_aware)."""
+    return ServerSpec(model=ensure_smollm2("float32"), name="single-smollm2", cpus=(cpu,))
+
+
+def prepare() -> dict[str, Any]:
+    """What `take` asks, drawn and tokenized (in the caller's thread:
+    transformers' lazy imports are not safe from two threads at once)."""
     from rapidkv.demo.workload import Chat, sharegpt_conversations, sharegpt_turns
     from rapidkv.models.smollm2 import ensure_smollm2
 
@@ -50,9 +49,28 @@ def take(server_pool: ServerPool) -> dict[str, Any]:
         for c in sharegpt_conversations(300, 91, 4, max_chars=1400)
         if tokens(c[:1]) >= 2 * SMOLLM2_BLOCK + 20 and tokens(c) <= 880
     )
-    single = server_pool.get_one(
-        "single_smollm2", ServerSpec(model=model, name="single-smollm2", cpus=(1,))
-    )
+    return {
+        "model": model,
+        "chat": chat,
+        "questions": questions,
+        "conversation": conversation,
+        "kv_aware_questions": kv_aware_questions,
+    }
+
+
+def take(base_url: str, asked: dict[str, Any]) -> dict[str, Any]:
+    """Every SmolLM2 (float32) answer the e2e tests compare with, taken on the
+    single instance at `base_url` (`single_spec`), for what `prepare` drew:
+
+    - "questions", "refs": ShareGPT questions of two whole blocks and more, and
+      their answers (test_pd_smollm2);
+    - "turns", "turn_refs": a conversation whose second turn's prompt spans
+      whole blocks, each turn the history so far with that instance's answers
+      through the chat template (test_pd_smollm2);
+    - "kv_aware": four turns of another conversation, its first of two whole
+      blocks and more, the whole within 880 tokens: their "messages",
+      "prompts" and "refs" (test_kv_aware)."""
+    chat, questions = asked["chat"], asked["questions"]
 
     def converse(questions: list[str], max_tokens: int) -> tuple[list, list, list]:
         """Each turn's messages, prompt and the single instance's answer."""
@@ -62,18 +80,15 @@ def take(server_pool: ServerPool) -> dict[str, Any]:
             history.append({"role": "user", "content": question})
             messages.append(list(history))
             prompts.append(chat.prompt(history))
-            refs.append(complete_full(single.base_url, prompts[-1], max_tokens).token_ids)
+            refs.append(complete_full(base_url, prompts[-1], max_tokens).token_ids)
             history.append({"role": "assistant", "content": chat.text(refs[-1])})
         return messages, prompts, refs
 
-    try:
-        refs = [complete_full(single.base_url, q, SMOLLM2_PD_TOKENS).token_ids for q in questions]
-        _, turns, turn_refs = converse(conversation, SMOLLM2_PD_TOKENS)
-        messages, prompts, kv_refs = converse(kv_aware_questions, SMOLLM2_KV_AWARE_TOKENS)
-    finally:
-        server_pool.stop("single_smollm2")
+    refs = [complete_full(base_url, q, SMOLLM2_PD_TOKENS).token_ids for q in questions]
+    _, turns, turn_refs = converse(asked["conversation"], SMOLLM2_PD_TOKENS)
+    messages, prompts, kv_refs = converse(asked["kv_aware_questions"], SMOLLM2_KV_AWARE_TOKENS)
     return {
-        "model": model,
+        "model": asked["model"],
         "questions": questions,
         "refs": refs,
         "turns": turns,

@@ -5,9 +5,10 @@ one instance answers.
 The references come from one SmolLM2 instance first (at most two servers run):
 a ShareGPT conversation of four turns, each turn's prompt the history so far
 with the answers that instance gave, through the chat template. Then two
-instances, A and B, prefix caching on and KV events published on loopback,
-behind an adaptive router over both (``--instance`` A and B, the lowest TTFT
-whatever the SLOs' headroom, no fleet shape):
+instances, A and B (test_pd_smollm2's pair, `smollm2_pair`, their prefix
+caches emptied first), prefix caching on and KV events published on
+loopback, behind an adaptive router over both (``--instance`` A and B, the
+lowest TTFT whatever the SLOs' headroom, no fleet shape):
 
 1. turn 1 is computed somewhere; the router's index learns which instance
    holds its blocks (its gauge), within seconds;
@@ -25,7 +26,6 @@ whatever the SLOs' headroom, no fleet shape):
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 from collections.abc import Iterator
@@ -33,12 +33,12 @@ from typing import Any
 
 import httpx
 import pytest
+import smollm2_pair
 from smollm2_refs import SMOLLM2_BLOCK, SMOLLM2_KV_AWARE_TOKENS
 
-from rapidkv.connector.config import kv_transfer_config
 from rapidkv.control.client import RpcClient
 from rapidkv.control.messages import StatsRequest
-from rapidkv.harness import ServerSpec, free_port, random_prompts
+from rapidkv.harness import random_prompts
 from rapidkv.harness.client import complete_full, get_metrics, metric_sum, stream_many
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -49,8 +49,8 @@ ADMIN = "kv-aware-admin-token"
 HEADER = "x-rapidkv-placement"
 
 
-def rpc_stats(address: str) -> dict[str, float]:
-    with RpcClient() as rpc:
+def rpc_stats(address: str, secret: bytes) -> dict[str, float]:
+    with RpcClient(secret) as rpc:
         return rpc.call(address, StatsRequest(), 10).counters
 
 
@@ -59,18 +59,6 @@ def placement(value: str | None) -> dict[str, str]:
 
     assert value, "no placement header"
     return parse_header(value)
-
-
-def events_args(port: int, replay_port: int) -> tuple[str, ...]:
-    config = {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        # vLLM binds its PUB socket only to a wildcard endpoint (a host makes it
-        # connect out): the router reads "*" as the instance URL's host
-        "endpoint": f"tcp://*:{port}",
-        "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
-    }
-    return ("--kv-events-config", json.dumps(config))
 
 
 def index_blocks(router_url: str) -> dict[str, float]:
@@ -100,34 +88,29 @@ def conversation(smollm2_references: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def pair(conversation: dict[str, Any], server_pool: Any) -> Iterator[dict]:
-    """A and B, kv_both, prefix caching on, KV events on loopback (a group of
-    its own: the test kills one, and the group is stopped after it)."""
-    specs, controls = [], []
-    for name, cpu in (("a", 0), ("b", 1)):
-        control = free_port()
-        specs.append(
-            ServerSpec(
-                model=conversation["model"],
-                name=f"kv-aware-{name}",
-                role="prefill" if name == "a" else "decode",
-                cpus=(cpu,),
-                kv_transfer_config=kv_transfer_config(control),
-                extra_args=events_args(free_port(), free_port()),
-            )
-        )
-        controls.append(f"127.0.0.1:{control}")
+def pair(
+    conversation: dict[str, Any], smollm2_case: dict[str, Any], server_pool: Any
+) -> Iterator[dict]:
+    """A and B: test_pd_smollm2's pair (`smollm2_pair`: kv_both, prefix caching
+    on, KV events on loopback, the secret from a file), their prefix caches
+    emptied; the group is stopped after (the test kills one)."""
+    servers = [smollm2_case["p"], smollm2_case["d"]]
     try:
-        servers = server_pool.get("kv_aware_pair", specs)
         # a fresh vLLM's first forwards of each shape are slow (kernels built on
         # first use): warmed here, they are not what the router learns from
         warm = random_prompts(conversation["model"], [200, 300, 400], seed=5)
         for server in servers:
             for ids in warm:
                 complete_full(server.base_url, ids, 4)
-        yield {"servers": servers, "controls": controls}
+            r = httpx.post(f"{server.base_url}/reset_prefix_cache", timeout=30)
+            assert r.status_code == 200, r.text
+        yield {
+            "servers": servers,
+            "controls": list(smollm2_case["controls"]),
+            "secret": smollm2_case["secret"],
+        }
     finally:
-        server_pool.stop("kv_aware_pair")
+        server_pool.stop(smollm2_pair.KEY)
 
 
 def test_a_conversation_is_served_where_its_prefix_is_cached_or_fetched_from_there(
@@ -147,6 +130,7 @@ def test_a_conversation_is_served_where_its_prefix_is_cached_or_fetched_from_the
         admin_token=ADMIN,
         probe_interval_s=0.5,
         port=0,
+        secret=pair["secret"],
     )
     outs: list[Any] = []
     with start_router(config) as router:
@@ -192,7 +176,7 @@ def test_a_conversation_is_served_where_its_prefix_is_cached_or_fetched_from_the
             lambda: index_blocks(router.url).get(urls[holder], 0) >= len(prompts[1]) // BLOCK,
         )
         other = 1 - holder
-        before = {k: rpc_stats(pair["controls"][k]) for k in (0, 1)}
+        before = {k: rpc_stats(pair["controls"][k], pair["secret"]) for k in (0, 1)}
         drain = {"instance": urls[holder], "migrate": False}
         auth = {"authorization": f"Bearer {ADMIN}"}
         assert httpx.post(f"{router.url}/admin/drain", json=drain, headers=auth).status_code == 200
@@ -204,7 +188,7 @@ def test_a_conversation_is_served_where_its_prefix_is_cached_or_fetched_from_the
             other,
         ), (outs[1].headers.get(HEADER), index_blocks(router.url))
         assert int(third["head"]) >= (len(prompts[1]) // BLOCK) * BLOCK
-        after = {k: rpc_stats(pair["controls"][k]) for k in (0, 1)}
+        after = {k: rpc_stats(pair["controls"][k], pair["secret"]) for k in (0, 1)}
         sent = after[holder].get("transfers_ok", 0) - before[holder].get("transfers_ok", 0)
         assert sent == 1, (before, after)  # the holder's KV went, nothing recomputed
         assert after[holder].get("prompt_mismatch", 0) == before[holder].get("prompt_mismatch", 0)

