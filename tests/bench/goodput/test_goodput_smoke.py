@@ -41,7 +41,7 @@ def test_bench_goodput_sweeps_every_workload_and_matches(tmp_path: Path) -> None
         "--rates",
         "shared-prefix=4",
         "--rates",
-        "multiturn=1,2",
+        "multiturn=2,4",
         "--json",
         str(out),
         "--plot",
@@ -55,7 +55,7 @@ def test_bench_goodput_sweeps_every_workload_and_matches(tmp_path: Path) -> None
     assert report["ok"] is True and report["meta"]["cpu"]
     assert report["meta"]["prefix_caching"] is True and report["meta"]["kv_events"] is True
     assert report["acceptance"]["hard_mismatches_all_configs"] == 0
-    rates = {"prefill-heavy": ("4",), "shared-prefix": ("4",), "multiturn": ("1", "2")}
+    rates = {"prefill-heavy": ("4",), "shared-prefix": ("4",), "multiturn": ("2", "4")}
     for name, requests in (("prefill-heavy", 5), ("shared-prefix", 5), ("multiturn", 8)):
         w = report["workloads"][name]
         assert w["error"] is None and w["requests"] == requests, name

@@ -1,7 +1,9 @@
 """`rapidkv bench serve --base-url`: an endpoint already running (a vLLM
 instance, a router in front of it) is measured with the same loads,
 statistics, table and JSON as a configuration the command starts itself, and
-nothing is started or stopped."""
+nothing is started or stopped. The started run is `started_serve`'s, shared
+with test_serve_smoke (`--configs single,rapidkv`: its `single` rows are the
+ones compared)."""
 
 from __future__ import annotations
 
@@ -11,46 +13,34 @@ from pathlib import Path
 
 import pytest
 from bench_cli import run_bench
-
-LOADS = (
-    "--models",
-    "tiny",
-    "--requests",
-    "4",
-    "--loads",
-    "c1,c4",
-    "--warmup",
-    "1",
-    "--pair-block",
-    "0",
-)
+from started_serve import SERVED, StartedRun
 
 
-def _rows(stdout: str) -> list[str]:
-    """The summary table's header and the (config, load) of each row."""
+def _rows(stdout: str, config: str | None = None) -> list[str]:
+    """The summary table's header and the (config, load) of each row (only
+    `config`'s rows when given)."""
     lines = stdout.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("config"))
     rows = [lines[start]]
     for line in lines[start + 2 :]:
         if not line.strip():
             break
-        rows.append(" ".join(line.split()[:2]))
+        if config is None or line.split()[0] == config:
+            rows.append(" ".join(line.split()[:2]))
     return rows
 
 
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_an_endpoint_gives_the_table_of_the_run_that_started_it(tmp_path: Path) -> None:
+def test_an_endpoint_gives_the_table_of_the_run_that_started_it(
+    tmp_path: Path, started_run: StartedRun
+) -> None:
     from rapidkv.bench.common.groups import router_argv, start_front, start_group
     from rapidkv.models import ensure_model
 
     model = ensure_model("tiny")
-    started = tmp_path / "started.json"
-    proc, _ = run_bench(
-        "serve", "--configs", "single", *LOADS, "--json", str(started),
-        "--log-dir", str(tmp_path / "logs"),
-    )  # fmt: skip
+    proc = started_run.proc
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     # the user's instance: the no-op connector's configuration (one vLLM with
     # rapidkv's NoopConnector loaded, which must change nothing)
@@ -64,12 +54,12 @@ def test_an_endpoint_gives_the_table_of_the_run_that_started_it(tmp_path: Path) 
         measured, routed = tmp_path / "endpoint.json", tmp_path / "router.json"
         proc2, _ = run_bench(
             "serve", "--base-url", url, "--reference-url", url, "--configs", "single",
-            *LOADS, "--json", str(measured), "--log-dir", str(tmp_path / "none"),
+            *SERVED, "--json", str(measured), "--log-dir", str(tmp_path / "none"),
         )  # fmt: skip
         assert proc2.returncode == 0, proc2.stdout + proc2.stderr[-3000:]
         proc3, _ = run_bench(
             "serve", "--base-url", router.url, "--reference-url", url, "--configs", "single",
-            *LOADS, "--json", str(routed),
+            *SERVED, "--json", str(routed),
         )  # fmt: skip
         assert proc3.returncode == 0, proc3.stdout + proc3.stderr[-3000:]
         assert group.crashes() == [] and group.servers["single"].process.live_pids()
@@ -78,9 +68,9 @@ def test_an_endpoint_gives_the_table_of_the_run_that_started_it(tmp_path: Path) 
             router.process.stop()
         group.stop()
     assert "NoopConnector" in (tmp_path / "own" / "single-noop-connector.log").read_text()
-    assert _rows(proc2.stdout) == _rows(proc3.stdout) == _rows(proc.stdout)
+    assert _rows(proc2.stdout) == _rows(proc3.stdout) == _rows(proc.stdout, "single")
     assert re.search(r"\bhit\b", _rows(proc.stdout)[0])
-    a, b = json.loads(started.read_text()), json.loads(measured.read_text())
+    a, b = json.loads(started_run.json.read_text()), json.loads(measured.read_text())
     assert b["ok"] is True and b["meta"]["base_url"] == url and not (tmp_path / "none").exists()
     assert a["meta"]["prefix_caching"] is True and a["meta"]["server_args"] == []
     for report in (a, b):
