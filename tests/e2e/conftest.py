@@ -170,7 +170,7 @@ def workloads(
     tiny_model: Path, single_server_starter, server_pool: ServerPool
 ) -> dict[str, tuple[list, list]]:
     """Prompts per test and the single instance's outputs for them, computed once
-    (before the P/D pair takes the cores), four batches of prompts at a time
+    (before the P/D pair takes the cores), six batches of prompts at a time
     (the oracle's own tests show that batching changes no output). Where the
     chunked single instance still runs (core 1; test_kv_events used it), every
     other batch is its: the oracle's tests show that chunked prefill changes
@@ -178,26 +178,57 @@ def workloads(
     single = single_server_starter()
     chunked = server_pool.running("single_chunked")
     urls = [single.base_url] + ([chunked[0].base_url] if chunked else [])
-    with ThreadPoolExecutor(4) as batches:
+    with ThreadPoolExecutor(6) as batches:
         out = _references(tiny_model, urls, batches)
-        return {
-            name: (prompts, refs.result() if isinstance(refs, Future) else refs)
-            for name, (prompts, refs) in out.items()
-        }
+        done = {}
+        for name, value in out.items():
+            prompts, refs = value.result() if isinstance(value, Future) else value
+            done[name] = (
+                prompts,
+                refs.result() if isinstance(refs, (Future, _Merged)) else refs,
+            )
+        return done
+
+
+class _Merged:
+    """Futures of dicts, whose `result` is one dict."""
+
+    def __init__(self, parts: list[Future]) -> None:
+        self.parts = parts
+
+    def result(self) -> dict[str, Any]:
+        return {k: v for part in self.parts for k, v in part.result().items()}
+
+
+def _chat_reference(url: str) -> tuple[list[str], list[list[int]]]:
+    """test_migration's chat request, as the single instance at `url` answers
+    it: ([its answer's text], [its token ids])."""
+    chat = httpx.post(f"{url}/v1/chat/completions", json=migration_chat_body(False), timeout=120)
+    chat.raise_for_status()
+    [choice] = chat.json()["choices"]
+    return [choice["message"]["content"]], [choice["token_ids"]]
 
 
 def _references(tiny_model: Path, urls: list[str], batches: ThreadPoolExecutor) -> dict[str, Any]:
     """`workloads`' prompts, each with their references (or the `Future` of
-    them: a batch of prompts sent by `batches`), each batch on the next single
-    instance of `urls` in turn; chat, text and conformance requests on the
-    first (the default-batching instance, which parses tool calls)."""
+    them, or of both: what `batches` sends), each batch of prompts on the next
+    single instance of `urls` in turn; chat, text and conformance requests
+    on the first (the default-batching instance, which parses tool calls)."""
     url = urls[0]
     turn = itertools.cycle(urls)
 
     def ask(prompts: list, max_tokens: int, **kw: Any) -> Future:
         return batches.submit(complete_many, next(turn), prompts, max_tokens, **kw)
 
-    out: dict[str, tuple[Any, Any]] = {}
+    out: dict[str, Any] = {}
+    # test_conformance: every request shape, as one vLLM answers it (four
+    # chains of shapes, one request after another: the longest, sent first)
+    model = str(tiny_model)
+    chains = [
+        batches.submit(lambda k=k: {s.name: run_shape(url, model, s) for s in SHAPES[k::4]})
+        for k in range(4)
+    ]
+    out["conformance"] = (model, _Merged(chains))
     # test_pd_tp_mixed: the TP 1 answers, with their top-2 margins (near-ties)
     mixed, mixed_split, migrated = mixed_prompts(tiny_model)
     for name, prompts, n in (
@@ -260,10 +291,7 @@ def _references(tiny_model: Path, urls: list[str], batches: ThreadPoolExecutor) 
             prompts,
             ask(prompts, MIGRATION_TOKENS, concurrency=4),
         )
-    chat = httpx.post(f"{url}/v1/chat/completions", json=migration_chat_body(False), timeout=120)
-    chat.raise_for_status()
-    [choice] = chat.json()["choices"]
-    out["migrate-chat"] = ([choice["message"]["content"]], [choice["token_ids"]])
+    out["migrate-chat"] = batches.submit(_chat_reference, url)
     # test_pd_abort_while_writing: X aborted mid-transfer, then Y (its reference)
     x_y = random_prompts(tiny_model, [800, 200], seed=98)
     out["abort-writing"] = (x_y, ask(x_y[1:], ABORT_WRITING_TOKENS))
@@ -276,7 +304,9 @@ def _references(tiny_model: Path, urls: list[str], batches: ThreadPoolExecutor) 
     ]
     out["split_text"] = (
         texts,
-        [complete_full(url, [], MAX_TOKENS, prompt=t).token_ids for t in texts],
+        batches.submit(
+            lambda: [complete_full(url, [], MAX_TOKENS, prompt=t).token_ids for t in texts]
+        ),
     )
     split_step = random_prompts(tiny_model, [500], seed=2101)
     out["split_step"] = (split_step, ask(split_step, MAX_TOKENS))
@@ -288,9 +318,6 @@ def _references(tiny_model: Path, urls: list[str], batches: ThreadPoolExecutor) 
     out["migration"] = (migrate, ask(migrate, SOURCE_MIGRATION_TOKENS))
     gone = random_prompts(tiny_model, [350], seed=2601)
     out["migration-gone"] = (gone, ask(gone, MAX_TOKENS))
-    # test_conformance: every request shape, as one vLLM answers it
-    model = str(tiny_model)
-    out["conformance"] = (model, {s.name: run_shape(url, model, s) for s in SHAPES})
     for seed, name in enumerate(["late_p", "gone", "abort_d", "nothing"]):
         one = random_prompts(
             tiny_model, [BLOCK + 1 if name == "nothing" else 600], seed=2000 + seed
