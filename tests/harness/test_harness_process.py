@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ import pytest
 from rapidkv.harness import ManagedProcess, ServerSpec, free_port, procs, random_prompts, wait_until
 from rapidkv.harness.ports import ephemeral_range, port_is_free
 from rapidkv.harness.prompts import prompt_vocab
-from rapidkv.harness.server import SRC_DIR
+from rapidkv.harness.server import SRC_DIR, inductor_cache_dir
 from rapidkv.harness.watchdog import GRACE_ENV, OWNER_ENV_PREFIX, _Reaper
 
 pytestmark = pytest.mark.unit
@@ -133,6 +134,23 @@ def test_spec_command_line_and_environment(tmp_path: Path, monkeypatch: pytest.M
     assert env["PYTHONFAULTHANDLER"] == "1"
     unpinned = spec.replace(cpus=None, dtype="bfloat16").argv(1)
     assert "taskset" not in unpinned[0] and "--dtype bfloat16" in " ".join(unpinned)
+
+
+def test_servers_share_torch_inductors_cache_outside_their_own_tmpdir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each launch's TMPDIR is its own, inductor's cache is not (else vLLM's
+    logprob-rank kernel is rebuilt, ~15 s, on every fresh server's first
+    request with logprobs); a cache directory already set, or the spec's, wins."""
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "float32"}))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    spec = ServerSpec(model=tmp_path)
+    assert spec.environment()["TORCHINDUCTOR_CACHE_DIR"] == inductor_cache_dir()
+    assert inductor_cache_dir().startswith(os.path.join(tempfile.gettempdir(), "torchinductor_"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")
+    assert spec.environment()["TORCHINDUCTOR_CACHE_DIR"] == "/elsewhere"
+    own = spec.replace(env={"TORCHINDUCTOR_CACHE_DIR": "/own"})
+    assert own.environment()["TORCHINDUCTOR_CACHE_DIR"] == "/own"
 
 
 @pytest.mark.parametrize(
