@@ -19,7 +19,9 @@ source fails the same transfers at the same layer and holds them equally long.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 INJECTED = "injected failure (debug_fail_transfer_rate)"
 """The error an injected failure settles its transfer with."""
@@ -47,3 +49,45 @@ class SendFaults:
         layer = (h >> 20) % max(layers, 1) if fail else None
         delay = ((h >> 40) & 0xFFFF) / 0xFFFF * self.send_delay_s
         return layer, delay
+
+
+Piece = tuple[Any, int, int]  # (a tracked task, whose .task.xfer_id, first layer, stop layer)
+
+
+class FaultPlans:
+    """Each transfer's `SendFaults.plan`, fixed when its first piece comes
+    (its hold counted from then) and kept until `forget` (the oldest dropped
+    past `memory`). A sending worker's owner thread only."""
+
+    def __init__(self, faults: SendFaults, layers: int, memory: int = 4096) -> None:
+        self.faults, self.layers, self.memory = faults, layers, memory
+        self._plans: dict[str, tuple[int | None, float]] = {}  # xfer_id -> (layer, post at)
+
+    def sort(
+        self, pieces: Sequence[Piece], now: float
+    ) -> tuple[list[Piece], list[Piece], list[tuple[float, Piece]]]:
+        """`pieces` as (to post now, failing: each carries the layer that fails
+        its transfer, held: (when to post, piece))."""
+        post: list[Piece] = []
+        failing: list[Piece] = []
+        held: list[tuple[float, Piece]] = []
+        for piece in pieces:
+            tracked, first, stop = piece
+            xfer_id = tracked.task.xfer_id
+            plan = self._plans.get(xfer_id)
+            if plan is None:
+                layer, delay = self.faults.plan(xfer_id, self.layers)
+                plan = self._plans[xfer_id] = (layer, now + delay)
+                while len(self._plans) > self.memory:
+                    del self._plans[next(iter(self._plans))]
+            layer, post_at = plan
+            if post_at > now:
+                held.append((post_at, piece))
+            elif layer is not None and first <= layer < stop:
+                failing.append(piece)
+            else:
+                post.append(piece)
+        return post, failing, held
+
+    def forget(self, xfer_id: str) -> None:
+        self._plans.pop(xfer_id, None)

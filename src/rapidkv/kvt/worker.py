@@ -17,7 +17,7 @@ thread builds the byte ranges from the layouts, posts one transport write per
 `write_timeout_s`), settles them in the tracker and, for each transfer that
 settles, sends the `SendDone` to the destination as a transport notification and
 hands it to `on_send_done`. It also collects SendDones arriving from peers (the
-receiving side: `take_received`).
+receiving side: `take_received`, kept by its `kvt.inbox.Inbox`).
 
 Rules
 -----
@@ -87,12 +87,12 @@ import numpy as np
 from rapidkv.kvt.completions import CompletionTracker, Settled, Tracked
 from rapidkv.kvt.coordinator import Attach, Send, StepCoordinator
 from rapidkv.kvt.device_ready import LayerReady
-from rapidkv.kvt.faults import INJECTED, SendFaults
-from rapidkv.kvt.gather import Gather
+from rapidkv.kvt.faults import INJECTED, FaultPlans, SendFaults
 from rapidkv.kvt.head_map import Piece, peer_pieces, piece_descs, route
+from rapidkv.kvt.inbox import Inbox
 from rapidkv.kvt.layout import Layout, layer_descs
 from rapidkv.kvt.memory import advise_hugepages
-from rapidkv.kvt.messages import LayersLanded, SendDone, decode_notif, encode_notif
+from rapidkv.kvt.messages import LayersLanded, SendDone, encode_notif
 from rapidkv.kvt.priority import boost_current_thread
 from rapidkv.kvt.task import Task
 from rapidkv.kvt.transport.base import Transport, XferState
@@ -137,11 +137,35 @@ class _Write:
     settles: bool = True
 
 
-LANDED_MEMORY = 4096  # transfers whose LayersLanded a receiving worker remembers
-FAULT_MEMORY = 4096  # transfers whose fault plan a sending worker remembers
+PEER_MEMORY = 64  # removed peers whose rank a sending worker remembers
 
 # (kind, t_event, t_post, nbytes): a write was handed to the transport at t_post
 PostedHook = Callable[[str, float, float, int], None]
+
+
+def write_descs(
+    mine: Layout,
+    theirs: Layout,
+    pieces: tuple[tuple[Piece, ...], ...] | None,
+    group: Sequence[tuple[Tracked, int, int]],
+) -> np.ndarray:
+    """The descriptors of one write to a peer whose layout is `theirs`: every
+    layer `first..stop` of each task in `group`, whole blocks (`pieces` None:
+    the same TP) or the pieces of each block that map to that peer."""
+    a, b = mine.layers, theirs.layers
+    if pieces is None:
+        parts = [
+            layer_descs(a[i], b[i], t.task.src_blocks, t.task.dst_blocks)
+            for t, first, stop in group
+            for i in range(first, stop)
+        ]
+    else:
+        parts = [
+            piece_descs(a[i], b[i], pieces[i], t.task.src_blocks, t.task.dst_blocks)
+            for t, first, stop in group
+            for i in range(first, stop)
+        ]
+    return np.concatenate(parts)
 
 
 class KvtWorker:
@@ -199,8 +223,7 @@ class KvtWorker:
         self.bandwidth_cap_bps = bandwidth_cap_bps
         self._link_free_at = 0.0
         self.faults = faults if faults else None
-        # owner thread only: xfer_id -> (layer that fails it or None, hold sends until)
-        self._fault_plans: dict[str, tuple[int | None, float]] = {}
+        self._fault_plans = FaultPlans(faults, len(layout.layers)) if faults else None
         self._deferred: list[tuple[float, _Job]] = []  # (post at, job), in arrival order
         self._awaiting = False
         self._next_notif_poll = 0.0  # owner thread only
@@ -211,17 +234,15 @@ class KvtWorker:
         self._jobs: queue.SimpleQueue[_Job | Callable[[], None] | None] = queue.SimpleQueue()
         # peer -> its layout and, where it differs from ours, the pieces per layer
         self._peers: dict[str, tuple[Layout, tuple[tuple[Piece, ...], ...] | None]] = {}
-        # peer -> (its rank, source ranks that send to it): kept after remove_peer,
-        # for the SendDones of its transfers that settle later
+        # peer -> (its rank, source ranks that send to it): kept after remove_peer
+        # (the last PEER_MEMORY removed ones), for the SendDones of its
+        # transfers that settle later
         self._peer_ranks: dict[str, tuple[int, int]] = {}
         self._writes: dict[int, _Write] = {}
         self._next_write = 0
-        self._received: list[SendDone] = []
-        self._gather = Gather(LANDED_MEMORY)  # receiving: every source rank's notifications
+        self._inbox = Inbox(rank, self.stats)  # receiving: every source rank's notifications
         # sending: (xfer_id, peer) -> layers notified
         self._landed_sent: dict[tuple[str, str], int] = {}
-        self._received_lock = threading.Lock()
-        self._received_event = threading.Event()
         if hugepages:
             advise_hugepages(layout.regions())
         transport.register_memory(layout.regions())
@@ -249,6 +270,9 @@ class KvtWorker:
         name = self._call(lambda: self.transport.add_peer(metadata))
         self._peers[name] = (layout, pieces)
         self._peer_ranks[name] = (rank, sources)
+        gone = [p for p in self._peer_ranks if p not in self._peers]
+        for p in gone[: max(0, len(gone) - PEER_MEMORY)]:  # the oldest removed ones
+            del self._peer_ranks[p]
         return name
 
     def remove_peer(self, peer: str) -> None:
@@ -309,11 +333,9 @@ class KvtWorker:
     # -- receiving side ---------------------------------------------------------
 
     def take_received(self) -> list[SendDone]:
-        """SendDones that arrived from source workers since the last call."""
-        with self._received_lock:
-            out, self._received = self._received, []
-            self._received_event.clear()
-        return out
+        """SendDones that arrived from source workers since the last call
+        (`Inbox.take`)."""
+        return self._inbox.take()
 
     def poll_received(self) -> list[SendDone]:
         """Collect the transport's notifications now (on the owner thread, which
@@ -326,13 +348,10 @@ class KvtWorker:
     def landed(self, xfer_id: str) -> int:
         """Receiving side: leading layers of `xfer_id` the source said are in
         place (`LayersLanded`, collected by the owner's notification polls)."""
-        with self._received_lock:
-            return self._gather.layers(xfer_id)
+        return self._inbox.landed(xfer_id)
 
     def forget_landed(self, xfer_ids: Sequence[str]) -> None:
-        with self._received_lock:
-            for xfer_id in xfer_ids:
-                self._gather.forget(xfer_id)
+        self._inbox.forget(xfer_ids)
 
     def set_awaiting(self, awaiting: bool) -> None:
         """Say whether a transfer into this worker is awaited: the owner then
@@ -361,7 +380,7 @@ class KvtWorker:
 
     def wait_received(self, timeout: float) -> bool:
         """Block until a SendDone is available or `timeout` passes."""
-        return self._received_event.wait(timeout)
+        return self._inbox.wait(timeout)
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -519,26 +538,9 @@ class KvtWorker:
     ) -> list[tuple[Tracked, int, int]]:
         """`pieces` less those `faults` hold back (deferred) or fail (settled
         with INJECTED: the write that carries the failing layer is never posted)."""
-        assert self.faults is not None
-        now = time.perf_counter()
-        out: list[tuple[Tracked, int, int]] = []
-        failing: list[tuple[Tracked, int, int]] = []
-        for piece in pieces:
-            tracked, first, stop = piece
-            xfer_id = tracked.task.xfer_id
-            plan = self._fault_plans.get(xfer_id)
-            if plan is None:
-                layer, delay = self.faults.plan(xfer_id, len(self.layout.layers))
-                plan = self._fault_plans[xfer_id] = (layer, now + delay)
-                while len(self._fault_plans) > FAULT_MEMORY:
-                    del self._fault_plans[next(iter(self._fault_plans))]
-            layer, post_at = plan
-            if post_at > now:
-                self._deferred.append((post_at, _Job([piece], job.kind, job.t_event)))
-            elif layer is not None and first <= layer < stop:
-                failing.append(piece)
-            else:
-                out.append(piece)
+        assert self._fault_plans is not None
+        out, failing, held = self._fault_plans.sort(pieces, time.perf_counter())
+        self._deferred.extend((t, _Job([piece], job.kind, job.t_event)) for t, piece in held)
         if failing:
             xfers = {t.task.xfer_id for t, _, _ in failing}
             self.stats.injected_failures += len(xfers)
@@ -563,21 +565,7 @@ class KvtWorker:
                 self._fail_pieces(group, f"unknown peer {peer}")
                 self._peer_failed(peer, "unknown peer")
                 continue
-            peer_layout, pieces = known  # pieces None: blocks move whole (the same TP)
-            mine, theirs = self.layout.layers, peer_layout.layers
-            if pieces is None:
-                parts = [
-                    layer_descs(mine[i], theirs[i], t.task.src_blocks, t.task.dst_blocks)
-                    for t, first, stop in group
-                    for i in range(first, stop)
-                ]
-            else:
-                parts = [
-                    piece_descs(mine[i], theirs[i], pieces[i], t.task.src_blocks, t.task.dst_blocks)
-                    for t, first, stop in group
-                    for i in range(first, stop)
-                ]
-            descs = np.concatenate(parts)
+            descs = write_descs(self.layout, *known, group)
             write_id = self._next_write
             self._next_write += 1
             t_post = time.perf_counter()
@@ -678,41 +666,16 @@ class KvtWorker:
                 self.stats.transfers_failed += 1
             log.debug("kvt rank %d: %s", self.rank, done)
             self._landed_sent.pop((done.xfer_id, item.peer), None)
-            self._fault_plans.pop(done.xfer_id, None)
+            if self._fault_plans is not None:
+                self._fault_plans.forget(done.xfer_id)
             self._notify(item.peer, done)
             if self.on_send_done is not None:
                 self.on_send_done(done)
 
     def _poll_notifs(self) -> None:
         notifs = self.transport.take_notifs()
-        if not notifs:
-            return
-        received = []
-        landed: list[LayersLanded] = []
-        for peer, payload in notifs:
-            try:
-                msg = decode_notif(payload)
-            except (msgspec.DecodeError, ValueError) as e:
-                log.warning("kvt rank %d: bad notification from %s: %s", self.rank, peer, e)
-                continue
-            if isinstance(msg, LayersLanded):
-                landed.append(msg)
-                continue
-            received.append(msg)
-        with self._received_lock:
-            for msg in landed:
-                self._gather.landed(msg)
-            for msg in received:
-                whole = self._gather.send_done(msg)  # None: other source ranks still owe one
-                if whole is None:
-                    continue
-                if whole.ok:
-                    self.stats.received_ok += 1
-                else:
-                    self.stats.received_failed += 1
-                self._received.append(whole)
-            if self._received:
-                self._received_event.set()
+        if notifs:
+            self._inbox.collect(notifs)
 
     def _drop_peer(self, peer: str) -> None:
         self._peers.pop(peer, None)
