@@ -6,6 +6,13 @@ at the end of the session (or when the pool needs room: at most two servers run
 at once on this 2-core machine). The harness's watchdog stops them even if the
 test runner is killed. Logs go to `<pytest tmp>/vllm-logs` unless
 `RAPIDKV_LOG_DIR` is set.
+
+One-rank servers run vLLM's "uni" executor unless their spec or the
+environment says otherwise (`RAPIDKV_VLLM_EXECUTOR`, set here if unset): the
+worker in the engine core's process, as vLLM runs one GPU, which starts in
+two thirds of the time of "mp" (one interpreter fewer imports vLLM). "mp",
+vLLM CPU's default (a worker process of its own), is what the TP tests, the
+SmolLM2 pair installed from the wheel and the harness's teardown test run.
 """
 
 from __future__ import annotations
@@ -20,7 +27,9 @@ import pytest
 
 from rapidkv.harness import ServerPool, ServerSpec, VLLMServer, free_port
 from rapidkv.harness.iterations import FLAG as ITERATION_LOG_FLAG
-from rapidkv.harness.server import TOOL_CALLING_ARGS
+from rapidkv.harness.server import EXECUTOR_ENV, TOOL_CALLING_ARGS
+
+os.environ.setdefault(EXECUTOR_ENV, "uni")  # inherited by the bench and demo commands run here
 
 CHUNK_TOKENS = 256
 """`--max-num-batched-tokens` of the chunked-prefill server."""

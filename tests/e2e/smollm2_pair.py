@@ -49,6 +49,7 @@ def specs(model: Path, secret_file: Path) -> tuple[list[ServerSpec], tuple[str, 
         s.replace(
             extra_args=(*s.extra_args, *events_args(free_port(), free_port())),
             env={**s.env, "VLLM_SERVER_DEV_MODE": "1"},
+            executor="mp",  # vLLM CPU's default, as installed
         )
         for s in out
     ]

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from rapidkv.harness import ServerSpec, ServerStartError, VLLMServer, procs, wait_until
-from rapidkv.harness.server import SRC_DIR
+from rapidkv.harness.server import EXECUTOR_ENV, SRC_DIR
 
 pytestmark = pytest.mark.e2e
 
@@ -57,6 +57,7 @@ class Child:
         env["RAPIDKV_CHILD_INFO"] = str(self.info_path)
         env["RAPIDKV_CHILD_SERVER"] = self.fixture
         env["RAPIDKV_LOG_DIR"] = str(self.dir / "logs")
+        env[EXECUTOR_ENV] = "mp"  # the whole tree: API server, engine core, worker
         with open(self.log, "wb") as out:
             self.runner = subprocess.Popen(
                 [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-s",

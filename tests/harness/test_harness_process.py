@@ -179,6 +179,37 @@ def test_tensor_parallel_ranks_each_get_their_cores(
         assert argv[argv.index("--tensor-parallel-size") + 1] == str(ranks)
 
 
+def test_the_executor_comes_from_the_spec_then_the_environment_and_tp_is_always_mp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ "uni" passes `--distributed-executor-backend uni` and turns vLLM's V1
+    multiprocessing off (without which vLLM CPU runs "mp" anyway); "mp" passes
+    neither (vLLM CPU's default). A spec's own choice beats the environment's;
+    a TP spec ignores the environment and refuses "uni"; a bad name is refused."""
+    from rapidkv.harness.server import EXECUTOR_ENV
+
+    def runs(spec: ServerSpec) -> str:
+        argv, env = spec.argv(8000), spec.environment()
+        uni = "--distributed-executor-backend" in argv
+        assert uni == (env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0")
+        if uni:
+            assert argv[argv.index("--distributed-executor-backend") + 1] == "uni"
+        return "uni" if uni else "mp"
+
+    monkeypatch.delenv(EXECUTOR_ENV, raising=False)
+    assert runs(ServerSpec(model=tmp_path)) == "mp"
+    assert runs(ServerSpec(model=tmp_path, executor="uni")) == "uni"
+    monkeypatch.setenv(EXECUTOR_ENV, "uni")
+    assert runs(ServerSpec(model=tmp_path)) == "uni"
+    assert runs(ServerSpec(model=tmp_path, executor="mp")) == "mp"
+    assert runs(ServerSpec(model=tmp_path, tensor_parallel_size=2)) == "mp"
+    with pytest.raises(ValueError, match="one rank"):
+        ServerSpec(model=tmp_path, tensor_parallel_size=2, executor="uni").argv(8000)
+    monkeypatch.setenv(EXECUTOR_ENV, "ray")
+    with pytest.raises(ValueError, match=EXECUTOR_ENV):
+        ServerSpec(model=tmp_path).argv(8000)
+
+
 def test_a_spec_with_an_installed_rapidkvs_python_runs_vllm_off_the_checkout(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
