@@ -51,7 +51,7 @@ class SendFaults:
         return layer, delay
 
 
-Piece = tuple[Any, int, int]  # (a tracked task, whose .task.xfer_id, first layer, stop layer)
+SendPiece = tuple[Any, int, int]  # (a tracked task, whose .task.xfer_id, first layer, stop layer)
 
 
 class FaultPlans:
@@ -64,13 +64,13 @@ class FaultPlans:
         self._plans: dict[str, tuple[int | None, float]] = {}  # xfer_id -> (layer, post at)
 
     def sort(
-        self, pieces: Sequence[Piece], now: float
-    ) -> tuple[list[Piece], list[Piece], list[tuple[float, Piece]]]:
+        self, pieces: Sequence[SendPiece], now: float
+    ) -> tuple[list[SendPiece], list[SendPiece], list[tuple[float, SendPiece]]]:
         """`pieces` as (to post now, failing: each carries the layer that fails
         its transfer, held: (when to post, piece))."""
-        post: list[Piece] = []
-        failing: list[Piece] = []
-        held: list[tuple[float, Piece]] = []
+        post: list[SendPiece] = []
+        failing: list[SendPiece] = []
+        held: list[tuple[float, SendPiece]] = []
         for piece in pieces:
             tracked, first, stop = piece
             xfer_id = tracked.task.xfer_id

@@ -222,7 +222,6 @@ class KvtWorker:
         self.boost = boost
         self.bandwidth_cap_bps = bandwidth_cap_bps
         self._link_free_at = 0.0
-        self.faults = faults if faults else None
         self._fault_plans = FaultPlans(faults, len(layout.layers)) if faults else None
         self._deferred: list[tuple[float, _Job]] = []  # (post at, job), in arrival order
         self._awaiting = False
@@ -552,7 +551,7 @@ class KvtWorker:
     def _post_now(self, job: _Job) -> None:
         with self._lock:
             pieces = [p for p in job.pieces if self._tracker.live(p[0])]
-        if self.faults is not None:
+        if self._fault_plans is not None:
             pieces = self._faulted(job, pieces)
         by_peer: dict[str, list[tuple[Tracked, int, int]]] = {}
         for piece in pieces:
