@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from rapidkv.harness import ServerSpec, ServerStartError, VLLMServer, procs, wait_until
+from rapidkv.harness import ServerSpec, ServerStartError, VLLMServer, procs, shm, wait_until
 from rapidkv.harness.server import EXECUTOR_ENV, SRC_DIR
 
 pytestmark = pytest.mark.e2e
@@ -49,6 +49,7 @@ class Child:
     dir: Path
     runner: subprocess.Popen | None = None
     tree: list[tuple[int, int]] = field(default_factory=list)
+    shm: set[str] = field(default_factory=set)  # the server's files in /dev/shm
 
     def start(self) -> None:
         self.dir.mkdir(parents=True)
@@ -108,6 +109,8 @@ def test_runner_death_leaves_no_vllm_process(tmp_path: Path, tiny_model: Path) -
             assert len(members) >= 3, f"expected a process tree, got {members}"
             assert info["pid"] in members
             assert Path(info["tmp_dir"]).is_dir(), "the server's TMPDIR should exist while it runs"
+            child.shm = shm.held(members)  # vLLM's message queues, semaphores
+            assert child.shm, "an mp server maps files in /dev/shm"
         for child in children:
             assert child.runner is not None
             child.runner.send_signal(child.sig)
@@ -117,6 +120,8 @@ def test_runner_death_leaves_no_vllm_process(tmp_path: Path, tiny_model: Path) -
             wait_until(lambda c=child: not _alive(c.tree), GONE_WITHIN_S, what=f"{name}'s tree")
             assert procs.live_in_group(info["pgid"]) == [], name
             assert not Path(info["tmp_dir"]).exists(), f"{name}: the TMPDIR outlived the runner"
+            left = sorted(p for p in child.shm if os.path.exists(p))
+            assert left == [], f"{name}: these /dev/shm files outlived the runner"
             rc = child.runner.wait(GONE_WITHIN_S)
             if child.sig == signal.SIGINT:
                 assert rc == 2, f"pytest should report an interrupted session, got {rc}"

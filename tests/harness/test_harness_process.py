@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import mmap
 import os
 import signal
 import subprocess
@@ -12,7 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from rapidkv.harness import ManagedProcess, ServerSpec, free_port, procs, random_prompts, wait_until
+from rapidkv.harness import (
+    ManagedProcess,
+    ServerSpec,
+    free_port,
+    procs,
+    random_prompts,
+    shm,
+    wait_until,
+)
 from rapidkv.harness.ports import ephemeral_range, port_is_free
 from rapidkv.harness.prompts import prompt_vocab
 from rapidkv.harness.server import SRC_DIR, inductor_cache_dir
@@ -34,17 +44,25 @@ while True:
 
 # A process tree: the root (an IDLE) starts a child in its group and an
 # "escaper" that leaves the group; argv[2] == "1" makes all three ignore SIGTERM.
+# The root maps two files it made in /dev/shm (named in the pid file as "shm"),
+# as vLLM's processes map their message queues, and never unlinks them.
 TREE = """
-import json, os, signal, subprocess, sys
+import json, mmap, os, signal, subprocess, sys
 pidfile, ignore = sys.argv[1], sys.argv[2]
 IDLE = __IDLE__
 if ignore == "1":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 child = subprocess.Popen([sys.executable, "-c", IDLE, ignore, "0"])
 escaper = subprocess.Popen([sys.executable, "-c", IDLE, ignore, "1"])
+shm, maps = [f"/dev/shm/rapidkv-test-{os.getpid()}-{i}" for i in range(2)], []
+for path in shm:
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    os.ftruncate(fd, 4096)
+    maps.append(mmap.mmap(fd, 4096))
+    os.close(fd)
 tmp = pidfile + ".tmp"
 with open(tmp, "w") as f:
-    json.dump({"root": os.getpid(), "child": child.pid, "escaper": escaper.pid}, f)
+    json.dump({"root": os.getpid(), "child": child.pid, "escaper": escaper.pid, "shm": shm}, f)
 os.rename(tmp, pidfile)
 while True:
     signal.pause()
@@ -246,23 +264,35 @@ def test_a_server_process_killed_by_sigill_says_so_in_its_log(tmp_path: Path) ->
 
 @pytest.mark.timeout(60)
 def test_stop_kills_whole_tree_even_if_it_ignores_sigterm(tmp_path: Path) -> None:
+    """And removes the files the tree left in /dev/shm, but one another process holds."""
+    shm_files: list[str] = []
     pidfile = tmp_path / "pids.json"
     mp = ManagedProcess(
         [sys.executable, "-c", TREE, str(pidfile), "1"], _env(), tmp_path / "tree.log", name="tree"
     )
     try:
         pids = _read_json_when_ready(pidfile)
+        made, kept = shm_files = pids.pop("shm")
         idents = _identities(list(pids.values()))
         escaped = lambda: procs.proc_stat(pids["escaper"]).pgrp != mp.pgid  # noqa: E731
         wait_until(escaped, 10, what="the escaper to leave the group")
         assert set(mp.live_pids()) == set(pids.values())
-        rc = mp.stop(grace=0.5)
-        assert rc == -signal.SIGKILL
-        assert _none_alive(idents)
-        assert mp.live_pids() == []
-        assert mp.stop() == rc  # idempotent
+        assert shm.held(mp.live_pids()) == set(shm_files)
+        with open(kept, "r+b") as f, mmap.mmap(f.fileno(), 4096) as ours:
+            rc = mp.stop(grace=0.5)
+            assert rc == -signal.SIGKILL
+            assert _none_alive(idents)
+            assert mp.live_pids() == []
+            assert mp.stop() == rc  # idempotent
+            # the tree's file is gone; the one this process still maps is not
+            assert not os.path.exists(made)
+            assert os.path.exists(kept) and ours[:1] == b"\0"
+        assert "removed 1 file(s) it left in /dev/shm" in mp.log_tail()
     finally:
         mp.stop(grace=0.1)
+        for path in shm_files:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
 
 # Writes a file when it gets SIGTERM (as vLLM's API server starts a shutdown that
@@ -352,6 +382,7 @@ def test_watchdog_kills_tree_when_parent_dies(tmp_path: Path, sig: signal.Signal
     )
     stranger = None
     tree: list[tuple[int, int]] = []
+    info: dict = {}
     try:
         info = _read_json_when_ready(info_path, 60)
         stranger = info["stranger"]
@@ -366,6 +397,7 @@ def test_watchdog_kills_tree_when_parent_dies(tmp_path: Path, sig: signal.Signal
         wait_until(lambda: _none_alive(watchdog), 30, what="watchdog to exit")
         assert procs.live_in_group(info["pgid"]) == []
         assert not _none_alive(stranger_id), "the watchdog killed a process it did not own"
+        assert not any(map(os.path.exists, info["shm"])), "the watchdog left the tree's /dev/shm"
         assert not Path(info["owned"]).exists(), "the watchdog left a directory it owned"
         assert (Path(info["disowned"]) / "sub" / "file").exists(), "it removed a disowned one"
     finally:
@@ -375,6 +407,9 @@ def test_watchdog_kills_tree_when_parent_dies(tmp_path: Path, sig: signal.Signal
         if stranger is not None and procs.is_alive(stranger):
             os.kill(stranger, signal.SIGKILL)
         _kill_leftovers(tree)  # only if the test failed: never leak its processes
+        for path in info.get("shm", []):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
 
 def test_watchdog_commands_are_validated_and_links_not_followed(tmp_path: Path) -> None:

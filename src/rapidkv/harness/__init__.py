@@ -12,7 +12,8 @@ Modules: `server` (ServerSpec, VLLMServer, start_servers, running), `pool`
 (ServerPool, shared lazily started groups), `client` (completions, metrics),
 `prompts` (token-id prompts), `iterations` (per-step composition, from the
 log), `process` (process-group lifecycle), `watchdog` (kills our servers if
-this process dies), `procs` (/proc views), `ports`, `waiting`.
+this process dies), `procs` (/proc views), `shm` (the /dev/shm files a
+stopped tree left), `ports`, `waiting`.
 """
 
 from rapidkv.harness.client import (

@@ -10,7 +10,9 @@ Invariants:
 * Every process of the tree also carries `RAPIDKV_HARNESS_PROC_<uuid>=1` in its
   environment; `stop` kills processes with that entry that left the group
   (including trees a harness inside the tree started: marks nest).
-* `stop` is idempotent and, when it returns, no process of the tree is alive.
+* `stop` is idempotent and, when it returns, no process of the tree is alive,
+  and no file in /dev/shm that the tree held just before it is left unless a
+  living process holds it (`harness.shm`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from rapidkv.harness import procs
+from rapidkv.harness import procs, shm
 from rapidkv.harness.waiting import wait_until
 from rapidkv.harness.watchdog import Watchdog, get_watchdog
 
@@ -138,10 +140,12 @@ class ManagedProcess:
                 os.kill(pid, sig)
 
     def _kill_now(self) -> None:
+        held = shm.held(self.live_pids())
         self._signal_all(signal.SIGKILL)
         with contextlib.suppress(TimeoutError):
             wait_until(lambda: not self.live_pids(), 10.0, what=f"{self.name} to die")
         self.exit_code = self.popen.wait()
+        shm.remove_orphans(held)
 
     def stop(self, grace: float = 10.0, kill_timeout: float = 15.0) -> int | None:
         """SIGTERM the tree, wait up to `grace` s, SIGKILL what is left; reap the leader.
@@ -154,6 +158,7 @@ class ManagedProcess:
         with self._lock:
             if self._stopped:
                 return self.exit_code
+            held = shm.held(self.live_pids())  # what it leaves if it cannot clean up
             try:
                 if grace <= 0:
                     raise TimeoutError
@@ -175,10 +180,12 @@ class ManagedProcess:
             self._stopped = True
             with contextlib.suppress(RuntimeError):
                 self._watchdog.unregister(self.pgid)
+            left = shm.remove_orphans(held)
             with open(self.log_path, "ab") as log:
+                removed = f", removed {len(left)} file(s) it left in /dev/shm" if left else ""
                 log.write(
                     f"==== {time.strftime('%F %T')} stopped {self.name} "
-                    f"(rc={self.exit_code})\n".encode()
+                    f"(rc={self.exit_code}){removed}\n".encode()
                 )
             return self.exit_code
 

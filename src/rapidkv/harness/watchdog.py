@@ -15,7 +15,8 @@ SIGKILL. So every harness (one per Python process) starts one watchdog process:
 When the pipe reports EOF (the parent exited, crashed or was SIGKILLed) or the
 watchdog gets SIGTERM, it SIGTERMs, waits up to a grace period, then SIGKILLs
 every process it may kill, until none is left, removes the directories it was
-given, and exits.
+given and the files in /dev/shm that the killed processes held and no living
+process holds (`harness.shm`), and exits.
 
 Invariant: it kills only (a) processes whose environment carries this harness's
 owner entry `RAPIDKV_HARNESS_OWNER=<token>` (every server the harness starts
@@ -40,7 +41,7 @@ import uuid
 from pathlib import Path
 from typing import IO
 
-from rapidkv.harness import procs
+from rapidkv.harness import procs, shm
 
 OWNER_ENV_PREFIX = "RAPIDKV_HARNESS_OWNER_"
 """A harness marks its processes with the variable `RAPIDKV_HARNESS_OWNER_<token>=1`.
@@ -71,6 +72,7 @@ class _Reaper:
         self.grace = grace
         self.groups: dict[int, int] = {}  # pgid -> leader start time
         self.dirs: set[str] = set()  # directories to remove once the processes are gone
+        self.shm: set[str] = set()  # /dev/shm files the killed processes held
 
     def handle(self, line: str) -> None:
         verb, _, rest = line.rstrip("\n").partition(" ")
@@ -114,6 +116,7 @@ class _Reaper:
 
     def reap(self) -> int:
         """Kill every target; return how many processes were signalled at first."""
+        self.shm = shm.held(self.targets())
         first = self._signal(signal.SIGTERM)
         if not first:
             return 0
@@ -169,7 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     n = reaper.reap()
     d = reaper.remove_dirs()
-    log(f"done ({n} process(es) had to be killed, {d} directory(ies) removed)")
+    f = len(shm.remove_orphans(reaper.shm))
+    log(
+        f"done ({n} process(es) had to be killed; removed {d} directory(ies), {f} /dev/shm file(s))"
+    )
     return 0
 
 
