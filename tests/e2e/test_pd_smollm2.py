@@ -7,7 +7,9 @@ run), the conversation's later prompts built from its answers (each turn the
 history so far through the chat template, as a chat client sends it); then a
 SmolLM2 P/D pair, prefix caching on as vLLM runs by default, serves the same
 prompts through the router: with split prefill (at concurrency 1 the router
-splits every prompt between P and D) and without (P computes the prompt).
+splits every prompt between P and D) and without (P computes the prompt);
+then more questions as chat requests, split (P renders each as its chat
+endpoint would).
 Later turns of the conversation repeat the history: vLLM's own prefix-cache
 counters must show hits on the pair.
 
@@ -34,7 +36,7 @@ from typing import Any
 import httpx
 import pytest
 from pd_harness import router_healthy
-from smollm2_refs import SMOLLM2_BLOCK, SMOLLM2_PD_TOKENS, SMOLLM2_QUESTIONS
+from smollm2_refs import SMOLLM2_BLOCK, SMOLLM2_PD_TOKENS, SMOLLM2_QUESTIONS, chat_body
 from wheel_venv import WheelVenv, installed_env
 
 from rapidkv.control.client import RpcClient
@@ -140,6 +142,46 @@ def test_smollm2_through_p_and_d_answers_as_one_instance(
     crossed = after.get("transfers_ok", 0) - before.get("transfers_ok", 0)
     assert crossed == QUESTIONS  # every prompt crossed
     assert (splits or 0) == (QUESTIONS if split else 0)
+
+
+def test_chat_requests_split_between_p_and_d_answer_as_one_instances_chat(
+    smollm2_case: dict[str, Any],
+) -> None:
+    """Chat requests, as most clients send them, split too: P renders each as
+    its chat endpoint would (the model's template), computes a head of those
+    ids, D the chat's tail; the answers are one instance's chat answers, every
+    one split, P's check of each head's ids against D's prompt never refused
+    one, and D recomputed nothing."""
+    from rapidkv.router.server import start_router
+
+    case = smollm2_case
+    secret, (p_control, d_control) = case["secret"], case["controls"]
+    before = {c: rpc_stats(c, secret) for c in (p_control, d_control)}
+    with (
+        start_router(router_config(case, split_prefill=True)) as router,
+        httpx.Client(timeout=120) as client,
+    ):
+        outs = []
+        for question in case["chats"]:
+            r = client.post(
+                f"{router.url}/v1/chat/completions", json=chat_body(question, MAX_TOKENS)
+            )
+            assert r.status_code == 200, r.text
+            outs.append(r.json()["choices"][0]["token_ids"])
+        splits = router.router.metrics.registry.get_sample_value(
+            "rapidkv_router_split_prefills_total"
+        )
+    after = {c: rpc_stats(c, secret) for c in (p_control, d_control)}
+
+    def grew(control: str, counter: str) -> float:
+        return after[control].get(counter, 0) - before[control].get(counter, 0)
+
+    n = len(case["chats"])
+    assert outs == case["chat_refs"]
+    assert splits == n
+    assert grew(p_control, "transfers_ok") == n and grew(p_control, "prompt_mismatch") == 0
+    assert grew(d_control, "split_loads_ok") == n
+    assert grew(d_control, "recompute_fallbacks") == 0
 
 
 def test_a_conversation_hits_the_prefix_cache_and_stays_token_identical(

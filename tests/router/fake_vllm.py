@@ -20,7 +20,8 @@ every one that reaches it before its listener closed has its connection
 dropped, unanswered (`stop()`, the orderly end, lets the held ones answer).
 
 ``POST /tokenize`` answers a text prompt's "token ids" (its characters' code
-points), or 500 for a prompt that starts with "untokenizable". ``POST
+points), or 500 for a prompt that starts with "untokenizable"; a chat's
+messages likewise (`fake_render`). ``POST
 /v1/responses`` answers a response id (streamed: in a ``response.created``
 event) that ``GET /v1/responses/{id}`` then finds on this fake only.
 
@@ -85,6 +86,24 @@ def fake_tokens(body: dict[str, Any]) -> list[int]:
     if not isinstance(n, int) or isinstance(n, bool):
         n = 16
     return [(seed + 31 * i) % 1000 for i in range(min(n, MAX_FAKE_TOKENS))]
+
+
+def fake_render(messages: Any) -> list[int] | None:
+    """A chat's "token ids" as the fake renders them: the code points of each
+    message's role initial and text content; None (the fake answers 500) for
+    what it cannot render, or a first content starting with "untokenizable"."""
+    if not isinstance(messages, list) or not messages:
+        return None
+    text = ""
+    for m in messages:
+        role, content = (m.get("role"), m.get("content")) if isinstance(m, dict) else (None, None)
+        if isinstance(content, list):
+            parts = [p.get("text") if isinstance(p, dict) else None for p in content]
+            content = "".join(p for p in parts if isinstance(p, str))
+        if not isinstance(role, str) or not role or not isinstance(content, str | None):
+            return None
+        text += role[0] + (content or "")
+    return None if text[1:].startswith("untokenizable") else [ord(c) for c in text]
 
 
 class FakeVLLM:
@@ -249,11 +268,14 @@ class FakeVLLM:
         raise ConnectionAbortedError(f"{self.name}: died")
 
     async def _tokenize(self, seen: Seen, send: Any) -> None:
-        prompt = seen.body.get("prompt", "")
-        if prompt.startswith("untokenizable"):
+        if "messages" in seen.body:
+            tokens = fake_render(seen.body["messages"])
+        else:
+            prompt = seen.body.get("prompt", "")
+            tokens = None if prompt.startswith("untokenizable") else [ord(c) for c in prompt]
+        if tokens is None:
             await self._answer(seen, send, 500, "application/json", [b'{"error": "no"}'])
             return
-        tokens = [ord(c) for c in prompt]
         answer = {"count": len(tokens), "max_model_len": 1024, "tokens": tokens}
         await self._answer(seen, send, 200, "application/json", [json.dumps(answer).encode()])
 

@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from fake_vllm import FakeVLLM, MakeFake, MakeRouter, Seen
+from fake_vllm import FakeVLLM, MakeFake, MakeRouter, Seen, fake_render
 from hypothesis import HealthCheck, assume, event, example, given, settings
 from hypothesis import strategies as st
 
@@ -36,6 +36,7 @@ from rapidkv.harness import wait_until
 from rapidkv.router import Instance, RunningRouter
 from rapidkv.router.fanout.plan import MAX_SEQUENCES, Sub, plan
 from rapidkv.router.rewrite import MAX_DEPTH, transferable
+from rapidkv.router.split import HEAD_KEEPS_OF_CHAT
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(300)]
 
@@ -434,16 +435,25 @@ def check_prefill(
     split = d_seen.kv_transfer_params["rapidkv"].get("split_tokens")
     event(f"P: {'split' if split else 'streamed' if p_seen.body['stream'] else 'whole prompt'}")
     ignore = REWRITTEN_FOR_P | ({"prompt"} if split else set())
-    assert same(without(p_seen.body, ignore), without(body, ignore))
+    if split and endpoint == "chat":  # the head of P's rendering, as a completion
+        assert p_seen.path == "/v1/completions"
+        kept = {k: body[k] for k in HEAD_KEEPS_OF_CHAT if k in body}
+        assert same(without(p_seen.body, ignore), kept)
+    else:
+        assert same(without(p_seen.body, ignore), without(body, ignore))
     assert p_seen.body["max_tokens"] == 1
-    if endpoint == "chat":
+    if endpoint == "chat" and not split:
         assert p_seen.body["max_completion_tokens"] == 1
     assert p_seen.body.get("min_tokens", 1) == 1
     assert isinstance(p_seen.body["stream"], bool) and "stream_options" not in p_seen.body
     assert p_seen.kv_transfer_params == {"rapidkv": {"xfer_id": xfer, "role": "prefill"}}
     if split:
-        prompt = body["prompt"]
-        ids = [ord(c) for c in prompt] if isinstance(prompt, str) else prompt
+        if endpoint == "chat":
+            ids = fake_render(body["messages"])
+            assert ids is not None
+        else:
+            prompt = body["prompt"]
+            ids = [ord(c) for c in prompt] if isinstance(prompt, str) else prompt
         assert split % BLOCK == 0 and 0 < split < len(ids)
         assert p_seen.body["prompt"] == ids[:split]
 

@@ -18,6 +18,7 @@ pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 PROMPT = list(range(100, 110))  # 10 tokens
 BLOCK = 4
 BODY = {"model": "m", "prompt": PROMPT, "max_tokens": 5, "temperature": 0.0}
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
 
 
 def router_for(make_router: MakeRouter, p: FakeVLLM, d: FakeVLLM, **config) -> RunningRouter:
@@ -86,10 +87,22 @@ def test_the_router_refuses_a_negative_minimum() -> None:
         (dict(BODY, echo=True), "completions", False),
         (dict(BODY, prompt_logprobs=1), "completions", False),
         (dict(BODY, truncate_prompt_tokens=5), "completions", False),
-        ({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, "chat", False),
+        (CHAT, "chat", True),
+        (dict(CHAT, messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}]),
+         "chat", True),
+        (dict(CHAT, messages=[{"role": "assistant", "content": None, "tool_calls": []}]),
+         "chat", True),
+        (dict(CHAT, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "what is this?"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]),
+         "chat", False),  # an image's features: not in a head of token ids
+        (dict(CHAT, messages=[]), "chat", False),
+        (dict(CHAT, messages="hi"), "chat", False),
+        (dict(CHAT, echo=True), "chat", False),
+        (dict(CHAT, prompt_logprobs=1), "chat", False),
     ],
-)
-def test_only_single_prompt_completions_without_prompt_outputs_split(
+)  # fmt: skip
+def test_only_single_prompts_and_text_chats_without_prompt_outputs_split(
     body: dict, endpoint: str, ok: bool
 ) -> None:
     assert splittable(body, endpoint) is ok
@@ -156,7 +169,7 @@ def test_an_untokenizable_prompt_goes_out_whole(
     [
         (dict(BODY, prompt=PROMPT[:4]), {}, BLOCK),  # no block leaves D a token
         (BODY, {"split_min_tokens": 32}, BLOCK),  # head 4 and tail 6: under the minimum
-        ({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, {}, BLOCK),
+        (CHAT, {}, BLOCK),  # 3 tokens as P renders them: no block leaves D a token
         (BODY, {"split_prefill": False}, BLOCK),
         (dict(BODY, kv_transfer_params={"rapidkv": {"transfer_kv_mode": "step"}}), {}, BLOCK),
         (dict(BODY, kv_transfer_params={"rapidkv": {"transfer_kv_mode": "bypass"}}), {}, BLOCK),
@@ -176,8 +189,8 @@ def test_otherwise_the_whole_prompt_goes_to_p(
     router = make_router([Instance(p.url, "127.0.0.1:7001", block_size=block)], [d], **config)
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     assert http.post(router.url + path, json=body).status_code == 200
-    p_seen, d_seen = p.wait_seen(1)[0], d.wait_seen(1)[0]
-    assert p_seen.path == path
+    wait_until(lambda: p.requests(path), 10, what="P's request")
+    p_seen, d_seen = p.requests(path)[0], d.wait_seen(1)[0]
     assert p_seen.body.get("prompt") == body.get("prompt")
     assert "split_tokens" not in d_seen.kv_transfer_params["rapidkv"]
     assert splits(router) == 0
@@ -229,3 +242,62 @@ def test_a_batch_of_prompts_is_one_transfer_per_prompt(
         assert [c["index"] for c in resp.json()["choices"]] == list(range(len(prompt)))
     else:
         assert resp.content.endswith(b"data: [DONE]\n\n")
+
+
+def test_a_chat_is_rendered_by_p_and_its_head_sent_as_a_completion_of_those_ids(
+    pd: tuple[FakeVLLM, FakeVLLM], make_router: MakeRouter, http: httpx.Client
+) -> None:
+    """P tokenizes the chat as its chat endpoint would render it (its
+    messages, tools and template options; the client's key too); P is sent the
+    head of those ids at /v1/completions with only the fields that locate its
+    cache; D the chat as the client sent it, with the head's size."""
+    p, d = pd
+    router = router_for(make_router, p, d)
+    body = dict(
+        CHAT,
+        messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}],
+        cache_salt="tenant-1",
+        temperature=0.0,
+        tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        tool_choice="auto",
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    auth = {"authorization": "Bearer k"}
+    resp = http.post(f"{router.url}/v1/chat/completions", json=body, headers=auth)
+    assert resp.status_code == 200
+    seen = p.wait_seen(2)
+    ask, head = seen[0], seen[1]
+    assert ask.path == "/tokenize"
+    assert ask.body == {k: body[k] for k in ("model", "messages", "tools")}
+    assert ask.headers["authorization"] == "Bearer k"
+    ids = [ord(c) for c in "sbe briefuhi"]  # the fake's rendering: 12 tokens, 2 blocks P's
+    assert head.path == "/v1/completions"
+    assert head.body["prompt"] == ids[:8] and head.body["max_tokens"] == 1
+    assert {k: head.body[k] for k in ("model", "cache_salt")} == {
+        "model": "m",
+        "cache_salt": "tenant-1",
+    }
+    assert not {"messages", "tools", "temperature", "stream_options"} & set(head.body)
+    assert head.kv_transfer_params["rapidkv"]["role"] == "prefill"
+    (d_seen,) = d.wait_seen(1)
+    assert d_seen.path == "/v1/chat/completions"
+    assert d_seen.body["messages"] == body["messages"] and d_seen.body["tools"] == body["tools"]
+    assert d_seen.kv_transfer_params["rapidkv"]["split_tokens"] == 8
+    assert resp.content == bytes(d_seen.sent)
+    assert splits(router) == 1
+
+
+def test_a_chat_p_cannot_render_goes_whole(
+    pd: tuple[FakeVLLM, FakeVLLM], make_router: MakeRouter, http: httpx.Client
+) -> None:
+    p, d = pd
+    router = router_for(make_router, p, d)
+    body = dict(CHAT, messages=[{"role": "user", "content": "untokenizable, this"}])
+    assert http.post(f"{router.url}/v1/chat/completions", json=body).status_code == 200
+    chats = lambda f: [s for s in f.wait_seen(1) if s.path == "/v1/chat/completions"]  # noqa: E731
+    wait_until(lambda: chats(p) and chats(d), 10, what="P's and D's chat requests")
+    (p_seen,), (d_seen,) = chats(p), chats(d)
+    assert p_seen.body["messages"] == body["messages"] and p_seen.body["max_tokens"] == 1
+    assert "split_tokens" not in d_seen.kv_transfer_params["rapidkv"]
+    assert splits(router) == 0

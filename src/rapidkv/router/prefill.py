@@ -66,11 +66,14 @@ class Prefills:
         content: bytes,
         ex: Exchange,
         first: asyncio.Future[Payload | None] | None = None,
+        path: str | None = None,
     ) -> asyncio.Task[bool]:
         """Send `ex`'s P request (`content`) to member `index` (`inst`, with its
-        control address), already counted outstanding there; `first`: resolved
-        with P's first output event. The task is True if P answered 2xx."""
-        task = asyncio.create_task(self._run(index, inst, content, ex, first))
+        control address), already counted outstanding there, at `path` (default:
+        the client's); `first`: resolved with P's first output event. The task
+        is True if P answered 2xx."""
+        url = inst.url + (path or ex.path)
+        task = asyncio.create_task(self._run(index, inst, url, content, ex, first))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         task.add_done_callback(lambda task: self._done(ex, task))
@@ -119,13 +122,14 @@ class Prefills:
         self,
         index: int,
         inst: Instance,
+        url: str,
         content: bytes,
         ex: Exchange,
         first: asyncio.Future[Payload | None] | None = None,
     ) -> bool:
-        """P's request: sent, its answer read and dropped, except its first output
-        event, which resolves `first` (None if P gave none). True if P answered 2xx."""
-        url = inst.url + ex.path
+        """P's request: sent to `url`, its answer read and dropped, except its
+        first output event, which resolves `first` (None if P gave none). True
+        if P answered 2xx."""
         answered = False  # P's status line arrived
         call = ex.tracing.call("rapidkv.prefill", ex.upstream_headers, **{"url.full": url})
         error: str | None = "cancelled"

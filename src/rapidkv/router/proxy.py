@@ -116,7 +116,7 @@ from rapidkv.control.messages import AbortReason
 from rapidkv.router.answer import AnswerRelay, Stitch
 from rapidkv.router.asgi import send_error, wait_disconnect
 from rapidkv.router.config import RouterConfig
-from rapidkv.router.exchange import CountingSend, Exchange
+from rapidkv.router.exchange import PATHS, CountingSend, Exchange
 from rapidkv.router.fanout.plan import plan
 from rapidkv.router.fanout.relay import FanOut
 from rapidkv.router.fleet.fleet import Fleet
@@ -474,13 +474,18 @@ class Router:
                         ),
                         asyncio.get_running_loop().create_future(),
                     )
-                p_content = encode(
-                    head_body(body, ex.xfer_id, ids, head + 1 if fetched else head)
-                    if head and ids is not None
-                    else prefill_body(body, ex.endpoint, ex.xfer_id, first_token=stitching)
-                )
+                p_path = ex.path
+                if head and ids is not None:
+                    p_path = PATHS["completions"]  # a chat's head too: a completion of its ids
+                    p_content = encode(
+                        head_body(body, ex.endpoint, ex.xfer_id, ids, head + 1 if fetched else head)
+                    )
+                else:
+                    p_content = encode(
+                        prefill_body(body, ex.endpoint, ex.xfer_id, first_token=stitching)
+                    )
                 first = stitch.first if stitch is not None else None
-                prefill = self._prefills.start(p_index, ex.prefill, p_content, ex, first)
+                prefill = self._prefills.start(p_index, ex.prefill, p_content, ex, first, p_path)
                 if mode == "serial":
                     await asyncio.wait({prefill, gone}, return_when=asyncio.FIRST_COMPLETED)
                     if not prefill.done():
@@ -529,6 +534,7 @@ class Router:
             self.fleet.http,
             ex.prefill.url,
             body,
+            ex.endpoint,
             self.config.connect_timeout_s,
             {k: v for k, v in ex.upstream_headers.items() if k == "authorization"},
         )
@@ -555,8 +561,9 @@ class Router:
     def _can_split(self, ex: Exchange, body: Body) -> bool:
         """This request's prompt may be split between its P and D: P's control
         address and block size are known, the request is a single-prompt
-        completion, not in a `transfer_kv_mode` that sends P's KV after its step
-        (the client measures that mode)."""
+        completion or a text chat (`split.splittable`), not in a
+        `transfer_kv_mode` that sends P's KV after its step (the client
+        measures that mode)."""
         p = ex.prefill
         return (
             p is not None

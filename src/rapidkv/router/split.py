@@ -10,9 +10,13 @@ token comes about when the larger half is done, instead of after the whole
 prompt on one core.
 
 Rules:
-- Only a completions request with one prompt (text or token ids) and nothing
-  that needs the prompt's own logits (`echo`, `prompt_logprobs`) is split; its
-  first token comes from D (P's token ends a different prompt).
+- Only a request with one prompt and nothing that needs the prompt's own
+  logits (`echo`, `prompt_logprobs`) is split: a completion of one prompt (text
+  or token ids), or a chat completion whose messages are all text (a chat's
+  prompt is what P's ``/tokenize`` makes of its messages, tools and template
+  options, as its chat endpoint renders them; P is sent the head as a
+  completion of those ids). Its first token comes from D (P's token ends a
+  different prompt).
 - The head is a whole number of P's blocks (its block size comes with the
   discovery answer) and leaves D at least one token; a prompt too short for
   one block is not split, nor one whose head or tail would be shorter than
@@ -41,14 +45,51 @@ from rapidkv.router.upstream import UPSTREAM_ERRORS, post_json
 NOT_SPLITTABLE = ("echo", "prompt_logprobs", "suffix", "truncate_prompt_tokens")
 
 
+# what a head's completion keeps of a chat request: where its KV is cached
+HEAD_KEEPS_OF_CHAT = ("model", "cache_salt", "priority")
+
+# what a chat's prompt is rendered from (vLLM's /tokenize takes them as its
+# chat endpoint does; /v1/chat/completions/render would take the whole request,
+# but vLLM serves it only with --enable-scale-out)
+CHAT_TOKENIZE_KEYS = (
+    "model",
+    "messages",
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "chat_template",
+    "chat_template_kwargs",
+    "tools",
+)
+
+
 def splittable(body: Body, endpoint: Endpoint) -> bool:
-    """A completions request with one prompt (text or token ids) and none of
+    """A completions request with one prompt (text or token ids), or a chat
+    request whose messages' contents are all text, with none of
     `NOT_SPLITTABLE`."""
-    if endpoint != "completions":
-        return False
     if any(body.get(key) not in (None, False, [], "") for key in NOT_SPLITTABLE):
         return False
+    if endpoint == "chat":
+        return text_messages(body.get("messages"))
     return single_prompt(body)
+
+
+def text_messages(messages: Any) -> bool:
+    """A non-empty list of messages whose contents are text: a string, or
+    parts that are all ``{"type": "text"}`` (no image, audio or file, whose
+    features a head sent as token ids would lose)."""
+    if not isinstance(messages, list) or not messages:
+        return False
+    for message in messages:
+        if not isinstance(message, dict):
+            return False
+        content = message.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                return False
+        elif content is not None and not isinstance(content, str):
+            return False
+    return True
 
 
 def split_point(num_tokens: int, block_size: int, fraction: float, min_part: int = 0) -> int:
@@ -65,19 +106,24 @@ async def prompt_ids(
     http: aiohttp.ClientSession,
     base_url: str,
     body: Body,
+    endpoint: Endpoint,
     timeout: float,
     headers: dict[str, str] | None = None,
 ) -> list[int] | None:
-    """The prompt's token ids: given, or from the instance's ``/tokenize``
-    (with the request's `add_special_tokens`, as its completion would); None if
-    it cannot tell."""
-    ids = token_ids(body.get("prompt"))
-    if ids is not None:
-        return ids
-    ask: dict[str, Any] = {"prompt": body["prompt"]}
-    for key in ("model", "add_special_tokens"):
-        if key in body:
-            ask[key] = body[key]
+    """The prompt's token ids: a completion's given ids, or those of the
+    instance's ``/tokenize``: of a text prompt (with the request's
+    `add_special_tokens`, as its completion would), of a chat's
+    `CHAT_TOKENIZE_KEYS` (rendered as its chat endpoint renders them). None if
+    it cannot tell. (Where this differs from what D's engine gets, P refuses
+    the head, whose hash it checks, and D recomputes it.)"""
+    if endpoint == "chat":
+        keys: tuple[str, ...] = CHAT_TOKENIZE_KEYS
+    else:
+        ids = token_ids(body.get("prompt"))
+        if ids is not None:
+            return ids
+        keys = ("prompt", "model", "add_special_tokens")
+    ask = {key: body[key] for key in keys if key in body}
     try:
         status, raw = await post_json(http, base_url + "/tokenize", ask, timeout, headers)
     except UPSTREAM_ERRORS:
@@ -90,8 +136,12 @@ async def prompt_ids(
         return None
 
 
-def head_body(body: Body, xfer_id: str, ids: list[int], head: int) -> Body:
-    """What P is sent for a split: a one-token completion of the head's ids."""
+def head_body(body: Body, endpoint: Endpoint, xfer_id: str, ids: list[int], head: int) -> Body:
+    """What P is sent for a split (to its ``/v1/completions``): a one-token
+    completion of the head's ids; of a chat request, with only
+    `HEAD_KEEPS_OF_CHAT` of its fields."""
+    if endpoint == "chat":
+        body = {k: body[k] for k in HEAD_KEEPS_OF_CHAT if k in body}
     out = prefill_body(body, "completions", xfer_id, first_token=False)
     out["prompt"] = ids[:head]
     return out
