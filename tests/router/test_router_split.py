@@ -34,6 +34,19 @@ def splits(router: RunningRouter) -> float:
     return metric_sum(get_metrics(router.url), "rapidkv_router_split_prefills_total")
 
 
+def assert_split(
+    router: RunningRouter, resp: httpx.Response, p_seen: Seen, d_seen: Seen, head: list[int]
+) -> None:
+    """The request was split: P got a one-token, unstreamed completion of
+    `head`, D the head's size, and the client D's answer alone (no stitch)."""
+    assert p_seen.body["prompt"] == head
+    assert p_seen.body["max_tokens"] == 1 and p_seen.body["stream"] is False
+    assert p_seen.kv_transfer_params["rapidkv"]["role"] == "prefill"
+    assert d_seen.kv_transfer_params["rapidkv"]["split_tokens"] == len(head)
+    assert resp.content == bytes(d_seen.sent)
+    assert splits(router) == 1
+
+
 @pytest.mark.parametrize(
     ("tokens", "block", "fraction", "head"),
     [
@@ -124,13 +137,8 @@ def test_idle_p_and_d_split_a_token_id_prompt(
     assert resp.status_code == 200
     (p_seen,), (d_seen,) = completions(p.wait_seen(1)), completions(d.wait_seen(1))
     assert not p.requests("/tokenize"), "token ids need no tokenizing"
-    assert p_seen.body["prompt"] == PROMPT[:4]
-    assert p_seen.body["max_tokens"] == 1 and p_seen.body["stream"] is False
-    assert p_seen.kv_transfer_params["rapidkv"]["role"] == "prefill"
     assert d_seen.body["prompt"] == PROMPT  # D's own prompt: all of it
-    assert d_seen.kv_transfer_params["rapidkv"]["split_tokens"] == 4
-    assert resp.content == bytes(d_seen.sent)  # the answer is D's alone: no stitch
-    assert splits(router) == 1
+    assert_split(router, resp, p_seen, d_seen, PROMPT[:4])
 
 
 def test_a_text_prompt_is_tokenized_by_p_first(
@@ -273,19 +281,15 @@ def test_a_chat_is_rendered_by_p_and_its_head_sent_as_a_completion_of_those_ids(
     assert ask.headers["authorization"] == "Bearer k"
     ids = [ord(c) for c in "sbe briefuhi"]  # the fake's rendering: 12 tokens, 2 blocks P's
     assert head.path == "/v1/completions"
-    assert head.body["prompt"] == ids[:8] and head.body["max_tokens"] == 1
     assert {k: head.body[k] for k in ("model", "cache_salt")} == {
         "model": "m",
         "cache_salt": "tenant-1",
     }
     assert not {"messages", "tools", "temperature", "stream_options"} & set(head.body)
-    assert head.kv_transfer_params["rapidkv"]["role"] == "prefill"
     (d_seen,) = d.wait_seen(1)
     assert d_seen.path == "/v1/chat/completions"
     assert d_seen.body["messages"] == body["messages"] and d_seen.body["tools"] == body["tools"]
-    assert d_seen.kv_transfer_params["rapidkv"]["split_tokens"] == 8
-    assert resp.content == bytes(d_seen.sent)
-    assert splits(router) == 1
+    assert_split(router, resp, head, d_seen, ids[:8])
 
 
 def test_a_chat_p_cannot_render_goes_whole(
