@@ -112,6 +112,7 @@ def test_the_router_refuses_a_negative_minimum() -> None:
         (dict(CHAT, messages=[]), "chat", False),
         (dict(CHAT, messages="hi"), "chat", False),
         (dict(CHAT, echo=True), "chat", False),
+        (dict(CHAT, documents=[{"title": "t", "text": "x"}]), "chat", False),
         (dict(CHAT, prompt_logprobs=1), "chat", False),
     ],
 )  # fmt: skip

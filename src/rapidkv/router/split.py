@@ -65,12 +65,13 @@ CHAT_TOKENIZE_KEYS = (
 
 def splittable(body: Body, endpoint: Endpoint) -> bool:
     """A completions request with one prompt (text or token ids), or a chat
-    request whose messages' contents are all text, with none of
-    `NOT_SPLITTABLE`."""
+    request whose messages' contents are all text and without `documents`,
+    with none of `NOT_SPLITTABLE`."""
     if any(body.get(key) not in (None, False, [], "") for key in NOT_SPLITTABLE):
         return False
     if endpoint == "chat":
-        return text_messages(body.get("messages"))
+        # vLLM's /tokenize renders no `documents`: P would refuse every head
+        return not body.get("documents") and text_messages(body.get("messages"))
     return single_prompt(body)
 
 
