@@ -295,6 +295,29 @@ def test_stop_kills_whole_tree_even_if_it_ignores_sigterm(tmp_path: Path) -> Non
                 os.unlink(path)
 
 
+def test_a_tree_killed_by_a_signal_leaves_no_shm_once_stopped(tmp_path: Path) -> None:
+    """A test's SIGKILL through `signal` (the tree dies at once, its files
+    held by nobody when `stop` comes): `stop` removes them all the same."""
+    pidfile = tmp_path / "pids.json"
+    mp = ManagedProcess(
+        [sys.executable, "-c", TREE, str(pidfile), "0"], _env(), tmp_path / "tree.log", name="tree"
+    )
+    shm_files: list[str] = []
+    try:
+        shm_files = _read_json_when_ready(pidfile)["shm"]
+        wait_until(lambda: shm.held(mp.live_pids()) == set(shm_files), 10, what="the maps")
+        mp.signal(signal.SIGKILL)
+        wait_until(lambda: not mp.live_pids() or mp.live_pids() == [mp.pid], 10, what="the kill")
+        assert all(map(os.path.exists, shm_files))  # the kill leaves them
+        mp.stop()
+        assert not any(map(os.path.exists, shm_files))
+    finally:
+        mp.stop(grace=0.1)
+        for path in shm_files:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
 # Writes a file when it gets SIGTERM (as vLLM's API server starts a shutdown that
 # answers in-flight requests), then goes on.
 TERM_NOTED = """

@@ -11,8 +11,9 @@ Invariants:
   environment; `stop` kills processes with that entry that left the group
   (including trees a harness inside the tree started: marks nest).
 * `stop` is idempotent and, when it returns, no process of the tree is alive,
-  and no file in /dev/shm that the tree held just before it is left unless a
-  living process holds it (`harness.shm`).
+  and no file in /dev/shm that the tree held when it was signalled (by `stop`
+  or `signal`) is left unless a living process holds it (`harness.shm`; a
+  semaphore, whose file no process maps by its name, is not seen).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class ManagedProcess:
         self._watchdog = watchdog if watchdog is not None else get_watchdog(log_path.parent)
         self._lock = threading.Lock()
         self._stopped = False
+        self._shm: set[str] = set()  # /dev/shm files the tree held when signalled
         self.exit_code: int | None = None
 
         full_env = dict(env)
@@ -132,6 +134,7 @@ class ManagedProcess:
         self._signal_all(sig)
 
     def _signal_all(self, sig: int) -> None:
+        self._shm |= shm.held(self.live_pids())  # `stop` removes what a kill leaves
         if not self._reaped:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.pgid, sig)
@@ -140,12 +143,11 @@ class ManagedProcess:
                 os.kill(pid, sig)
 
     def _kill_now(self) -> None:
-        held = shm.held(self.live_pids())
         self._signal_all(signal.SIGKILL)
         with contextlib.suppress(TimeoutError):
             wait_until(lambda: not self.live_pids(), 10.0, what=f"{self.name} to die")
         self.exit_code = self.popen.wait()
-        shm.remove_orphans(held)
+        shm.remove_orphans(self._shm)
 
     def stop(self, grace: float = 10.0, kill_timeout: float = 15.0) -> int | None:
         """SIGTERM the tree, wait up to `grace` s, SIGKILL what is left; reap the leader.
@@ -158,7 +160,7 @@ class ManagedProcess:
         with self._lock:
             if self._stopped:
                 return self.exit_code
-            held = shm.held(self.live_pids())  # what it leaves if it cannot clean up
+            self._shm |= shm.held(self.live_pids())  # what it leaves if it cannot clean up
             try:
                 if grace <= 0:
                     raise TimeoutError
@@ -180,7 +182,7 @@ class ManagedProcess:
             self._stopped = True
             with contextlib.suppress(RuntimeError):
                 self._watchdog.unregister(self.pgid)
-            left = shm.remove_orphans(held)
+            left = shm.remove_orphans(self._shm)
             with open(self.log_path, "ab") as log:
                 removed = f", removed {len(left)} file(s) it left in /dev/shm" if left else ""
                 log.write(

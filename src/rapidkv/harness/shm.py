@@ -8,13 +8,17 @@ tracker when its clients die; a tree killed with SIGKILL (a test's crash, the
 watchdog's last resort) takes the tracker with it, and the files stay until
 the machine reboots: hundreds of megabytes a test session.
 
-So whoever stops a tree (`ManagedProcess.stop`, the watchdog) notes the files
-its processes map or hold open (`held`) before signalling it, and once the tree
-is gone removes those that no living process maps or holds (`remove_orphans`).
+So whoever signals a tree (`ManagedProcess.signal` and `stop`, the watchdog)
+notes the files its processes map or hold open (`held`) first, and once the
+tree is gone (`stop`, the watchdog) removes those that no living process maps
+or holds (`remove_orphans`).
 
 Invariant: a file is removed only if a process of the stopped tree held it
 and no process still alive does (as far as /proc shows this user); an unlinked
-file ("(deleted)") is never named.
+file ("(deleted)") is never named. Named semaphores (`sem.*`, 32 bytes each)
+are not seen: glibc maps one under a temporary name before it links the real
+one, so no process is seen holding it, and a live tree's may not be removed
+(a process it spawns opens it by name).
 """
 
 from __future__ import annotations
