@@ -109,7 +109,7 @@ def test_runner_death_leaves_no_vllm_process(tmp_path: Path, tiny_model: Path) -
             assert len(members) >= 3, f"expected a process tree, got {members}"
             assert info["pid"] in members
             assert Path(info["tmp_dir"]).is_dir(), "the server's TMPDIR should exist while it runs"
-            child.shm = shm.held(members)  # vLLM's message queues, semaphores
+            child.shm = set(shm.held(members))  # vLLM's message queues, semaphores
             assert child.shm, "an mp server maps files in /dev/shm"
         for child in children:
             assert child.runner is not None

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -45,7 +46,8 @@ while True:
 # A process tree: the root (an IDLE) starts a child in its group and an
 # "escaper" that leaves the group; argv[2] == "1" makes all three ignore SIGTERM.
 # The root maps two files it made in /dev/shm (named in the pid file as "shm"),
-# as vLLM's processes map their message queues, and never unlinks them.
+# as vLLM's processes map their message queues, and never unlinks them, and
+# the files named after argv[2] (made before it, 4096 bytes).
 TREE = """
 import json, mmap, os, signal, subprocess, sys
 pidfile, ignore = sys.argv[1], sys.argv[2]
@@ -60,6 +62,9 @@ for path in shm:
     os.ftruncate(fd, 4096)
     maps.append(mmap.mmap(fd, 4096))
     os.close(fd)
+for path in sys.argv[3:]:  # files made before the tree: mapped, not its own
+    with open(path, "r+b") as f:
+        maps.append(mmap.mmap(f.fileno(), 4096))
 tmp = pidfile + ".tmp"
 with open(tmp, "w") as f:
     json.dump({"root": os.getpid(), "child": child.pid, "escaper": escaper.pid, "shm": shm}, f)
@@ -264,11 +269,19 @@ def test_a_server_process_killed_by_sigill_says_so_in_its_log(tmp_path: Path) ->
 
 @pytest.mark.timeout(60)
 def test_stop_kills_whole_tree_even_if_it_ignores_sigterm(tmp_path: Path) -> None:
-    """And removes the files the tree left in /dev/shm, but one another process holds."""
+    """And removes the files the tree made and left in /dev/shm, but one
+    another process holds and one made before the tree."""
     shm_files: list[str] = []
+    older = f"/dev/shm/rapidkv-test-{os.getpid()}-older"
+    with open(older, "wb") as f:
+        f.truncate(4096)
+    time.sleep(0.1)  # made before the tree, by more than ctime's granularity
     pidfile = tmp_path / "pids.json"
     mp = ManagedProcess(
-        [sys.executable, "-c", TREE, str(pidfile), "1"], _env(), tmp_path / "tree.log", name="tree"
+        [sys.executable, "-c", TREE, str(pidfile), "1", older],
+        _env(),
+        tmp_path / "tree.log",
+        name="tree",
     )
     try:
         pids = _read_json_when_ready(pidfile)
@@ -277,7 +290,7 @@ def test_stop_kills_whole_tree_even_if_it_ignores_sigterm(tmp_path: Path) -> Non
         escaped = lambda: procs.proc_stat(pids["escaper"]).pgrp != mp.pgid  # noqa: E731
         wait_until(escaped, 10, what="the escaper to leave the group")
         assert set(mp.live_pids()) == set(pids.values())
-        assert shm.held(mp.live_pids()) == set(shm_files)
+        assert set(shm.held(mp.live_pids())) == {*shm_files, older}
         with open(kept, "r+b") as f, mmap.mmap(f.fileno(), 4096) as ours:
             rc = mp.stop(grace=0.5)
             assert rc == -signal.SIGKILL
@@ -287,10 +300,11 @@ def test_stop_kills_whole_tree_even_if_it_ignores_sigterm(tmp_path: Path) -> Non
             # the tree's file is gone; the one this process still maps is not
             assert not os.path.exists(made)
             assert os.path.exists(kept) and ours[:1] == b"\0"
+            assert os.path.exists(older)
         assert "removed 1 file(s) it left in /dev/shm" in mp.log_tail()
     finally:
         mp.stop(grace=0.1)
-        for path in shm_files:
+        for path in [*shm_files, older]:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 
@@ -305,7 +319,7 @@ def test_a_tree_killed_by_a_signal_leaves_no_shm_once_stopped(tmp_path: Path) ->
     shm_files: list[str] = []
     try:
         shm_files = _read_json_when_ready(pidfile)["shm"]
-        wait_until(lambda: shm.held(mp.live_pids()) == set(shm_files), 10, what="the maps")
+        wait_until(lambda: set(shm.held(mp.live_pids())) == set(shm_files), 10, what="the maps")
         mp.signal(signal.SIGKILL)
         wait_until(lambda: not mp.live_pids() or mp.live_pids() == [mp.pid], 10, what="the kill")
         assert all(map(os.path.exists, shm_files))  # the kill leaves them

@@ -113,6 +113,10 @@ def test_the_router_refuses_a_negative_minimum() -> None:
         (dict(CHAT, messages="hi"), "chat", False),
         (dict(CHAT, echo=True), "chat", False),
         (dict(CHAT, documents=[{"title": "t", "text": "x"}]), "chat", False),
+        (dict(CHAT, reasoning_effort="low"), "chat", False),
+        (dict(CHAT, messages=[{"role": "user", "content": "hi"},
+                              {"role": "assistant", "content": "yo", "reasoning_content": "r"},
+                              {"role": "user", "content": "and?"}]), "chat", False),
         (dict(CHAT, prompt_logprobs=1), "chat", False),
     ],
 )  # fmt: skip

@@ -59,7 +59,9 @@ class ManagedProcess:
         self._watchdog = watchdog if watchdog is not None else get_watchdog(log_path.parent)
         self._lock = threading.Lock()
         self._stopped = False
-        self._shm: set[str] = set()  # /dev/shm files the tree held when signalled
+        self._shm: shm.Held = {}  # /dev/shm files the tree held when signalled
+        self._shm_lock = threading.Lock()
+        self._started = time.time()  # files made before are not the tree's
         self.exit_code: int | None = None
 
         full_env = dict(env)
@@ -133,8 +135,9 @@ class ManagedProcess:
         """Send `sig` to every process of the tree (e.g. SIGSTOP / SIGCONT)."""
         self._signal_all(sig)
 
-    def _signal_all(self, sig: int) -> None:
-        self._shm |= shm.held(self.live_pids())  # `stop` removes what a kill leaves
+    def _signal_all(self, sig: int, note: bool = True) -> None:
+        if note:  # `stop` removes what a kill leaves
+            self._note_shm()
         if not self._reaped:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.pgid, sig)
@@ -142,12 +145,23 @@ class ManagedProcess:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, sig)
 
+    def _note_shm(self) -> None:
+        found = shm.held(self.live_pids())
+        with self._shm_lock:
+            self._shm.update(found)
+
+    def _remove_shm(self) -> list[str]:
+        with self._shm_lock:
+            noted = dict(self._shm)
+        return shm.remove_orphans(noted, self._started)
+
     def _kill_now(self) -> None:
         self._signal_all(signal.SIGKILL)
         with contextlib.suppress(TimeoutError):
             wait_until(lambda: not self.live_pids(), 10.0, what=f"{self.name} to die")
         self.exit_code = self.popen.wait()
-        shm.remove_orphans(self._shm)
+        if not self.live_pids():
+            self._remove_shm()
 
     def stop(self, grace: float = 10.0, kill_timeout: float = 15.0) -> int | None:
         """SIGTERM the tree, wait up to `grace` s, SIGKILL what is left; reap the leader.
@@ -160,16 +174,16 @@ class ManagedProcess:
         with self._lock:
             if self._stopped:
                 return self.exit_code
-            self._shm |= shm.held(self.live_pids())  # what it leaves if it cannot clean up
+            self._note_shm()  # what it leaves if it cannot clean up
             try:
                 if grace <= 0:
                     raise TimeoutError
-                self._signal_all(signal.SIGTERM)
+                self._signal_all(signal.SIGTERM, note=False)
                 wait_until(lambda: not self.live_pids(), grace, what=f"{self.name} to exit")
             except TimeoutError:
 
                 def killed() -> bool:
-                    self._signal_all(signal.SIGKILL)
+                    self._signal_all(signal.SIGKILL, note=False)  # noted above
                     return not self.live_pids()
 
                 try:
@@ -182,7 +196,7 @@ class ManagedProcess:
             self._stopped = True
             with contextlib.suppress(RuntimeError):
                 self._watchdog.unregister(self.pgid)
-            left = shm.remove_orphans(self._shm)
+            left = self._remove_shm()
             with open(self.log_path, "ab") as log:
                 removed = f", removed {len(left)} file(s) it left in /dev/shm" if left else ""
                 log.write(

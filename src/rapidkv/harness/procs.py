@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,6 +94,16 @@ def live_with_env(entry: bytes) -> list[int]:
         if st is not None and st.alive and environ_has(pid, entry):
             out.append(pid)
     return out
+
+
+def started_at(pid: int) -> float | None:
+    """When `pid` started, wall clock (to its start time's clock tick); None if
+    it does not exist."""
+    st = proc_stat(pid)
+    if st is None:
+        return None
+    uptime = float((PROC / "uptime").read_text().split()[0])
+    return time.time() - (uptime - st.starttime / os.sysconf("SC_CLK_TCK"))
 
 
 def is_alive(pid: int, starttime: int | None = None) -> bool:

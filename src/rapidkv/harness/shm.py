@@ -13,27 +13,33 @@ notes the files its processes map or hold open (`held`) first, and once the
 tree is gone (`stop`, the watchdog) removes those that no living process maps
 or holds (`remove_orphans`).
 
-Invariant: a file is removed only if a process of the stopped tree held it
-and no process still alive does (as far as /proc shows this user); an unlinked
-file ("(deleted)") is never named. Named semaphores (`sem.*`, 32 bytes each)
-are not seen: glibc maps one under a temporary name before it links the real
-one, so no process is seen holding it, and a live tree's may not be removed
-(a process it spawns opens it by name).
+Invariant: a file is removed only if a process of the stopped tree held it,
+it was made (its inode changed: `st_ctime`) after the tree started, it is
+still the file that was held (same inode), and no process still alive holds
+it (as far as /proc shows this user); an unlinked file ("(deleted)") is never
+named. A named semaphore (`sem.*`, 32 bytes) that only its creator holds is
+not seen (glibc maps it under a temporary name, then links the real one);
+one a spawned process opened by its name is.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from rapidkv.harness import procs
 
 SHM_DIR = "/dev/shm"
 _DELETED = " (deleted)"
 
+CTIME_SLACK_S = 0.02  # the kernel stamps ctime from a clock a tick (<= 10 ms) coarse
 
-def held(pids: Iterable[int]) -> set[str]:
+Held = dict[str, int]
+"""Files under /dev/shm, each with its inode when noted."""
+
+
+def held(pids: Iterable[int]) -> Held:
     """The files under /dev/shm that processes `pids` map or have open."""
     found: set[str] = set()
     for pid in pids:
@@ -47,7 +53,11 @@ def held(pids: Iterable[int]) -> set[str]:
             for fd in (base / "fd").iterdir():
                 with contextlib.suppress(OSError):
                     _note(found, os.readlink(fd))
-    return found
+    out: Held = {}
+    for path in found:
+        with contextlib.suppress(OSError):
+            out[path] = os.lstat(path).st_ino
+    return out
 
 
 def _note(found: set[str], path: str) -> None:
@@ -55,15 +65,26 @@ def _note(found: set[str], path: str) -> None:
         found.add(path)
 
 
-def remove_orphans(paths: Iterable[str]) -> list[str]:
-    """Unlink those of `paths` that exist and that no living process holds
-    (`held` over every process); the paths removed, sorted."""
-    wanted = {p for p in paths if os.path.dirname(p) == SHM_DIR and os.path.lexists(p)}
+def remove_orphans(noted: Mapping[str, int], since: float) -> list[str]:
+    """Unlink those of the `noted` files (`held` by a tree that started at
+    `since`, wall clock) that are still the noted files, were made since, and
+    that no living process holds; the paths removed, sorted."""
+
+    def ours(path: str, inode: int) -> bool:
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return False
+        return st.st_ino == inode and st.st_ctime >= since - CTIME_SLACK_S
+
+    wanted = {p for p, ino in noted.items() if os.path.dirname(p) == SHM_DIR and ours(p, ino)}
     if not wanted:
         return []
-    wanted -= held(procs.all_pids())
+    wanted -= set(held(procs.all_pids()))
     removed = []
     for path in sorted(wanted):
+        if not ours(path, noted[path]):
+            continue
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
             removed.append(path)

@@ -72,7 +72,9 @@ class _Reaper:
         self.grace = grace
         self.groups: dict[int, int] = {}  # pgid -> leader start time
         self.dirs: set[str] = set()  # directories to remove once the processes are gone
-        self.shm: set[str] = set()  # /dev/shm files the killed processes held
+        self.shm: shm.Held = {}  # /dev/shm files the killed processes held
+        # every process it may kill started after the watchdog did
+        self.started = procs.started_at(os.getpid()) or time.time()
 
     def handle(self, line: str) -> None:
         verb, _, rest = line.rstrip("\n").partition(" ")
@@ -172,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     n = reaper.reap()
     d = reaper.remove_dirs()
-    f = len(shm.remove_orphans(reaper.shm))
+    f = 0 if reaper.targets() else len(shm.remove_orphans(reaper.shm, reaper.started))
     log(
         f"done ({n} process(es) had to be killed; removed {d} directory(ies), {f} /dev/shm file(s))"
     )

@@ -45,6 +45,11 @@ from rapidkv.router.upstream import UPSTREAM_ERRORS, post_json
 NOT_SPLITTABLE = ("echo", "prompt_logprobs", "suffix", "truncate_prompt_tokens")
 
 
+# what vLLM's chat endpoint gives its chat template and its /tokenize does
+# not (`documents`, `reasoning_effort`, which also sets `enable_thinking`): P's
+# rendering would differ and P refuse every head
+NOT_RENDERED_BY_TOKENIZE = ("documents", "reasoning_effort")
+
 # what a head's completion keeps of a chat request: where its KV is cached
 HEAD_KEEPS_OF_CHAT = ("model", "cache_salt", "priority")
 
@@ -65,24 +70,27 @@ CHAT_TOKENIZE_KEYS = (
 
 def splittable(body: Body, endpoint: Endpoint) -> bool:
     """A completions request with one prompt (text or token ids), or a chat
-    request whose messages' contents are all text and without `documents`,
-    with none of `NOT_SPLITTABLE`."""
+    request whose messages' contents are all text (`text_messages`) and
+    without `NOT_RENDERED_BY_TOKENIZE`, with none of `NOT_SPLITTABLE`."""
     if any(body.get(key) not in (None, False, [], "") for key in NOT_SPLITTABLE):
         return False
     if endpoint == "chat":
-        # vLLM's /tokenize renders no `documents`: P would refuse every head
-        return not body.get("documents") and text_messages(body.get("messages"))
+        if any(body.get(key) is not None for key in NOT_RENDERED_BY_TOKENIZE):
+            return False
+        return text_messages(body.get("messages"))
     return single_prompt(body)
 
 
 def text_messages(messages: Any) -> bool:
     """A non-empty list of messages whose contents are text: a string, or
     parts that are all ``{"type": "text"}`` (no image, audio or file, whose
-    features a head sent as token ids would lose)."""
+    features a head sent as token ids would lose), none with a
+    ``reasoning_content`` (the chat endpoint renders it as ``reasoning``,
+    /tokenize drops it)."""
     if not isinstance(messages, list) or not messages:
         return False
     for message in messages:
-        if not isinstance(message, dict):
+        if not isinstance(message, dict) or "reasoning_content" in message:
             return False
         content = message.get("content")
         if isinstance(content, list):

@@ -4,10 +4,13 @@ tested in test_goodput_slo.py and test_goodput_report.py)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 from bench_cli import run_bench
+
+from rapidkv.harness.server import EXECUTOR_ENV
 
 
 @pytest.mark.e2e
@@ -53,7 +56,7 @@ def test_bench_goodput_sweeps_every_workload_and_matches(tmp_path: Path) -> None
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["ok"] is True and report["meta"]["cpu"]
-    assert report["meta"]["vllm_executor"] == "uni"  # the test session's (tests/conftest.py)
+    assert report["meta"]["vllm_executor"] == os.environ[EXECUTOR_ENV]  # tests/conftest.py's
     assert report["meta"]["prefix_caching"] is True and report["meta"]["kv_events"] is True
     assert report["acceptance"]["hard_mismatches_all_configs"] == 0
     rates = {"prefill-heavy": ("4",), "shared-prefix": ("4",), "multiturn": ("2", "4")}
