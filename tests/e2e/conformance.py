@@ -8,13 +8,16 @@ within `TOLERANCE`); usage. What differs between two servers by design is left
 out: ids, timestamps, ``system_fingerprint``, ``kv_transfer_params``, per-request
 ``metrics``. A stream is assembled per choice index (texts and token ids
 concatenated, logprobs appended), with its usage chunk and, for
-``continuous_usage_stats``, every chunk's usage in order per choice; a
+``continuous_usage_stats``, per choice the last chunk's usage and whether
+every chunk's added up (`running_usage`: how many chunks there are depends on
+timing); a
 Responses stream to its event types, its text deltas concatenated and its
 last event (how many events carry the text depends on timing).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -173,6 +176,24 @@ def run(base_url: str, model: str, shape: Shape) -> dict[str, Any]:
         return {"status": e.status_code, "error_type": kind}
 
 
+def running_usage(usages: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A choice's chunk usages (``continuous_usage_stats``) as what a client
+    can rely on: the last one, and whether every one added up (prompt tokens
+    constant, completion tokens growing, the total their sum). How many chunks
+    carry them depends on timing (a server that falls behind its engine puts
+    several tokens in one chunk), so their number is not compared."""
+    if not usages:
+        return None
+    done = [u.get("completion_tokens") or 0 for u in usages]
+    adds_up = all(
+        u.get("prompt_tokens") == usages[0].get("prompt_tokens")
+        and u.get("total_tokens")
+        == (u.get("prompt_tokens") or 0) + (u.get("completion_tokens") or 0)
+        for u in usages
+    ) and all(b > a for a, b in itertools.pairwise(done))
+    return {"last": usages[-1], "adds_up": adds_up}
+
+
 def assemble(chunks: list[dict[str, Any]]) -> dict[str, Any]:
     """A stream's chunks as one answer: per choice, per key."""
     choices: dict[int, dict[str, Any]] = {}
@@ -190,6 +211,8 @@ def assemble(chunks: list[dict[str, Any]]) -> dict[str, Any]:
             if chunk.get("usage") is not None:
                 acc["usages"].append(chunk["usage"])
             _accumulate(acc, {k: v for k, v in choice.items() if k != "index"})
+    for acc in choices.values():
+        acc["usages"] = running_usage(acc["usages"])
     out = {"choices": {i: choices[i] for i in sorted(choices)}, "usage": usage}
     if other_events:  # how many deltas carry the text depends on timing: not compared
         out["event_types"] = sorted({e.get("type") for e in other_events})
