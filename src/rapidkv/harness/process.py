@@ -11,9 +11,9 @@ Invariants:
   environment; `stop` kills processes with that entry that left the group
   (including trees a harness inside the tree started: marks nest).
 * `stop` is idempotent and, when it returns, no process of the tree is alive,
-  and no file in /dev/shm that the tree held when it was signalled (by `stop`
-  or `signal`) is left unless a living process holds it (`harness.shm`; a
-  semaphore, whose file no process maps by its name, is not seen).
+  and no file in /dev/shm that the tree made and held when it was signalled
+  (by `stop` or `signal`) is left unless a living process holds it
+  (`harness.shm`, which says what it cannot see).
 """
 
 from __future__ import annotations
