@@ -12,6 +12,8 @@ where role is this fake's ``role`` ("prefill" / "decode"):
   disconnect if one comes first;
 - ``hang_stream``: send the headers and the first event, then like ``hang``;
 - ``late``: send the headers of a streamed answer, then its events on `release()`;
+- ``linger``: stream every event, ``data: [DONE]`` included, then hold the
+  answer's end (the HTTP body's last chunk) until `release()`;
 - ``error``: answer 503 with a vLLM-style error body;
 - ``cut``: start a streamed answer, then drop the connection mid-way.
 
@@ -219,6 +221,18 @@ class FakeVLLM:
                 seen.disconnected = True
                 return
             await self._body(seen, send, events)
+            return
+        if behaviour == "linger":
+            assert events, "linger needs a streaming request"
+            await self._start(send, 200, "text/event-stream")
+            for event in events:
+                await self._chunk(seen, send, event, more=True)
+                await asyncio.sleep(0)
+            if not await self._hold(receive):
+                seen.disconnected = True
+                return
+            seen.answered_seq = next(_sequence)
+            await self._chunk(seen, send, b"", more=False)
             return
         if behaviour in ("hang", "hang_stream"):
             first = []

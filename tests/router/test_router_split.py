@@ -229,6 +229,32 @@ def test_no_split_while_d_has_a_request_in_flight(
     assert splits(router) == 1  # the first one, sent while everything was idle
 
 
+def test_a_request_whose_answer_ended_is_no_longer_in_flight(
+    pd: tuple[FakeVLLM, FakeVLLM], make_router: MakeRouter, http: httpx.Client
+) -> None:
+    """One client after another, each sending as soon as it read the last
+    one's ``data: [DONE]``: D finished that request, though its HTTP answer
+    has not ended yet (D's API server lags its engine), so the next request
+    is split too, and D counts one request in flight, not two."""
+    p, d = pd
+    router = router_for(make_router, p, d)
+    with httpx.Client(timeout=60, trust_env=False) as other:
+        lingering = dict(BODY, stream=True, fake={"decode": "linger"})
+        with other.stream("POST", f"{router.url}/v1/completions", json=lingering) as first:
+            assert first.status_code == 200
+            lines = first.iter_lines()
+            assert next(line for line in lines if line.startswith("data: [DONE]"))
+            assert http.post(f"{router.url}/v1/completions", json=BODY).status_code == 200
+            second = completions(d.wait_seen(2))[1]
+            assert second.kv_transfer_params["rapidkv"]["split_tokens"] == 4
+            assert completions(p.wait_seen(2))[1].body["prompt"] == PROMPT[:4]
+            on_d = metric_sum(get_metrics(router.url), "rapidkv_router_outstanding", role="decode")
+            assert on_d == 0  # the first's answer is complete, the second's over
+            d.release()
+            assert not "".join(lines)  # nothing after [DONE] but its end
+    assert splits(router) == 2
+
+
 @pytest.mark.parametrize("prompt", [["abc", "defg"], [PROMPT, PROMPT[:6]], [PROMPT]])
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_batch_of_prompts_is_one_transfer_per_prompt(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,7 @@ class Exchange:
     cached: tuple[int, ...] = ()  # per instance index, the prompt's tokens it holds cached
     output_tokens: int = 0  # the output it asks for, as placement read it
     decode_index: int = -1  # the instance that decodes it now (counted outstanding)
+    answered: bool = False  # its answer is complete: no longer outstanding on D
     # why it cannot be migrated (None: it can, once `relay` exists)
     unmigratable: str | None = "migration is off (no admin token)"
     relay: MigratingRelay | None = None  # a migratable stream's, once streaming
@@ -80,21 +82,37 @@ class Exchange:
 
 class CountingSend:
     """The client's `send`, counting the streamed output events relayed through
-    it (``data: {`` at an event's start: about one per token) into `ex`."""
+    it (``data: {`` at an event's start: about one per token) into `ex`, and
+    calling `on_answered` once, before the client can see it, with the message
+    that completes the answer: the one that carries a stream's ``data: [DONE]``
+    event (its own bytes, after an event's blank line: never a JSON string's),
+    or else the body's last message. D finished the request by then, though
+    its HTTP answer may end later."""
 
     MARK = b"data: {"
+    DONE = b"\n\ndata: [DONE]"
+    TAIL = len(DONE) - 1  # the bytes kept: a mark may begin in them
 
-    def __init__(self, send: Send, ex: Exchange) -> None:
+    def __init__(
+        self, send: Send, ex: Exchange, on_answered: Callable[[], None] | None = None
+    ) -> None:
         self._send = send
         self._ex = ex
         self._tail = b""
+        self._on_answered = on_answered
 
     async def __call__(self, message: Message) -> None:
-        body = message.get("body") if message["type"] == "http.response.body" else None
-        if body:
+        if message["type"] == "http.response.body":
+            body = message.get("body", b"")
             data = self._tail + body
-            self._ex.output_events += data.count(self.MARK)  # the tail is too short to hold one
-            self._tail = data[-(len(self.MARK) - 1) :]
+            if body:
+                # the tail's own marks were counted with the message before
+                self._ex.output_events += data.count(self.MARK) - self._tail.count(self.MARK)
+                self._tail = data[-self.TAIL :]
+            ended = not message.get("more_body", False) or self.DONE in data
+            if ended and self._on_answered is not None:
+                answered, self._on_answered = self._on_answered, None
+                answered()
         await self._send(message)
 
 

@@ -97,7 +97,9 @@ Rules
   or shutdown), so the connector on P sees a normal request.
 - Every upstream request counts as outstanding on its instance from the moment
   the instance is picked until the request is over, whatever the outcome (on
-  the instance it ended on, if it migrated).
+  the instance it ended on, if it migrated); D's, until its answer is complete:
+  the client's next request, sent as soon as it read ``data: [DONE]``, finds D
+  idle even while D's HTTP answer has yet to end (`exchange.CountingSend`).
 - All state lives on the event loop that runs the ASGI app: no locks.
 """
 
@@ -344,14 +346,14 @@ class Router:
         if self.config.admin_token is not None:
             ex.unmigratable = migratable(body, ex.endpoint)
         outcome = "error"
-        counted = CountingSend(send, ex)
+        counted = CountingSend(send, ex, lambda: self._answered(ex))
         try:
             outcome = await self._route_to(
                 ex, body, raw, receive, counted, mode, d_index, p_index, split, fetch
             )
             return outcome
         finally:
-            self.fleet.let_go(ex.decode_index)  # where it ended, if it migrated
+            self._answered(ex)
             if self._placer is not None:
                 self._placer.finished(ex.xfer_id, ex.output_events, ok=outcome == "ok")
 
@@ -365,11 +367,20 @@ class Router:
         ex.decode_index = d_index
         if self.config.admin_token is not None:
             ex.unmigratable = migratable(body, ex.endpoint)
+        counted = CountingSend(send, ex, lambda: self._answered(ex))
         try:
             return await self._route_to(
-                ex, body, raw, receive, CountingSend(send, ex), "local", d_index, None, None
+                ex, body, raw, receive, counted, "local", d_index, None, None
             )
         finally:
+            self._answered(ex)
+
+    def _answered(self, ex: Exchange) -> None:
+        """`ex`'s answer is complete (or it is over): it is no longer
+        outstanding on its decode instance (where it ended, if it migrated).
+        Once per exchange."""
+        if not ex.answered:
+            ex.answered = True
             self.fleet.let_go(ex.decode_index)
 
     async def _route_to(
