@@ -130,3 +130,12 @@ def test_injected_failures_are_limited_to_the_ranks_named() -> None:
     assert config().send_faults(0) == SendFaults() and not config().send_faults(0)
     with pytest.raises(ValueError, match="debug_fail_ranks"):
         config(debug_fail_ranks=[-1])
+
+
+def test_a_fault_prefix_limits_every_debug_fault_to_the_transfers_it_starts() -> None:
+    from rapidkv.kvt.faults import SendFaults
+
+    scoped = config(debug_fail_transfer_rate=0.5, debug_fault_prefix="faulty-")
+    assert scoped.send_faults(0) == SendFaults(0.5, 0.0, "faulty-")
+    assert scoped.faulted("faulty-3") and not scoped.faulted("cmpl-3")
+    assert config().faulted("anything")  # no prefix: every transfer

@@ -1,15 +1,15 @@
 """Faults at TP 2: one P rank's writes failed, and a D request aborted while
 P's ranks write its KV.
 
-P is a TP 2 instance of its own (pool key `pd_tp2_faulty`, both ranks on core
-0, stopped after) whose rank 1 alone fails the transfers `kvt.faults` picks at
+P and D are the TP 2 pair (test_pd_tp's, pool key `pd_tp2`): its P injects
+faults into the transfers whose xfer_id starts with `FAULTY` and no other
+(`debug_fault_prefix`): its rank 1 alone fails those `kvt.faults` picks at
 `FAIL_RATE` (`debug_fail_transfer_rate`, `debug_fail_ranks: [1]`: rank 0
-writes its heads whole), its layers stretched (`debug_layer_delay_s`) so that
-an abort lands while they are written. D is the TP 2 pair's decode instance
-(test_pd_tp's, running). Each request names its transfer, chosen by the same
-`SendFaults.plan` the workers use: failing ones for the first test, one that
-does not fail for the second. The references are the TP 2 instance's
-(`tp2_references`).
+writes its heads whole), and their layers are stretched
+(`debug_layer_delay_s`) so that an abort lands while they are written. Each
+request names its transfer, chosen by the same `SendFaults.plan` the workers
+use: failing ones for the first test, one that does not fail for the second.
+The references are the TP 2 instance's (`tp2_references`).
 
 1. One rank failed: every transfer fails (P settles it failed once rank 1's
    SendDone says so), D recomputes every prompt (it keeps no half: rank 0's
@@ -32,58 +32,45 @@ from pathlib import Path
 
 import httpx
 import pytest
-from pd_harness import MAX_TOKENS, Pair, assert_back_to_baseline, connector_config, wait_for
-from tp_harness import PD_TP2, TP, tp2_pair
+from pd_harness import MAX_TOKENS, Pair, assert_back_to_baseline, wait_for
+from tp_harness import FAIL_RATE, FAULTY, PD_TP2, TP, tp2_pair
 
-from rapidkv.harness import ServerPool, free_port, random_prompts
+from rapidkv.harness import ServerPool, random_prompts
 from rapidkv.harness.client import acomplete_full, complete_many
 from rapidkv.kvt.faults import SendFaults
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
-FAIL_RATE = 0.5
-LAYER_DELAY_S = 0.15  # P's steps with X's prompt (4 chunks): ~0.6 s each (4 layers)
-FAULTY = "pd_tp2_faulty"
 
-
-def xfer_ids(prefix: str, failing: bool, n: int) -> list[str]:
-    """`n` transfer ids that rank 1 fails (`failing`) or does not."""
-    faults = SendFaults(FAIL_RATE)
-    ids = (f"{prefix}-{i}" for i in count())
+def xfer_ids(name: str, failing: bool, n: int) -> list[str]:
+    """`n` transfer ids that P's faults touch, that rank 1 fails (`failing`)
+    or does not."""
+    faults = SendFaults(FAIL_RATE, prefix=FAULTY)
+    ids = (f"{FAULTY}{name}-{i}" for i in count())
     return list(islice((x for x in ids if (faults.plan(x, 4)[0] is not None) == failing), n))
 
 
 @pytest.fixture(scope="module")
 def pair(server_pool: ServerPool, tiny_model: Path, tp2_references: dict) -> Iterator[Pair]:
-    """The faulty TP 2 P and the TP 2 pair's D (both pairs kept running;
-    `tp2_references` first: its TP 2 instance runs before the pairs)."""
-    pc = free_port()
-    config = connector_config(
-        pc,
-        debug_fail_transfer_rate=FAIL_RATE,
-        debug_fail_ranks=[1],
-        debug_layer_delay_s=LAYER_DELAY_S,
-    )
-    tp2_specs, (_, d_control) = tp2_pair(tiny_model)
-    _, d = server_pool.get(PD_TP2, tp2_specs, keep=["pd"])
-    faulty = tp2_specs[0].replace(name="prefill-faulty", kv_transfer_config=config)
-    (p,) = server_pool.get(FAULTY, [faulty], keep=[PD_TP2, "pd"])
+    """The TP 2 pair (`tp2_references` first: its TP 2 instance runs before
+    the pair)."""
+    tp2_specs, (p_control, d_control) = tp2_pair(tiny_model)
+    p, d = server_pool.get(PD_TP2, tp2_specs, keep=["pd"])
     # a fresh TP 2 engine's first forwards take seconds (the first transfer
     # would outlast D's rpc_timeout_s): warmed, as test_pd_tp warms its pair
     complete_many(p.base_url, random_prompts(tiny_model, [100, 300], seed=3902), 2)
-    pair = Pair(tiny_model, p, d, f"127.0.0.1:{pc}", d_control)
+    pair = Pair(tiny_model, p, d, p_control, d_control)
     try:
         yield pair
     finally:
         pair.close()
-        server_pool.stop(FAULTY)
 
 
 def test_one_p_rank_failing_its_writes_fails_the_transfer_and_d_recomputes(
     pair: Pair, tp2_references: dict
 ) -> None:
     prompts, refs = tp2_references["tp-faults"]
-    ids = xfer_ids("tp-fault", failing=True, n=len(prompts))
+    ids = xfer_ids("fail", failing=True, n=len(prompts))
     before = {"p": pair.stats("p"), "d": pair.stats("d")}
 
     async def main() -> list[list[int]]:
@@ -115,7 +102,7 @@ def test_a_d_request_aborted_while_p_ranks_write_gets_no_write_after_the_abort(
     pair: Pair, tp2_references: dict
 ) -> None:
     (x_ids, y_ids), (y_ref,) = tp2_references["tp-abort"]
-    (xfer_id,) = xfer_ids("tp-abort", failing=False, n=1)
+    (xfer_id,) = xfer_ids("abort", failing=False, n=1)
     before = {"p": pair.stats("p"), "d": pair.stats("d")}
 
     async def main() -> tuple[list[int], list[int]]:

@@ -8,7 +8,8 @@ serves the next.
   ranks on cores 0 and 1;
 - `tp2_pair`: the TP 2 P/D pair (pool key `pd_tp2`), P's two ranks on core 0,
   D's on core 1, chunked prefill of 256 tokens, control ports fixed for the
-  session;
+  session; P injects `test_pd_tp_faults`' faults into the transfers whose
+  xfer_id starts with `FAULTY` (`debug_fault_prefix`) and no other;
 - `pair_router`: the config of a router in front of one pair;
 - `tp_prompts`, `mixed_prompts`, `faults_prompts`: each module's prompts,
   whose references the session fixtures `tp2_references` and
@@ -33,6 +34,9 @@ TP = 2
 CORES = (0, 1)  # the TP 2 instance's ranks: rank 0 on core 0, rank 1 on core 1
 SINGLE_TP2 = "single_tp2"
 PD_TP2 = "pd_tp2"
+FAULTY = "faulty-"  # xfer ids that P's faults touch
+FAIL_RATE = 0.5  # of those, the share that P's rank 1 (alone) fails
+LAYER_DELAY_S = 0.15  # P's steps computing their prompts: ~0.6 s each (4 layers)
 
 
 def single_tp2_spec(model: Path) -> ServerSpec:
@@ -49,7 +53,13 @@ def tp2_pair(model: Path) -> tuple[tuple[ServerSpec, ...], tuple[str, str]]:
     instance's."""
     pc, dc = free_port(), free_port()
     chunked = ("--max-num-batched-tokens", "256")
-    specs = pd_specs(model, connector_config(pc), connector_config(dc), chunked)
+    faults = {
+        "debug_fault_prefix": FAULTY,
+        "debug_fail_transfer_rate": FAIL_RATE,
+        "debug_fail_ranks": [1],
+        "debug_layer_delay_s": LAYER_DELAY_S,
+    }
+    specs = pd_specs(model, connector_config(pc, **faults), connector_config(dc), chunked)
     specs = [s.replace(tensor_parallel_size=TP) for s in specs]
     return tuple(specs), (f"127.0.0.1:{pc}", f"127.0.0.1:{dc}")
 

@@ -105,3 +105,15 @@ def test_fault_plans_remember_at_most_memory_transfers() -> None:
     assert len(post) == 1 and held == []  # its hold, counted from 0, is over
     post, _, held = plans.sort([piece(oldest, 1, 2)], 50.0)
     assert post == [] and held[0][0] > 50.0  # forgotten: held again from 50
+
+
+def test_a_prefix_limits_the_faults_to_the_transfers_it_starts() -> None:
+    """With a prefix, a transfer outside it is neither failed nor held; one
+    inside it is planned as without the prefix."""
+    every = SendFaults(fail_rate=1.0, send_delay_s=1.0)
+    scoped = SendFaults(fail_rate=1.0, send_delay_s=1.0, prefix="faulty-")
+    assert scoped.plan("healthy-1", 4) == (None, 0.0)
+    assert scoped.plan("faulty-1", 4) == every.plan("faulty-1", 4)
+    assert scoped.plan("faulty-1", 4)[0] is not None
+    post, failing, held = FaultPlans(scoped, 4).sort([piece("healthy-1", 0, 4)], 0.0)
+    assert len(post) == 1 and failing == held == []

@@ -83,6 +83,11 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     debug_fail_transfer_rate: float = 0.0
     debug_send_delay_s: float = 0.0
     debug_fail_ranks: tuple[int, ...] = ()
+    # testing aid: the debug faults (`debug_layer_delay_s`,
+    # `debug_fail_transfer_rate`, `debug_send_delay_s`) touch only transfers
+    # whose xfer_id starts with this (empty: every transfer), so that one
+    # instance serves faulty and healthy transfers side by side
+    debug_fault_prefix: str = ""
     # fleet membership (rapidkv.membership): with etcd endpoints (base URLs),
     # this instance keeps its record (advertise_url, control address, roles,
     # block size, identity) under `<etcd_prefix>instances/<instance id>` with a
@@ -179,10 +184,15 @@ class ConnectorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     def send_faults(self, rank: int) -> SendFaults:
         """The injected send faults of TP rank `rank`'s worker (`kvt.faults`):
         the failure rate only on the ranks `debug_fail_ranks` names (all when
-        it is empty), the send delay on every rank."""
+        it is empty), the send delay on every rank, both only for the
+        transfers `debug_fault_prefix` picks."""
         failing = not self.debug_fail_ranks or rank in self.debug_fail_ranks
         rate = self.debug_fail_transfer_rate if failing else 0.0
-        return SendFaults(rate, self.debug_send_delay_s)
+        return SendFaults(rate, self.debug_send_delay_s, self.debug_fault_prefix)
+
+    def faulted(self, xfer_id: str) -> bool:
+        """The debug faults touch transfer `xfer_id` (`debug_fault_prefix`)."""
+        return xfer_id.startswith(self.debug_fault_prefix)
 
     def transport_options(self) -> dict[str, Any]:
         """Options of `create_transport` for this instance's data plane: tcp's

@@ -13,7 +13,8 @@ sends of others, as a flaky link would:
   (later writes of it queue behind, in order).
 
 Both are decided from a hash of the `xfer_id` alone, so every TP rank of a
-source fails the same transfers at the same layer and holds them equally long.
+source fails the same transfers at the same layer and holds them equally long;
+with a `prefix`, only transfers whose xfer_id starts with it are touched.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ INJECTED = "injected failure (debug_fail_transfer_rate)"
 class SendFaults:
     fail_rate: float = 0.0  # share of transfers failed, 0..1
     send_delay_s: float = 0.0  # each transfer's sends held up to this long
+    prefix: str = ""  # only transfers whose xfer_id starts with this (all: "")
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.fail_rate <= 1.0:
@@ -44,6 +46,8 @@ class SendFaults:
     def plan(self, xfer_id: str, layers: int) -> tuple[int | None, float]:
         """`(layer, delay_s)` for a transfer: the layer whose write fails it (None:
         not failed) and how long its sends are held."""
+        if not xfer_id.startswith(self.prefix):
+            return None, 0.0
         h = int.from_bytes(hashlib.blake2b(xfer_id.encode(), digest_size=8).digest(), "big")
         fail = (h & 0xFFFFF) / 0x100000 < self.fail_rate
         layer = (h >> 20) % max(layers, 1) if fail else None
