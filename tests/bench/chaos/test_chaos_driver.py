@@ -166,6 +166,12 @@ def test_streams_ask_for_usage_whose_event_is_neither_a_token_nor_an_error() -> 
     register(parser)
     assert Options.from_args(parser.parse_args([])).include_usage is True
     assert Options.from_args(parser.parse_args(["--no-include-usage"])).include_usage is False
+    # the references: from a running instance, given by its URL (else one started)
+    assert Options.from_args(parser.parse_args([])).reference_url is None
+    url = Options.from_args(parser.parse_args(["--reference-url", "http://h:8000"])).reference_url
+    assert url == "http://h:8000"
+    with pytest.raises(ValueError, match="--reference-url"):
+        Options.from_args(parser.parse_args(["--reference-url", "h:8000"]))
 
 
 @pytest.mark.unit

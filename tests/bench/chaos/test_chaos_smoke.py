@@ -10,17 +10,23 @@ from pathlib import Path
 import pytest
 from bench_cli import run_bench
 
+from rapidkv.harness import VLLMServer
+
 
 @pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_bench_chaos_survives_restarts_aborts_and_injected_failures(tmp_path: Path) -> None:
+def test_bench_chaos_survives_restarts_aborts_and_injected_failures(
+    tmp_path: Path, single_server: VLLMServer
+) -> None:
     """40 requests at concurrency 4 with client aborts, 30 % of the transfers
     failed on purpose, P and then D killed and restarted: nothing hangs, leaks,
     mismatches or fails unclearly, both recoveries are measured, and the
-    injected failures were recomputed by D. (Which transfers fail is a hash of
-    their random ids: of the ~28 a run settles on P, none failing has a chance
-    of 0.7^28, 5e-5; at a fifth it would be 0.8^28, 0.2 %.)"""
+    injected failures were recomputed by D. The references are the session's
+    single instance's (`--reference-url`: the run starts none). (Which
+    transfers fail is a hash of their random ids: of the ~28 a run settles on
+    P, none failing has a chance of 0.7^28, 5e-5; at a fifth it would be
+    0.8^28, 0.2 %.)"""
     out = tmp_path / "chaos.json"
     proc, elapsed = run_bench(
         "chaos",
@@ -30,6 +36,8 @@ def test_bench_chaos_survives_restarts_aborts_and_injected_failures(tmp_path: Pa
         "4",
         "--fail-rate",
         "0.3",
+        "--reference-url",
+        single_server.base_url,
         "--json",
         str(out),
         "--log-dir",
@@ -50,4 +58,5 @@ def test_bench_chaos_survives_restarts_aborts_and_injected_failures(tmp_path: Pa
     assert injected > 0 and p["transfers_failed"] >= injected, (p, proc.stdout[-3000:])
     assert r["recompute_fallbacks"] > 0
     assert r["cpu"] and "result: OK" in proc.stdout
+    assert f"reference: {single_server.base_url}" in proc.stderr
     print(f"bench chaos smoke: {elapsed:.0f}s")

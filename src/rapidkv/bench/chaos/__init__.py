@@ -13,11 +13,12 @@ router in dual dispatch serves a mixed workload (`workload`: prompt lengths,
   real transfer is measured (`faults`).
 
 Every completed output is checked token for token against one plain vLLM
-instance (`single`, run first); after the run the pair is quiesced and each
-instance's free blocks, vLLM's running/waiting and the connector's gauges are
-read (`run`). `report` prints a summary and the JSON, and says whether the run
-passed: no hung request, no leaked block, no mismatch, every failure a clear
-error (docs/benchmarks/chaos.md).
+instance (`single`, run first, or the one `--reference-url` names); after the
+run the pair is quiesced and each instance's free blocks, vLLM's
+running/waiting and the connector's gauges are read (`run`). `report` prints a
+summary and the JSON, and says whether the run passed: no hung request, no
+leaked block, no mismatch, every failure a clear error
+(docs/benchmarks/chaos.md).
 """
 
 from __future__ import annotations
@@ -81,6 +82,13 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         ),
     )
     add("--seed", type=int, default=0, help="prompts and plans (%(default)s)")
+    add(
+        "--reference-url",
+        metavar="URL",
+        default=None,
+        help="take the reference outputs from this running vLLM instance (the same model and "
+        "dtype, greedy; no connector needed) instead of starting one",
+    )
     add(
         "--strict-recovery",
         action="store_true",

@@ -2,7 +2,8 @@
 
 1. `single` (one vLLM instance, no connector, core 1) serves every prompt once
    (greedy, the longest `max_tokens` of the run: a shorter request's reference
-   is its prefix) and is stopped;
+   is its prefix) and is stopped; with `--reference-url`, the running instance
+   there serves them instead;
 2. P (core 0) and D (core 1) start with RapidKVConnector on fixed HTTP and
    control ports, injected transfer failures and send delays on P
    (`debug_fail_transfer_rate`, `debug_send_delay_s`), and the rapidkv router
@@ -59,6 +60,7 @@ class Options:
     include_usage: bool = True  # streams ask for stream_options: {"include_usage": true}
     model: str = "tiny"  # options.MODELS, or a checkpoint's directory
     dataset: str = "random"  # the prompts of the plans' lengths
+    reference_url: str | None = None  # a running instance that gives the references
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Options:
@@ -84,6 +86,9 @@ class Options:
             raise ValueError("need 1 <= --min-tokens <= --max-tokens")
         if args.max_len + args.max_tokens > 1024:
             raise ValueError("--max-len + --max-tokens must fit the servers' 1024-token context")
+        url = args.reference_url
+        if url is not None and not url.startswith(("http://", "https://")):
+            raise ValueError(f"--reference-url {url!r}: give an http:// or https:// URL")
         for name in ("stream_share", "abort_share", "fail_rate"):
             if not 0 <= getattr(args, name) <= 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be between 0 and 1")
@@ -188,6 +193,19 @@ class Chaos:
     def reference(self) -> list[list[int]]:
         from rapidkv.harness import ServerSpec, VLLMServer, complete_many
 
+        if self.opts.reference_url is not None:
+            url = self.opts.reference_url
+            say(f"reference: {url}, {len(self.prompts)} prompts")
+            try:
+                return complete_many(
+                    url,
+                    self.prompts,
+                    self.opts.max_tokens,
+                    concurrency=4,
+                    timeout=self.opts.timeout_s,
+                )
+            except Exception as e:
+                raise SetupError(f"reference from {url} failed: {type(e).__name__}: {e}") from e
         spec = ServerSpec(
             model=self.model,
             name="chaos-single",
