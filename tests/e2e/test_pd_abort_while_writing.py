@@ -50,6 +50,11 @@ def test_blocks_of_a_request_aborted_mid_transfer_are_not_written_after_the_abor
             tl = rpc.call(p_control, TimelineRequest([xfer_id]), 10).xfers.get(xfer_id)
             return dict(tl.events) if tl is not None else {}
 
+        def d_free() -> float:
+            return rpc.call(f"127.0.0.1:{dc}", StatsRequest(), 10).counters["free_blocks"]
+
+        d_baseline = d_free()
+
         async def main() -> list[list[int]]:
             async with httpx.AsyncClient(timeout=120) as client:
                 xfer_id = "abort-while-writing"
@@ -71,7 +76,10 @@ def test_blocks_of_a_request_aborted_mid_transfer_are_not_written_after_the_abor
                 assert "last_chunk_end" not in events(xfer_id)  # P's step is still going
                 to_d.cancel()  # the client leaves: D aborts X, Aborts P, then frees
                 await asyncio.gather(to_d, return_exceptions=True)
-                await asyncio.sleep(0.1)
+                # D freed X's blocks (P confirmed the Abort): Y gets them
+                while d_free() != d_baseline:
+                    assert time.monotonic() < deadline, d_free()
+                    await asyncio.sleep(0.005)
                 # Y, computed on D alone, gets X's blocks (vLLM reuses them first)
                 y = await acomplete_full(client, d.base_url, y_ids, ABORT_WRITING_TOKENS)
                 await to_p

@@ -121,7 +121,11 @@ def test_a_d_request_aborted_while_p_ranks_write_gets_no_write_after_the_abort(
             assert "last_chunk_end" not in pair.timeline(xfer_id).events  # mid-step
             to_d.cancel()  # the client leaves: D aborts X, Aborts P, then frees
             await asyncio.gather(to_d, return_exceptions=True)
-            await asyncio.sleep(0.1)
+            # D freed X's blocks (P's ranks confirmed the Abort): Y gets them
+            baseline = before["d"]["free_blocks"]
+            while pair.stats("d")["free_blocks"] != baseline:
+                assert time.monotonic() < deadline, pair.stats("d")
+                await asyncio.sleep(0.005)
             y = await acomplete_full(client, pair.d.base_url, y_ids, MAX_TOKENS)
             await to_p
             again = await acomplete_full(client, pair.d.base_url, y_ids, MAX_TOKENS)

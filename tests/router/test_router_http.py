@@ -515,6 +515,33 @@ def test_client_disconnect_cancels_both_upstreams_and_aborts_p(
     assert metric(router, "rapidkv_router_requests_in_flight") == 0
 
 
+def test_a_client_that_leaves_once_it_read_done_was_served_and_p_is_not_aborted(
+    pd: tuple[FakeVLLM, FakeVLLM], make_router: MakeRouter, recorder: AbortRecorder
+) -> None:
+    """The client closes its connection as soon as it read ``data: [DONE]``,
+    while D's HTTP answer has yet to end: the request was served (outcome
+    ok), and P's connector gets no Abort."""
+    p, d = pd
+    router = make_router(
+        [Instance(p.url, recorder.server.address)], [d], secret=b"router-test-secret"
+    )
+    body = dict(COMPLETION, stream=True, fake={"decode": "linger"})
+    sock = open_request(router.url, "/v1/completions", body)
+    got = b""
+    while b"data: [DONE]" not in got:
+        chunk = sock.recv(65536)
+        assert chunk, got
+        got += chunk
+    xfer = the_one(d).request_id
+    sock.close()
+    d.wait_disconnected(xfer)  # the router stopped reading D's answer
+    wait_until(lambda: metric(router, "rapidkv_router_requests_in_flight") == 0, 10, what="its end")
+    assert metric(router, "rapidkv_router_requests_total", outcome="ok") == 1
+    assert metric(router, "rapidkv_router_requests_total", outcome="client_abort") == 0
+    assert recorder.aborts == []
+    assert router.router.fleet.outstanding("decode") == [0]
+
+
 @pytest.mark.parametrize("dispatch", ["dual", "serial"])
 def test_a_failed_prefill_is_aborted_on_p_so_d_need_not_wait_for_its_transfer(
     make_fake: MakeFake,

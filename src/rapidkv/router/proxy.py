@@ -524,6 +524,8 @@ class Router:
                 return outcome
             relay.cancel()
             await asyncio.gather(relay, return_exceptions=True)
+            if ex.answered:  # it left after the answer's end (data: [DONE]): served
+                return "ok"
             self._prefills.stop(ex, prefill, AbortReason.CLIENT_ABORT)
             return "client_abort"
         except asyncio.CancelledError:  # shutdown: nothing may outlive the request
