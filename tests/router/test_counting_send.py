@@ -30,7 +30,9 @@ def relay(pieces: list[bytes], last_ends: bool) -> tuple[Exchange, list[str]]:
     async def client(message: dict) -> None:
         seen.append("body" if message.get("body") else "end")
 
-    counted = CountingSend(client, ex, lambda: seen.append("answered"))
+    counted = CountingSend(
+        client, ex, lambda done: seen.append("answered: [DONE]" if done else "answered")
+    )
 
     async def go() -> None:
         for i, piece in enumerate(pieces):
@@ -53,13 +55,13 @@ def test_every_event_is_counted_once_and_done_is_seen_with_its_last_byte(at: lis
     pieces = cut(STREAM, at)
     ex, seen = relay(pieces, last_ends=False)
     assert ex.output_events == 4
-    assert seen.count("answered") == 1
+    assert seen.count("answered: [DONE]") == 1 and "answered" not in seen
     done = b"\n\ndata: [DONE]"
     assert STREAM.count(done) == 1  # the JSON string's newlines are escaped
     end = STREAM.index(done) + len(done)
     done_at = next(i for i in range(len(pieces)) if len(b"".join(pieces[: i + 1])) >= end)
     # told before the message that completes `\n\ndata: [DONE]` reaches the client
-    assert seen.index("answered") == done_at
+    assert seen.index("answered: [DONE]") == done_at
     assert seen[-1] == "end"
 
 

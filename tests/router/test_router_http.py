@@ -829,6 +829,32 @@ def test_adaptive_placement_keeps_a_short_prompt_local_and_says_so(
         )
 
 
+def test_the_placer_forgets_a_request_once_its_answer_is_complete(
+    make_fake: MakeFake, make_router: MakeRouter
+) -> None:
+    """A stream whose ``data: [DONE]`` was relayed, while D's HTTP answer has
+    yet to end: adaptive placement no longer counts it running (nor the fleet
+    outstanding), so the next request is placed on an idle fleet."""
+    a = [make_fake(f"A{i}", "decode") for i in range(2)]
+    router = make_router([], [], instances=a, placement="adaptive")
+    placer = router.router._placer
+    assert placer is not None
+    body = dict(COMPLETION, stream=True, fake={"decode": "linger"})
+    with (
+        httpx.Client(timeout=60, trust_env=False) as client,
+        client.stream("POST", f"{router.url}/v1/completions", json=body) as resp,
+    ):
+        lines = resp.iter_lines()
+        assert next(line for line in lines if line.startswith("data: [DONE]"))
+        assert placer.fleet.in_flight == 0
+        assert router.router.fleet.outstanding("decode") == [0, 0]
+        for fake in a:
+            fake.release()
+        assert not "".join(lines)
+    wait_until(lambda: metric(router, "rapidkv_router_requests_in_flight") == 0, 10, what="its end")
+    assert metric(router, "rapidkv_router_placed_requests_total", outcome="ok") == 1
+
+
 def test_adaptive_placement_asks_every_instance_its_block_size_and_max_num_seqs(
     make_fake: MakeFake, make_router: MakeRouter, http: httpx.Client
 ) -> None:

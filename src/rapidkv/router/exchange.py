@@ -53,6 +53,7 @@ class Exchange:
     output_tokens: int = 0  # the output it asks for, as placement read it
     decode_index: int = -1  # the instance that decodes it now (counted outstanding)
     answered: bool = False  # its answer is complete: no longer outstanding on D
+    placed: bool = False  # the placer follows it and has not learnt that it finished
     # why it cannot be migrated (None: it can, once `relay` exists)
     unmigratable: str | None = "migration is off (no admin token)"
     relay: MigratingRelay | None = None  # a migratable stream's, once streaming
@@ -83,18 +84,18 @@ class Exchange:
 class CountingSend:
     """The client's `send`, counting the streamed output events relayed through
     it (``data: {`` at an event's start: about one per token) into `ex`, and
-    calling `on_answered` once, before the client can see it, with the message
-    that completes the answer: the one that carries a stream's ``data: [DONE]``
-    event (its own bytes, after an event's blank line: never a JSON string's),
-    or else the body's last message. D finished the request by then, though
-    its HTTP answer may end later."""
+    calling `on_answered(done)` once, before the client can see it, with the
+    message that completes the answer: the one that carries a stream's ``data:
+    [DONE]`` event (its own bytes, after an event's blank line: never a JSON
+    string's; `done` True), or else the body's last message (`done` False). D
+    finished the request by then, though its HTTP answer may end later."""
 
     MARK = b"data: {"
     DONE = b"\n\ndata: [DONE]"
     TAIL = len(DONE) - 1  # the bytes kept: a mark may begin in them
 
     def __init__(
-        self, send: Send, ex: Exchange, on_answered: Callable[[], None] | None = None
+        self, send: Send, ex: Exchange, on_answered: Callable[[bool], None] | None = None
     ) -> None:
         self._send = send
         self._ex = ex
@@ -109,10 +110,10 @@ class CountingSend:
                 # the tail's own marks were counted with the message before
                 self._ex.output_events += data.count(self.MARK) - self._tail.count(self.MARK)
                 self._tail = data[-self.TAIL :]
-            ended = not message.get("more_body", False) or self.DONE in data
-            if ended and self._on_answered is not None:
+            done = self.DONE in data
+            if (done or not message.get("more_body", False)) and self._on_answered is not None:
                 answered, self._on_answered = self._on_answered, None
-                answered()
+                answered(done)
         await self._send(message)
 
 

@@ -346,16 +346,14 @@ class Router:
         if self.config.admin_token is not None:
             ex.unmigratable = migratable(body, ex.endpoint)
         outcome = "error"
-        counted = CountingSend(send, ex, lambda: self._answered(ex))
+        counted = CountingSend(send, ex, lambda done: self._answered(ex, done or None))
         try:
             outcome = await self._route_to(
                 ex, body, raw, receive, counted, mode, d_index, p_index, split, fetch
             )
             return outcome
         finally:
-            self._answered(ex)
-            if self._placer is not None:
-                self._placer.finished(ex.xfer_id, ex.output_events, ok=outcome == "ok")
+            self._answered(ex, outcome == "ok")
 
     async def _route_pinned(
         self, ex: Exchange, body: Body, raw: bytes, receive: Receive, send: Send, d_index: int
@@ -367,21 +365,25 @@ class Router:
         ex.decode_index = d_index
         if self.config.admin_token is not None:
             ex.unmigratable = migratable(body, ex.endpoint)
-        counted = CountingSend(send, ex, lambda: self._answered(ex))
+        counted = CountingSend(send, ex, lambda done: self._answered(ex, None))
         try:
             return await self._route_to(
                 ex, body, raw, receive, counted, "local", d_index, None, None
             )
         finally:
-            self._answered(ex)
+            self._answered(ex, None)
 
-    def _answered(self, ex: Exchange) -> None:
+    def _answered(self, ex: Exchange, ok: bool | None) -> None:
         """`ex`'s answer is complete (or it is over): it is no longer
-        outstanding on its decode instance (where it ended, if it migrated).
-        Once per exchange."""
+        outstanding on its decode instance (where it ended, if it migrated),
+        once; and, once `ok` says how it ended (None: not known yet), the
+        placer learns that it finished (`Exchange.placed`)."""
         if not ex.answered:
             ex.answered = True
             self.fleet.let_go(ex.decode_index)
+        if ok is not None and ex.placed and self._placer is not None:
+            ex.placed = False
+            self._placer.finished(ex.xfer_id, ex.output_events, ok=ok)
 
     async def _route_to(
         self,
@@ -618,6 +620,7 @@ class Router:
         prompt_tokens = max(ex.estimated_tokens, head + 1)
         self._count_prefix_tokens(placement, prompt_tokens)
         self._placer.dispatched(ex.xfer_id, placement, prompt_tokens, ex.output_tokens)
+        ex.placed = True
 
     def _count_prefix_tokens(self, placement: Placement, prompt_tokens: int) -> None:
         """The prompt's tokens by what became of them (`metrics`: hit, fetched, computed)."""
