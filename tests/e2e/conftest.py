@@ -5,6 +5,7 @@ started together once)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import secrets
 from collections.abc import Iterator
@@ -340,7 +341,7 @@ def tp2_references(
     it and the TP 2 pair); the TP 2 instance is stopped after."""
     spec = single_tp2_spec(tiny_model)
     url = server_pool.get(SINGLE_TP2, [spec], keep=["pd"])[0].base_url
-    with ThreadPoolExecutor(4) as batches:
+    with _stopped_after(server_pool, SINGLE_TP2), ThreadPoolExecutor(4) as batches:
         tp, tp_split = tp_prompts(tiny_model)
         mixed, mixed_split, migrated = mixed_prompts(tiny_model)
         failing, x_y = faults_prompts(tiny_model)
@@ -360,8 +361,17 @@ def tp2_references(
             ),
         }
         refs = {name: (prompts, answers.result()) for name, (prompts, answers) in out.items()}
-    server_pool.stop(SINGLE_TP2)
     return refs
+
+
+@contextlib.contextmanager
+def _stopped_after(server_pool: ServerPool, key: str) -> Iterator[None]:
+    """Stop the pool's group `key` when the block ends, whether or not it
+    raised (a reference pass that failed leaves no instance holding cores)."""
+    try:
+        yield
+    finally:
+        server_pool.stop(key)
 
 
 # -- a P with a small block pool (15 usable blocks), one transfer per D at a time
@@ -397,13 +407,12 @@ def late_references(server_pool: ServerPool) -> dict[str, Any]:
     bf16, f32 = server_pool.get(
         "late_singles", [bf16_refs.single_spec(0), smollm2_refs.single_spec(1)]
     )
-    bf16_asked, f32_asked = bf16_refs.prepare(), smollm2_refs.prepare()
-    with ThreadPoolExecutor(2) as clients:
-        bf16_out = clients.submit(bf16_refs.take, bf16.base_url, bf16_asked)
-        f32_out = clients.submit(smollm2_refs.take, f32.base_url, f32_asked)
-        out = {"bf16": bf16_out.result(), "smollm2": f32_out.result()}
-    server_pool.stop("late_singles")
-    return out
+    with _stopped_after(server_pool, "late_singles"):
+        bf16_asked, f32_asked = bf16_refs.prepare(), smollm2_refs.prepare()
+        with ThreadPoolExecutor(2) as clients:
+            bf16_out = clients.submit(bf16_refs.take, bf16.base_url, bf16_asked)
+            f32_out = clients.submit(smollm2_refs.take, f32.base_url, f32_asked)
+            return {"bf16": bf16_out.result(), "smollm2": f32_out.result()}
 
 
 @pytest.fixture(scope="session")
