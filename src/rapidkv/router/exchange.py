@@ -51,8 +51,9 @@ class Exchange:
     prompt_ids: list[int] | None = None  # its token ids, when the router knows them
     cached: tuple[int, ...] = ()  # per instance index, the prompt's tokens it holds cached
     output_tokens: int = 0  # the output it asks for, as placement read it
-    decode_index: int = -1  # the instance that decodes it now (counted outstanding)
+    decode_index: int = -1  # the instance that decodes it (outstanding until `answered`)
     answered: bool = False  # its answer is complete: no longer outstanding on D
+    served: bool = False  # its stream reached data: [DONE] without an error event
     placed: bool = False  # the placer follows it and has not learnt that it finished
     # why it cannot be migrated (None: it can, once `relay` exists)
     unmigratable: str | None = "migration is off (no admin token)"
@@ -84,22 +85,26 @@ class Exchange:
 class CountingSend:
     """The client's `send`, counting the streamed output events relayed through
     it (``data: {`` at an event's start: about one per token) into `ex`, and
-    calling `on_answered(done)` once, before the client can see it, with the
+    calling `on_answered(ok)` once, before the client can see it, with the
     message that completes the answer: the one that carries a stream's ``data:
     [DONE]`` event (its own bytes, after an event's blank line: never a JSON
-    string's; `done` True), or else the body's last message (`done` False). D
-    finished the request by then, though its HTTP answer may end later."""
+    string's), `ok` True, or False if an error event came before it (D's or
+    the router's own, `sse.sse_error`); else the body's last message, `ok` None
+    (how it went is not in the bytes). D's request is over by then, though
+    D's HTTP answer may end later."""
 
     MARK = b"data: {"
     DONE = b"\n\ndata: [DONE]"
-    TAIL = len(DONE) - 1  # the bytes kept: a mark may begin in them
+    ERROR = b'data: {"error":'  # an error event (vLLM's and `rewrite.error_body`)
+    TAIL = max(len(DONE), len(ERROR)) - 1  # the bytes kept: a mark may begin in them
 
     def __init__(
-        self, send: Send, ex: Exchange, on_answered: Callable[[bool], None] | None = None
+        self, send: Send, ex: Exchange, on_answered: Callable[[bool | None], None] | None = None
     ) -> None:
         self._send = send
         self._ex = ex
         self._tail = b""
+        self._failed = False  # an error event was relayed
         self._on_answered = on_answered
 
     async def __call__(self, message: Message) -> None:
@@ -109,11 +114,12 @@ class CountingSend:
             if body:
                 # the tail's own marks were counted with the message before
                 self._ex.output_events += data.count(self.MARK) - self._tail.count(self.MARK)
+                self._failed = self._failed or self.ERROR in data
                 self._tail = data[-self.TAIL :]
             done = self.DONE in data
             if (done or not message.get("more_body", False)) and self._on_answered is not None:
                 answered, self._on_answered = self._on_answered, None
-                answered(done)
+                answered(not self._failed if done else None)
         await self._send(message)
 
 

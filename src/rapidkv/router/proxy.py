@@ -346,7 +346,7 @@ class Router:
         if self.config.admin_token is not None:
             ex.unmigratable = migratable(body, ex.endpoint)
         outcome = "error"
-        counted = CountingSend(send, ex, lambda done: self._answered(ex, done or None))
+        counted = CountingSend(send, ex, lambda ok: self._answered(ex, ok))
         try:
             outcome = await self._route_to(
                 ex, body, raw, receive, counted, mode, d_index, p_index, split, fetch
@@ -365,13 +365,15 @@ class Router:
         ex.decode_index = d_index
         if self.config.admin_token is not None:
             ex.unmigratable = migratable(body, ex.endpoint)
-        counted = CountingSend(send, ex, lambda done: self._answered(ex, None))
+        counted = CountingSend(send, ex, lambda ok: self._answered(ex, ok))
+        outcome = "error"
         try:
-            return await self._route_to(
+            outcome = await self._route_to(
                 ex, body, raw, receive, counted, "local", d_index, None, None
             )
+            return outcome
         finally:
-            self._answered(ex, None)
+            self._answered(ex, outcome == "ok")
 
     def _answered(self, ex: Exchange, ok: bool | None) -> None:
         """`ex`'s answer is complete (or it is over): it is no longer
@@ -380,6 +382,7 @@ class Router:
         placer learns that it finished (`Exchange.placed`)."""
         if not ex.answered:
             ex.answered = True
+            ex.served = ok is True
             self.fleet.let_go(ex.decode_index)
         if ok is not None and ex.placed and self._placer is not None:
             ex.placed = False
@@ -526,7 +529,7 @@ class Router:
                 return outcome
             relay.cancel()
             await asyncio.gather(relay, return_exceptions=True)
-            if ex.answered:  # it left after the answer's end (data: [DONE]): served
+            if ex.served:  # it left after the answer's end (data: [DONE]): served
                 return "ok"
             self._prefills.stop(ex, prefill, AbortReason.CLIENT_ABORT)
             return "client_abort"
