@@ -191,21 +191,12 @@ class Chaos:
     # ---------------------------------------------------------------- steps
 
     def reference(self) -> list[list[int]]:
-        from rapidkv.harness import ServerSpec, VLLMServer, complete_many
+        """Every prompt's greedy answer from the instance at `--reference-url`,
+        else from `single`, started for it and stopped after."""
+        from rapidkv.harness import ServerSpec, VLLMServer
 
         if self.opts.reference_url is not None:
-            url = self.opts.reference_url
-            say(f"reference: {url}, {len(self.prompts)} prompts")
-            try:
-                return complete_many(
-                    url,
-                    self.prompts,
-                    self.opts.max_tokens,
-                    concurrency=4,
-                    timeout=self.opts.timeout_s,
-                )
-            except Exception as e:
-                raise SetupError(f"reference from {url} failed: {type(e).__name__}: {e}") from e
+            return self._answers(self.opts.reference_url)
         spec = ServerSpec(
             model=self.model,
             name="chaos-single",
@@ -214,18 +205,24 @@ class Chaos:
             extra_args=self.opts.server_args,
             dtype=self.opts.dtype,
         )
-        say(f"reference: single instance, {len(self.prompts)} prompts")
         try:
             with VLLMServer.start(spec, self.log_dir) as single:
-                return complete_many(
-                    single.base_url,
-                    self.prompts,
-                    self.opts.max_tokens,
-                    concurrency=4,
-                    timeout=self.opts.timeout_s,
-                )
+                return self._answers(single.base_url)
+        except SetupError:
+            raise
         except Exception as e:
             raise SetupError(f"reference failed: {type(e).__name__}: {e}") from e
+
+    def _answers(self, url: str) -> list[list[int]]:
+        from rapidkv.harness import complete_many
+
+        say(f"reference: {url}, {len(self.prompts)} prompts")
+        try:
+            return complete_many(
+                url, self.prompts, self.opts.max_tokens, concurrency=4, timeout=self.opts.timeout_s
+            )
+        except Exception as e:
+            raise SetupError(f"reference from {url} failed: {type(e).__name__}: {e}") from e
 
     def start_pair(self) -> tuple[list[Any], dict[str, str]]:
         from rapidkv.connector.config import kv_transfer_config
