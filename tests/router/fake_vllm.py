@@ -14,6 +14,8 @@ where role is this fake's ``role`` ("prefill" / "decode"):
 - ``late``: send the headers of a streamed answer, then its events on `release()`;
 - ``linger``: stream every event, ``data: [DONE]`` included, then hold the
   answer's end (the HTTP body's last chunk) until `release()`;
+- ``hang_stream_linger``: like ``hang_stream``, then like ``linger`` but
+  holding the end until `release_end()`;
 - ``error``: answer 503 with a vLLM-style error body;
 - ``cut``: start a streamed answer, then drop the connection mid-way.
 
@@ -123,7 +125,9 @@ class FakeVLLM:
         self.responses: set[str] = set()  # ids of the Responses API answers it gave
         self._loop: asyncio.AbstractEventLoop | None = None
         self._gate: asyncio.Event | None = None
+        self._end_gate: asyncio.Event | None = None
         self._released = False
+        self._end_released = False
         self._dead = False
         self._server = ThreadedServer(self, port=port, lifespan="off", name=f"fake-{name}")
         self.url = self._server.url
@@ -144,6 +148,12 @@ class FakeVLLM:
         self._released = True
         if self._loop is not None and self._gate is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._gate.set)
+
+    def release_end(self) -> None:
+        """Let every answer held at its end (``hang_stream_linger``) end."""
+        self._end_released = True
+        if self._loop is not None and self._end_gate is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._end_gate.set)
 
     def requests(self, path: str | None = None) -> list[Seen]:
         return [s for s in list(self.seen) if path is None or s.path == path]
@@ -180,8 +190,11 @@ class FakeVLLM:
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
             self._gate = asyncio.Event()
+            self._end_gate = asyncio.Event()
             if self._released:
                 self._gate.set()
+            if self._end_released:
+                self._end_gate.set()
         path = scope["path"]
         raw = b""
         while True:
@@ -234,9 +247,9 @@ class FakeVLLM:
             seen.answered_seq = next(_sequence)
             await self._chunk(seen, send, b"", more=False)
             return
-        if behaviour in ("hang", "hang_stream"):
+        if behaviour in ("hang", "hang_stream", "hang_stream_linger"):
             first = []
-            if behaviour == "hang_stream" and events:
+            if behaviour != "hang" and events:
                 first = [events.pop(0)]
                 await self._start(send, 200, "text/event-stream")
                 await self._chunk(seen, send, first[0], more=True)
@@ -248,6 +261,9 @@ class FakeVLLM:
             if first:
                 for event in events:
                     await self._chunk(seen, send, event, more=True)
+                if behaviour == "hang_stream_linger":
+                    assert self._end_gate is not None
+                    await self._end_gate.wait()
                 seen.answered_seq = next(_sequence)  # before the end leaves: see _body
                 await self._chunk(seen, send, b"", more=False)
                 return

@@ -134,3 +134,55 @@ def test_a_source_dying_during_the_cutover_leaves_the_stream_to_the_destination(
     assert not [e for e in events if "error" in e], events
     texts = [c["text"] for e in [first, *events] for c in e["choices"]]
     assert len(texts) == 1 + 19  # the source's token, then B's: what was left of the budget
+
+
+def test_a_precopy_done_after_the_stream_finished_is_refused_and_counts_stay_right(
+    make_fake: MakeFake, make_router: MakeRouter, http: httpx.Client
+) -> None:
+    """A migration is ordered while the source holds after its first token;
+    B's pre-copy hangs; the source then sends the rest of its answer and
+    ``data: [DONE]``, its HTTP end lingering; then B's pre-copy completes. The
+    request has finished: the order is refused (409), nothing is cut over,
+    the client's stream ends after its [DONE] with nothing more, and no
+    instance keeps a request counted outstanding."""
+    source, dest, router = _two_instances(make_fake, make_router, http, "decode")
+    admin = f"{router.url}/admin"
+    body = dict(BODY, fake={"decode": "hang_stream_linger"})
+    with (
+        concurrent.futures.ThreadPoolExecutor(1) as pool,
+        http.stream("POST", f"{router.url}/v1/completions", json=body) as resp,
+    ):
+        lines = resp.iter_lines()
+        assert next(x for x in lines if x.startswith("data: "))  # the source holds
+        (listed,) = http.get(f"{admin}/requests", headers=AUTH).json()["requests"]
+        http.post(f"{admin}/undrain", json={"instance": dest.url}, headers=AUTH)
+        moved = pool.submit(
+            http.post,
+            f"{admin}/migrate",
+            json={"xfer_id": listed["xfer_id"], "to": dest.url},
+            headers=AUTH,
+        )
+        (precopy,) = dest.wait_seen(1)
+        assert precopy.body["stream"] is False
+        source.release()  # the rest and [DONE]; the end lingers
+        rest = []
+        for line in lines:
+            if line.startswith("data: "):
+                rest.append(line)
+            if line == "data: [DONE]":
+                break
+        assert router.router.fleet.outstanding("decode") == [0, 0]
+        dest.release()  # the pre-copy completes after the request finished
+        answer = moved.result(30)
+        assert answer.status_code == 409, answer.text
+        assert "finished" in answer.json()["error"]["message"]
+        source.release_end()
+        assert not [x for x in lines if x.startswith("data: ")]
+    assert not [e for e in rest[:-1] if "error" in json.loads(e[6:])], rest
+    assert len(dest.requests()) == 1  # the pre-copy alone: no cut-over
+    assert router.router.fleet.outstanding("decode") == [0, 0]
+    wait_until(
+        lambda: http.get(f"{admin}/requests", headers=AUTH).json()["requests"] == [],
+        10,
+        what="the request gone from the router's list",
+    )
