@@ -451,7 +451,7 @@ def first_chunk(c: Cluster, request: Request) -> StepMeta:
 def begin_last_chunk(c: Cluster, request: Request) -> None:
     """Schedule and bind step 2 (the last chunk). No TransferKV yet: no tasks."""
     meta2 = c.engine.schedule({request.request_id: CHUNKS[1]})
-    assert meta2.computes_prompt
+    assert meta2.delays_layers
     assert not (meta2.step_tasks or meta2.full_tasks or meta2.rank_full_tasks)
     c.engine.bind(meta2)
 

@@ -68,9 +68,9 @@ class StepMeta(KVConnectorMetadata):
     # D: split prefills this step computes the tail of, waiting layer by layer for
     # the head's KV: xfer_id -> the blocks P writes
     split_recv: dict[str, list[int]] = field(default_factory=dict)
-    # P: the step computes prompt tokens of a transfer the debug faults cover
-    # (`ConnectorConfig.faulted`: `debug_layer_delay_s` slows its layers)
-    computes_prompt: bool = False
+    # P: `debug_layer_delay_s` slows this step's layers: it computes prompt
+    # tokens of a transfer the debug faults cover (`ConnectorConfig.faulted`)
+    delays_layers: bool = False
     # P: bypass messages sent before this step was built; a worker applies all of
     # them before this step's tasks, so the step path never overtakes the bypass
     bypass_seq: int = 0

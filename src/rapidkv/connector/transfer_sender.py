@@ -98,7 +98,7 @@ class TransferSender:
                 p.scheduled_step = step_id
                 if not p.migration:  # a migration's source computes no prompt of ours
                     if p.computed < p.prompt_len and self._shared.config.faulted(p.xfer_id):
-                        meta.computes_prompt = True
+                        meta.delays_layers = True
                     if p.computed < p.prompt_len - 1 <= p.in_flight_end:
                         p.last_chunk_step = step_id
                         self._shared.timeline.event(p.xfer_id, "last_chunk_begin", now)

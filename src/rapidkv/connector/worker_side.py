@@ -122,7 +122,7 @@ class WorkerSide:
         self._step_has_tasks = False
         self._first_layer_post: float | None = None
         self._last_layer_done = 0.0
-        self._computes_prompt = False
+        self._delays_layers = False
         # kvt's counters already in _counters: KvtStats field -> what was counted
         self._kvt_counted = dict.fromkeys(KVT_COUNTERS, 0)
         # this step's timing (engine thread): bound at, its layer waits and hooks
@@ -269,7 +269,7 @@ class WorkerSide:
                 self._splits[xfer_id] = SplitLoad(blocks, deadline)
         kvt.set_awaiting(bool(self._expect or self._splits))
         self.step_id = meta.step_id
-        self._computes_prompt = meta.computes_prompt
+        self._delays_layers = meta.delays_layers
         with self._lock:
             self._step_began = time.perf_counter()
             self._step_has_tasks = bool(meta.step_tasks)
@@ -363,7 +363,7 @@ class WorkerSide:
         self._require_kvt().layer_done(self.layer_index[layer_name])
         self._last_layer_done = now = time.perf_counter()
         self._hooks_s += now - t0
-        if self.config.debug_layer_delay_s and self._computes_prompt:
+        if self.config.debug_layer_delay_s and self._delays_layers:
             time.sleep(self.config.debug_layer_delay_s)
 
     def step_done(self) -> None:
