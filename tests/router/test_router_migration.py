@@ -43,6 +43,25 @@ def _two_instances(
     return source, dest, router
 
 
+def _order_migration(
+    pool: concurrent.futures.Executor,
+    http: httpx.Client,
+    router: RunningRouter,
+    source: FakeVLLM,
+    dest: FakeVLLM,
+    **order: object,
+) -> concurrent.futures.Future[httpx.Response]:
+    """The one request running (on `source`, migratable) ordered to move to
+    `dest`, undrained first; the order's answer, to come from `pool` once the
+    migration is over (`order`: more of its fields)."""
+    admin = f"{router.url}/admin"
+    (listed,) = http.get(f"{admin}/requests", headers=AUTH).json()["requests"]
+    assert listed["decode"] == source.url and listed["migratable"] is True
+    http.post(f"{admin}/undrain", json={"instance": dest.url}, headers=AUTH)
+    migrate = {"xfer_id": listed["xfer_id"], "to": dest.url, **order}
+    return pool.submit(http.post, f"{admin}/migrate", json=migrate, headers=AUTH)
+
+
 def test_a_source_dying_during_the_precopy_ends_the_stream_with_an_error_and_frees_the_dest(
     make_fake: MakeFake, make_router: MakeRouter, http: httpx.Client
 ) -> None:
@@ -65,15 +84,7 @@ def test_a_source_dying_during_the_precopy_ends_the_stream_with_an_error_and_fre
             if line.startswith("data: "):
                 events.append(json.loads(line[6:]))
                 break  # the source's first token: it holds now
-        (listed,) = http.get(f"{admin}/requests", headers=AUTH).json()["requests"]
-        assert listed["decode"] == source.url and listed["migratable"] is True
-        http.post(f"{admin}/undrain", json={"instance": dest.url}, headers=AUTH)
-        moved = pool.submit(
-            http.post,
-            f"{admin}/migrate",
-            json={"xfer_id": listed["xfer_id"], "to": dest.url},
-            headers=AUTH,
-        )
+        moved = _order_migration(pool, http, router, source, dest)
         (precopy,) = dest.wait_seen(1)
         assert precopy.body["max_tokens"] == 1 and precopy.body["stream"] is False
         source.die()
@@ -104,7 +115,6 @@ def test_a_source_dying_during_the_cutover_leaves_the_stream_to_the_destination(
     completes the cut-over and the client gets B's tokens to the end, then
     [DONE], no error; the migration is answered 200."""
     source, dest, router = _two_instances(make_fake, make_router, http, "prefill")
-    admin = f"{router.url}/admin"
     # the source holds after its first token; B's cut-over waits for release()
     body = dict(BODY, fake={"decode": "hang_stream", "prefill": "late"})
     with (
@@ -113,14 +123,7 @@ def test_a_source_dying_during_the_cutover_leaves_the_stream_to_the_destination(
     ):
         lines = resp.iter_lines()
         first = next(json.loads(x[6:]) for x in lines if x.startswith("data: "))
-        (listed,) = http.get(f"{admin}/requests", headers=AUTH).json()["requests"]
-        http.post(f"{admin}/undrain", json={"instance": dest.url}, headers=AUTH)
-        moved = pool.submit(
-            http.post,
-            f"{admin}/migrate",
-            json={"xfer_id": listed["xfer_id"], "to": dest.url, "precopy": False},
-            headers=AUTH,
-        )
+        moved = _order_migration(pool, http, router, source, dest, precopy=False)
         (cutover,) = dest.wait_seen(1)
         assert cutover.body["stream"] is True and cutover.body["max_tokens"] == 19
         source.die()
@@ -154,14 +157,7 @@ def test_a_precopy_done_after_the_stream_finished_is_refused_and_counts_stay_rig
     ):
         lines = resp.iter_lines()
         assert next(x for x in lines if x.startswith("data: "))  # the source holds
-        (listed,) = http.get(f"{admin}/requests", headers=AUTH).json()["requests"]
-        http.post(f"{admin}/undrain", json={"instance": dest.url}, headers=AUTH)
-        moved = pool.submit(
-            http.post,
-            f"{admin}/migrate",
-            json={"xfer_id": listed["xfer_id"], "to": dest.url},
-            headers=AUTH,
-        )
+        moved = _order_migration(pool, http, router, source, dest)
         (precopy,) = dest.wait_seen(1)
         assert precopy.body["stream"] is False
         source.release()  # the rest and [DONE]; the end lingers

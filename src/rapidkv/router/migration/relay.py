@@ -240,12 +240,11 @@ class MigratingRelay:
                     pre = precopy
                     precopy = None
                     error = pre.exception()
-                    why = self._refusal(order)  # the stream may have ended meanwhile
                     if isinstance(error, Busy):
                         self._refused(order, str(error))
                     elif error is not None:
                         self._failed(order, str(error))
-                    elif why is not None:
+                    elif (why := self._refusal(order)) is not None:  # it may have ended since
                         self._refused(order, why)
                     else:
                         await self._cut_over(order, order_t0, pre.result())
