@@ -17,7 +17,9 @@ where role is this fake's ``role`` ("prefill" / "decode"):
 - ``hang_stream_linger``: like ``hang_stream``, then like ``linger`` but
   holding the end until `release_end()`;
 - ``error``: answer 503 with a vLLM-style error body;
-- ``cut``: start a streamed answer, then drop the connection mid-way.
+- ``cut``: start a streamed answer, then drop the connection mid-way;
+- ``cut_after_done``: stream every event, ``data: [DONE]`` included, then drop
+  the connection before the answer's end (the HTTP body's last chunk).
 
 `die()` ends the fake as a crashed server ends: every request it holds and
 every one that reaches it before its listener closed has its connection
@@ -267,6 +269,12 @@ class FakeVLLM:
                 seen.answered_seq = next(_sequence)  # before the end leaves: see _body
                 await self._chunk(seen, send, b"", more=False)
                 return
+        if behaviour == "cut_after_done":
+            assert events, "cut_after_done needs a streaming request"
+            await self._start(send, 200, "text/event-stream")
+            for event in events:
+                await self._chunk(seen, send, event, more=True)
+            raise ConnectionAbortedError(f"{self.name}: cutting after [DONE] on purpose")
         if behaviour == "cut":
             assert events, "cut needs a streaming request"
             await self._start(send, 200, "text/event-stream")

@@ -342,6 +342,50 @@ def test_a_decode_stream_that_breaks_off_ends_with_an_error_event(
     assert metric(router, "rapidkv_router_upstream_errors_total", role="decode", kind="stream") == 1
 
 
+@pytest.mark.parametrize(
+    ("dispatch", "admin_token"),
+    [("dual", None), ("local", None), ("local", "migratable-admin-token")],
+)
+def test_a_decode_stream_that_breaks_after_its_done_is_served_as_it_came(
+    pd: tuple[FakeVLLM, FakeVLLM],
+    make_router: MakeRouter,
+    recorder: AbortRecorder,
+    http: httpx.Client,
+    dispatch: str,
+    admin_token: str | None,
+) -> None:
+    """D drops the connection after ``data: [DONE]``, before the body's end:
+    the client has the whole answer, so it gets it as it came (no error event
+    after its [DONE]), the request is served (outcome ok, P not told to abort)
+    and D's break is still counted where operators look. With admin routes
+    the stream is relayed as a migratable one, event by event."""
+    p, d = pd
+    router = make_router(
+        [Instance(p.url, recorder.server.address)],
+        [d],
+        dispatch=dispatch,
+        secret=b"router-test-secret",
+        admin_token=admin_token,
+    )
+    body = dict(COMPLETION, stream=True, fake={"decode": "cut_after_done"})
+    with http.stream("POST", f"{router.url}/v1/completions", json=body) as resp:
+        assert resp.status_code == 200
+        raw = b"".join(resp.iter_raw())
+    d_sent = next(seen for seen in d.seen if seen.path == "/v1/completions").sent
+    # every event D sent (dual: the first one P's, stitched), then [DONE] once
+    assert raw.count(b"data: ") == d_sent.count(b"data: ") and b'"error"' not in raw
+    assert raw.endswith(b"\n\ndata: [DONE]\n\n") and raw.count(b"[DONE]") == 1
+    wait_until(
+        lambda: metric(router, "rapidkv_router_requests_total", outcome="ok") == 1,
+        10,
+        what="the request to be counted served",
+    )
+    assert metric(router, "rapidkv_router_requests_total", outcome="stream_error") == 0
+    assert metric(router, "rapidkv_router_upstream_errors_total", role="decode", kind="stream") == 1
+    assert recorder.aborts == []
+    assert router.router.fleet.outstanding("decode") == [0]
+
+
 # ------------------------------------------------------------------ instance health
 
 

@@ -21,9 +21,12 @@ and teaches the adaptive placement.
 Rules: a D that gives no status line is marked down (`fleet.Fleet.mark_down`)
 and the client gets 502; a D error status is relayed as is; a stream that
 breaks off ends with an error event the client can read (``data:
-{"error": ...}`` then ``data: [DONE]``); a non-streamed answer that breaks off
-is cut short (its length was announced). The outcome returned is one of
-`metrics.OUTCOMES`.
+{"error": ...}`` then ``data: [DONE]``), unless it broke after its own
+``data: [DONE]`` without an error event (`Exchange.served`: the client has the
+whole answer, which ends as usual, outcome ``ok``; D's break is still counted
+in ``rapidkv_router_upstream_errors_total{kind="stream"}``); a non-streamed
+answer that breaks off is cut short (its length was announced). The outcome
+returned is one of `metrics.OUTCOMES`.
 """
 
 from __future__ import annotations
@@ -178,9 +181,11 @@ class AnswerRelay:
                 upstream_error(self._metrics, "decode", inst, "stream", ex, repr(e))
                 if not streaming:
                     return "stream_error"  # its length was announced: the client sees it cut
-                why = f"decode instance {inst.url} broke off the answer: {e!r}"
-                await send({"type": "http.response.body", "body": sse_error(why)})
-                return "stream_error"
+                if not ex.served:
+                    why = f"decode instance {inst.url} broke off the answer: {e!r}"
+                    await send({"type": "http.response.body", "body": sse_error(why)})
+                    return "stream_error"
+                # it broke after data: [DONE]: the client has the whole answer
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             resp.release()  # back to the pool if read to its end, else closed (D aborts)
@@ -223,12 +228,13 @@ class AnswerRelay:
         except (*UPSTREAM_ERRORS, StreamError) as e:
             source = ex.relay.source or inst
             upstream_error(self._metrics, "decode", source, "stream", ex, repr(e))
-            why = f"decode instance {source.url} broke off the answer: {e!r}"
-            if client_streams:
-                await send({"type": "http.response.body", "body": sse_error(why)})
-            else:
-                await send_error(send, 502, why)
-            return "stream_error"
+            if not ex.served:  # else it broke after data: [DONE]: the client has it all
+                why = f"decode instance {source.url} broke off the answer: {e!r}"
+                if client_streams:
+                    await send({"type": "http.response.body", "body": sse_error(why)})
+                else:
+                    await send_error(send, 502, why)
+                return "stream_error"
         if client_streams:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         else:
