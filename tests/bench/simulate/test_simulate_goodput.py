@@ -205,3 +205,22 @@ def test_adaptive_concentrates_on_the_instances_it_has_learned() -> None:
 
 def run_router(router, n: int, specs, rate: float) -> list[Outcome]:
     return simulate(FIT, n, router, specs, arrivals=poisson_arrivals(len(specs), rate, 0))
+
+
+@pytest.mark.parametrize("blind", [False, True])
+def test_the_simulated_fleet_shape_counts_the_prompt_work_no_instance_holds_cached(
+    blind: bool,
+) -> None:
+    """As the router's `Placer`: a burst of 500-token prompts of which every
+    instance holds 480 cached is 20-token work to the fleet's shape, which
+    stays unspecialised; blind to the caches, the same burst is 500-token
+    work and specialises the fleet (and then every prompt crosses)."""
+    router = AdaptiveRouter(2, FIT, SLO(250.0, 9.0), blind=blind)
+    for k in range(40):
+        placement = router.place(f"r{k}", 500, 16, 0.0, cached=(480, 480))
+        if placement.kind != "local":
+            router.fleet.on_prefill_done(f"r{k}", 0.0, ok=False)
+        router.fleet.on_finish(f"r{k}", 0.0, output_tokens=16, ok=False)
+    assert router.shape is not None
+    assert router.shape.prompt_tokens == pytest.approx(500 if blind else 20)
+    assert router.shape.specialized is blind

@@ -21,7 +21,9 @@ token), `finished` (D's answer over). Policies (`POLICIES`):
   feeds it, and `Models` learning from what those events return; every
   instance may prefill and decode, block sizes known, requests splittable
   (`bench goodput` sends token-id completions), the run's SLOs, and the
-  router's `Specializer` choosing the fleet's shape before each decision;
+  router's `Specializer` choosing the fleet's shape before each decision,
+  from the prompt work no instance holds cached (`shape.prompt_work` over
+  what the policy is told the caches hold, as `Placer.decide` counts it);
 - ``adaptive-unshaped``: the same without the `Specializer` (every instance
   free to do anything at every decision, as before 2026-12-04);
 - ``adaptive-busy-crossings``: the same with the router's `--busy-crossings`
@@ -71,7 +73,7 @@ from rapidkv.router.placement import (
     Specializer,
     decide,
 )
-from rapidkv.router.placement.shape import DEFAULT_SHAPING
+from rapidkv.router.placement.shape import DEFAULT_SHAPING, prompt_work
 from rapidkv.router.split import split_point
 
 PolicyName = Literal[
@@ -218,10 +220,11 @@ class AdaptiveRouter(Router):
         self, rid: str, prompt: int, output: int, now_ms: float, cached: tuple[int, ...] = ()
     ) -> Placement:
         t = time.perf_counter()
-        if self.shape is not None:
-            self.shape.arrived(now_ms / 1000, prompt, output)
+        seen = () if self.blind else cached  # what the router is told the instances hold
+        if self.shape is not None:  # as the router's `Placer.decide`
+            self.shape.arrived(now_ms / 1000, prompt_work(prompt, seen), output)
             self.shape.apply(self.fleet, ("any",) * self.n, self.models, self.slo.tpot_ms)
-        request = Request(prompt, output, True, () if self.blind else cached)
+        request = Request(prompt, output, True, seen)
         d = decide(self.fleet, self.models, request, self.slo, self.policy)
         self.decide_s += time.perf_counter() - t
         self.kinds[d.kind] += 1

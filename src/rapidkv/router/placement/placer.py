@@ -51,6 +51,7 @@ from rapidkv.router.placement import (
     Specializer,
     decide,
 )
+from rapidkv.router.placement.shape import prompt_work
 from rapidkv.router.placement.state import Role
 from rapidkv.router.rewrite import Body, Endpoint, token_ids
 
@@ -149,9 +150,7 @@ class Placer:
         cached = tuple(min(c, tokens) for c in cached)
         request = Request(tokens, requested_output_tokens(body), splittable, cached)
         if self.shape is not None:
-            # the prompt work the fleet has to do: what no instance holds cached
-            # (a conversation's next turn is a few tokens, not its history)
-            work = max(tokens - max(cached, default=0), 1)
+            work = prompt_work(tokens, cached)
             self.shape.arrived(time.monotonic(), work, request.output_tokens)
             self.shape.apply(self.fleet, self.roles, self.models, self.slo.tpot_ms)
         return decide(self.fleet, self.models, request, self.slo, self.policy), request

@@ -178,6 +178,14 @@ class Specializer:
         return want
 
 
+def prompt_work(tokens: int, cached: Sequence[int]) -> int:
+    """The prompt work a request brings the fleet (what `Specializer.arrived`
+    counts): its prompt tokens less the longest prefix an instance holds
+    cached (`cached`: per instance; a conversation's next turn is its new
+    tokens, not its history), at least 1."""
+    return max(tokens - max(cached, default=0), 1)
+
+
 def _mean_step(models: Models, instances: Sequence[int]) -> float:
     """The mean learned step of two decodes over `instances` (not empty)."""
     return sum(models.step_ms(k, 2) for k in instances) / len(instances)
