@@ -27,6 +27,7 @@ import pytest
 
 from rapidkv.harness import ServerPool, ServerSpec, VLLMServer, free_port
 from rapidkv.harness.iterations import FLAG as ITERATION_LOG_FLAG
+from rapidkv.harness.kv_events import bound_endpoint
 from rapidkv.harness.server import EXECUTOR_ENV, TOOL_CALLING_ARGS
 
 os.environ.setdefault(EXECUTOR_ENV, "uni")  # inherited by the bench and demo commands run here
@@ -110,7 +111,7 @@ def chunked_spec(model: Path, kv_events: tuple[int, int, str]) -> ServerSpec:
     config = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": f"tcp://*:{pub}",  # vLLM binds only endpoints with "*" (or ipc)
+        "endpoint": bound_endpoint(pub),  # on loopback only
         "replay_endpoint": f"tcp://127.0.0.1:{replay}",
         "topic": topic,
     }

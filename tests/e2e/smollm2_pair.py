@@ -14,6 +14,7 @@ from typing import Any
 
 from rapidkv.connector.config import kv_transfer_config
 from rapidkv.harness import ServerSpec, free_port
+from rapidkv.harness.kv_events import bound_endpoint
 from rapidkv.harness.server import pd_specs
 
 KEY = "pd_smollm2"
@@ -31,9 +32,7 @@ def events_args(port: int, replay_port: int) -> tuple[str, ...]:
     config = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        # vLLM binds its PUB socket only to a wildcard endpoint (a host makes it
-        # connect out): the router reads "*" as the instance URL's host
-        "endpoint": f"tcp://*:{port}",
+        "endpoint": bound_endpoint(port),  # on loopback only
         "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
     }
     return ("--kv-events-config", json.dumps(config))

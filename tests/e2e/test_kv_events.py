@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from pd_harness import listening
 
 from rapidkv.harness import (
     VLLMServer,
@@ -53,6 +54,19 @@ async def until(what: str, check: Callable[[], bool], timeout: float = 15.0) -> 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.05)
+
+
+def test_the_publisher_listens_on_loopback_only(
+    single_server_chunked: VLLMServer, chunked_kv_events: tuple[int, int, str]
+) -> None:
+    """The harness binds vLLM's publisher to 127.0.0.1 (`harness.kv_events`),
+    where vLLM's documented ``tcp://*:PORT`` would listen on every interface."""
+    pub, replay, _ = chunked_kv_events
+    tcp, _ = listening(single_server_chunked.process.live_pids())
+    assert {(host, port) for host, port in tcp if port in (pub, replay)} == {
+        ("127.0.0.1", pub),
+        ("127.0.0.1", replay),
+    }, tcp
 
 
 def test_the_index_follows_the_prefix_cache_of_a_real_instance(

@@ -88,6 +88,7 @@ def test_the_identity_and_the_kv_event_publisher_come_with_the_address() -> None
         ({"endpoint": "tcp://0.0.0.0:5557"}, KVEvents("tcp://10.1.2.3:5557")),
         ({"endpoint": "tcp://[::]:5557"}, KVEvents("tcp://10.1.2.3:5557")),
         ({"endpoint": "tcp://[fe80::1]:5557"}, KVEvents("tcp://[fe80::1]:5557")),
+        ({"endpoint": "tcp://[::ffff:10.0.0.5]:5557"}, KVEvents("tcp://10.0.0.5:5557")),
         (
             {"endpoint": "tcp://*:5557", "replay_endpoint": "ipc:///x"},
             KVEvents("tcp://10.1.2.3:5557"),

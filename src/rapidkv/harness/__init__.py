@@ -13,7 +13,8 @@ Modules: `server` (ServerSpec, VLLMServer, start_servers, running), `pool`
 `prompts` (token-id prompts), `iterations` (per-step composition, from the
 log), `process` (process-group lifecycle), `watchdog` (kills our servers if
 this process dies), `procs` (/proc views), `shm` (the /dev/shm files a
-stopped tree left), `ports`, `waiting`.
+stopped tree left), `ports`, `kv_events` (vLLM's KV-event publisher bound to
+one address), `waiting`.
 """
 
 from rapidkv.harness.client import (

@@ -110,8 +110,9 @@ def test_the_rapidkv_servers_publish_kv_events_on_ports_of_their_own() -> None:
     assert ca["enable_kv_cache_events"] is True and ca["publisher"] == "zmq"
     ends = [c[k] for c in (ca, cb) for k in ("endpoint", "replay_endpoint")]
     assert len({e.rpartition(":")[2] for e in ends}) == 4
-    # vLLM binds its publisher only to a wildcard; the replay socket binds the host
-    assert all(c["endpoint"].startswith("tcp://*:") for c in (ca, cb))
+    # the publisher binds the host alone (IPv4-mapped: vLLM binds only endpoints
+    # with "*" or "::"), as the replay socket does
+    assert all(c["endpoint"].startswith("tcp://[::ffff:127.0.0.1]:") for c in (ca, cb))
     assert all(c["replay_endpoint"].startswith("tcp://127.0.0.1:") for c in (ca, cb))
     with pytest.raises(ValueError, match="prefix caching"):
         start_group("rapidkv", Path("/model"), Path("/logs"), kv_events=True)

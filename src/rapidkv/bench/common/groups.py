@@ -512,16 +512,16 @@ def kv_events_args(host: str) -> list[str]:
     """vLLM's `--kv-events-config` for one server: its KV cache events
     published over ZMQ at a free port, with a replay endpoint at another on
     `host` (`rapidkv.connector.connector.kv_events_publisher` names both to a
-    router). The publisher's endpoint is a wildcard: vLLM binds only those (a
-    host makes it connect out); a router reads it as the instance's host."""
+    router). The publisher binds `host` only (`harness.kv_events.bound_endpoint`)."""
     import json
 
     from rapidkv.harness import free_port
+    from rapidkv.harness.kv_events import bound_endpoint
 
     config = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": f"tcp://*:{free_port()}",
+        "endpoint": bound_endpoint(free_port(host), host),
         "replay_endpoint": f"tcp://{host}:{free_port()}",
     }
     return ["--kv-events-config", json.dumps(config)]

@@ -8,7 +8,9 @@ response's ``kv_transfer_params``: ``{"rapidkv": {"control": "host:port",
 "kv_events": {"endpoint": ..., "replay_endpoint": ..., "topic": ...}}}``. A
 control plane listening on every interface (``0.0.0.0`` or ``::``) is reached
 at the host of the instance's URL, and so is a KV-event publisher bound to
-``*`` or a wildcard address. The block size (which a split prefill's head is a
+``*`` or a wildcard address; one bound to an IPv4-mapped IPv6 address
+(``[::ffff:10.0.0.5]``, how vLLM binds one IPv4 address) is reached at that
+IPv4 address. The block size (which a split prefill's head is a
 multiple of), the engine's ``max_num_seqs`` (how many requests it runs at
 once: the adaptive placement's capacity), the process's identity (instance id
 and incarnation: a restart changes it) and where vLLM publishes its KV events
@@ -19,6 +21,7 @@ tokenizer, when it is on this host).
 
 from __future__ import annotations
 
+import ipaddress
 import json
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
@@ -127,7 +130,19 @@ def _tcp_endpoint(inst: Instance, value: Any) -> str | None:
     host = host.strip("[]")
     if host in ("*", *WILDCARD_HOSTS):
         host = urlsplit(inst.url).hostname or "127.0.0.1"
+    else:
+        host = _unmapped(host)
     return f"tcp://{format_address(host, int(port))}"
+
+
+def _unmapped(host: str) -> str:
+    """An IPv4-mapped IPv6 address as its IPv4 address (how a vLLM publisher
+    is bound to one IPv4 address: `harness.kv_events`); any other host as is."""
+    try:
+        mapped = ipaddress.IPv6Address(host).ipv4_mapped
+    except ValueError:
+        return host
+    return str(mapped) if mapped is not None else host
 
 
 def _ours(answer: Any) -> dict[str, Any]:
