@@ -30,7 +30,7 @@ from rapidkv.router.placement import (
     decide,
     options,
 )
-from rapidkv.router.placement.policy import is_free_split
+from rapidkv.router.placement.policy import is_free_split, safe_tpot_ms
 from rapidkv.router.placement.state import ROLES, beyond_slots
 from rapidkv.router.split import split_point
 
@@ -163,11 +163,34 @@ def test_a_loose_tpot_slo_balances_and_a_tight_one_keeps_an_instance_free() -> N
     loose = decide(fleet, models, request, SLO(1000, 100))
     assert (loose.kind, loose.decode) == ("local", 0)
     assert decide(fleet, models, request, SLO(1000, 100), Policy(balance=False)).decode == 1
-    slo = SLO(1000, 14)  # margin: 0.6 x 14 = 8.4 ms
+    slo = SLO(1000, 11)  # safe: a lone step (5.1 ms) + 0.6 x the 5.9 ms of slack above it
+    safe = models.step_ms(0, 1) + 0.6 * (11 - models.step_ms(0, 1))
+    assert safe == pytest.approx(8.64)
     local_1 = option_for(options(fleet, models, request, slo=slo), Placement("local", 1, 1))
-    assert local_1.tpot_ms > 8.4  # the prompt beside 1's decodes
+    assert local_1.tpot_ms > safe  # the prompt beside 1's decodes
     tight = decide(fleet, models, request, slo)
-    assert tight.placement == Placement("pd", 0, 1) and tight.tpot_ms <= 8.4
+    assert tight.placement == Placement("pd", 0, 1) and tight.tpot_ms <= safe
+
+
+def test_a_decode_step_near_the_tpot_slo_still_leaves_safe_options_and_balances() -> None:
+    """A real model's step (SmolLM2 on a CPU core: 41 ms + 2.3 a request)
+    under its TPOT SLO (1.5x a lone step's TPOT, 65 ms): the margin counts
+    the slack above a lone step, so options with room are safe and the fleet
+    is not tight. A hit prompt (1,024 of its 1,070 tokens cached everywhere)
+    goes to the idle instance, not beside instance 0's two decodes; with the
+    margin taken of the whole SLO (39 ms, below any step) nothing was safe,
+    the fleet always tight, and it went beside them to keep 1 free."""
+    priors = Priors(
+        prefill_ms=0.0, prefill_ms_per_token=0.45, step_ms=41.0, step_ms_per_request=2.3
+    )
+    models = Models(2, priors)
+    fleet = [InstanceLoad(decodes=2, running=(Decode(0.0, 24),) * 2), IDLE]
+    request = Request(1070, output_tokens=24, splittable=True, cached=(1024, 1024))
+    slo = SLO(262.0, 65.0)
+    assert safe_tpot_ms(fleet, models, slo, Policy()) == pytest.approx(43.3 + 0.6 * 21.7)
+    d = decide(fleet, models, request, slo)
+    assert d.placement == Placement("local", 1, 1, decode_hit=1024)
+    assert d.tpot_ms == pytest.approx(models.step_ms(1, 1))
 
 
 def test_prefill_on_a_busy_decoder_is_avoided_when_it_breaks_tpot() -> None:

@@ -137,7 +137,8 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         type=float,
         metavar="FRACTION",
         help="adaptive placement: among options equally fast, those whose predicted TPOT is "
-        "within this fraction of --tpot-slo-ms come first, then the fewest crossings, then the "
+        "within a lone decode step plus this fraction of the slack --tpot-slo-ms leaves above it "
+        "come first, then the fewest crossings, then the "
         f"lowest TPOT (1: every option within the SLO counts as safe; default {D.tpot_margin})",
     )
     parser.add_argument(

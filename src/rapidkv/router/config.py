@@ -150,7 +150,7 @@ class RouterConfig:
     ttft_slo_ms: float = 1000.0
     tpot_slo_ms: float = 100.0
     ttft_headroom: float = 0.5  # adaptive: TTFTs below this fraction of the SLO tie
-    tpot_margin: float = 0.6  # adaptive: ties go first to TPOTs within this fraction of the SLO
+    tpot_margin: float = 0.6  # adaptive: ties go first to TPOTs within a step + this of the slack
     # adaptive: instances that may do anything specialise (half prefill, half
     # decode) while prompts landing beside decodes would break the TPOT SLO
     # (`placement.shape`)
