@@ -23,18 +23,21 @@ pytestmark = pytest.mark.unit
 
 def test_shared_prefix_is_groups_of_long_system_prompts_and_short_questions() -> None:
     w = SHARED_PREFIX
-    assert (w.groups, w.system_len, w.min_question, w.max_question) == (4, 1024, 30, 60)
+    assert (w.groups, w.system_len, w.min_question, w.max_question) == (12, 1024, 30, 60)
     assert w.system_len % 128 == 0  # whole blocks of vLLM-CPU's prefix cache
+    # the system prompts exceed one SmolLM2 bf16 instance's 90 cached blocks, fit two
+    assert 90 < w.groups * w.system_len // 128 <= 180
     assert w.max_len + w.max_tokens <= MAX_MODEL_LEN
     assert list(w.default_rates) == sorted(w.default_rates) and len(w.quick_rates) == 2
     assert w.prefix_caching and w.requests(40) == 40
+    assert w.warm_up == 32 and w.requests_with_warm_up(40) == 72
 
 
 def test_a_shared_prefix_plan_is_seeded_within_its_bounds_and_prefix_stable() -> None:
     w = SHARED_PREFIX
     plan = w.plan(200, seed=5)
     assert plan == w.plan(200, seed=5) and plan != w.plan(200, seed=6)
-    assert set(plan.groups) == set(range(4))  # every group drawn, each request's at random
+    assert set(plan.groups) == set(range(12))  # every group drawn, each request's at random
     assert all(30 <= n <= 60 for n in plan.question_lens)
     assert all(16 <= m <= 32 for m in plan.max_tokens)
     short = w.plan(10, seed=5)

@@ -266,6 +266,59 @@ def test_a_multiturn_rate_starts_cold_sends_turns_after_answers_and_counts_hits(
     assert run.prefix_tokens == {"hit": 800.0, "fetched": 80.0, "computed": 40.0}
 
 
+def test_a_shared_prefix_rate_warms_the_caches_first_and_counts_only_what_follows() -> None:
+    """After the caches are emptied, the warm-up prompts are sent at the rate
+    and answered before the first measured one is sent; the rate's results
+    and the router's counters are the measured requests' alone."""
+    from rapidkv.bench.goodput.run import Sweep
+    from rapidkv.router.server import ThreadedServer
+
+    opts = parse("--workloads", "shared-prefix", "--configs", "rapidkv-adaptive", "--rates", "8")
+    sweep = object.__new__(Sweep)
+    sweep.opts = opts
+    sweep.progress = SimpleNamespace(
+        stage=lambda *_: None, say=lambda *_: None, advance=lambda *_: None
+    )
+    w = WorkloadRun("shared-prefix", (2,) * 3, [[100 + k] for k in range(3)], 0)
+    w.warm_prompts, w.warm_max_tokens = [[k] for k in range(4)], (2,) * 4
+    sweep.workloads = {"shared-prefix": w}
+    sweep.configs = {"rapidkv-adaptive": ConfigRun("rapidkv-adaptive")}
+    log: list[tuple[str, int, float]] = []
+    with ThreadedServer(_fake_router(log)) as server:
+        sweep.measure("rapidkv-adaptive", _Group(server.url, log), w, 8.0)
+    run = sweep.configs["rapidkv-adaptive"].rates["shared-prefix"][8.0]
+    assert log[0][0] == "reset"
+    warm_ends = [t for e, p, t in log if e == "end" and p < 100]
+    measured_starts = [t for e, p, t in log if e == "start" and p >= 100]
+    assert len(warm_ends) == 4 and len(measured_starts) == 3
+    assert max(warm_ends) <= min(measured_starts)
+    assert len(run.results) == 3 and all(r.error is None for r in run.results)
+    assert run.placements == {"local": 0.0, "pd": 0.0, "split": 0.0, "fetch": 3.0}
+
+
+def test_shared_prefix_s_requests_put_its_warm_up_first_in_one_plan(tiny_model: Path) -> None:
+    """The warm-up is the first `warm_up` requests of a plan of warm_up + n
+    (what `bench simulate` warms), `--rate-warm-up` sets it, and the JSON
+    says how many were sent."""
+    from rapidkv.bench.common.shared_prefix import SHARED_PREFIX
+    from rapidkv.bench.goodput.workloads import requests_of
+
+    w = requests_of("shared-prefix", tiny_model, 10, 3, "random")
+    assert len(w.warm_prompts) == SHARED_PREFIX.warm_up == 32 and w.requests == 10
+    plan = SHARED_PREFIX.plan(42, 3)
+    assert w.warm_max_tokens + w.max_tokens == plan.max_tokens
+    sent = w.warm_prompts + w.prompts
+    system = {g: p[: SHARED_PREFIX.system_len] for g, p in zip(plan.groups, sent, strict=True)}
+    for g, p in zip(plan.groups, sent, strict=True):  # a group's requests share its prompt
+        assert p[: SHARED_PREFIX.system_len] == system[g]
+    assert len({tuple(p) for p in system.values()}) == len(system)
+    none = requests_of("shared-prefix", tiny_model, 10, 3, "random", warm_up=0)
+    assert none.warm_prompts == [] and none.prompts == w.warm_prompts[:10]
+    assert parse("--workloads", "shared-prefix", "--quick").rate_warm_up == 4
+    assert parse("--workloads", "shared-prefix", "--rate-warm-up", "7").rate_warm_up == 7
+    assert parse("--workloads", "shared-prefix").rate_warm_up is None  # the workload's own
+
+
 # ---------------------------------------------------------------- the report
 
 
@@ -298,7 +351,8 @@ def test_the_report_has_hits_pulled_tokens_and_the_prefix_baselines(tmp_path: Pa
     assert report["meta"]["prefix_caching"] is True and report["meta"]["kv_events"] is True
     assert "--no-enable-prefix-caching" not in report["meta"]["server_args"]
     entry = report["workloads"]["shared-prefix"]
-    assert entry["prefix_caching"] is True and entry["groups"] == 4 and entry["requests"] == 2
+    assert entry["prefix_caching"] is True and entry["groups"] == 12 and entry["requests"] == 2
+    assert entry["warm_up"] == 0  # the run's WorkloadRun had no warm-up prompts
     assert entry["prompt_len_sent"] == {"min": 60, "max": 100, "mean": 80.0}
     dp2 = entry["configs"]["dp2"]
     r1 = dp2["rates"]["1"]

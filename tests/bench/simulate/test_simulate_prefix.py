@@ -26,7 +26,7 @@ from rapidkv.bench.simulate.prefix_workloads import (
     tokens_for,
 )
 from rapidkv.bench.simulate.routers import Router, make_router
-from rapidkv.bench.simulate.workload import Spec, arrival_times, requests
+from rapidkv.bench.simulate.workload import WORKLOADS, Spec, arrival_times, requests
 from rapidkv.router.placement import SLO, Placement
 
 pytestmark = pytest.mark.unit
@@ -260,3 +260,30 @@ def test_a_sweep_may_start_higher() -> None:
 
     assert min(sweep(evaluate, 8, 0, start=4.0).points) == 32.0
     assert sweep(evaluate, 8, 2, start=4.0).goodput == 40.0
+
+
+def test_compare_takes_the_real_runs_groups_and_warm_up() -> None:
+    """A run says its shared-prefix groups and warm-up at each rate: the
+    simulation draws that many groups and warms that many requests first;
+    a run that names no warm-up (before there was one) had none."""
+    from rapidkv.bench.simulate.compare import as_run
+
+    assert as_run(SHARED_PREFIX, {"groups": 4}) == dataclasses.replace(
+        SHARED_PREFIX, groups=4, warm_up=0
+    )
+    assert as_run(SHARED_PREFIX, {"groups": 12, "warm_up": 32}) == SHARED_PREFIX
+    assert as_run(SHARED_PREFIX, {"warm_up": 8}).groups == SHARED_PREFIX.groups
+    assert as_run(WORKLOADS["multiturn"], {"groups": 4}) is WORKLOADS["multiturn"]
+    real = {
+        "workloads": {
+            "shared-prefix": {
+                "groups": 4,
+                "warm_up": 6,
+                "requests_per_rate": 10,
+                "slo": {"ttft_ms": 60.0, "tpot_ms": 8.1},
+                "configs": {"dp2": {"attainment": {"2": 0.95}, "goodput_req_s": 2.0}},
+            }
+        }
+    }
+    dp2 = compare(real, FIT, tokenizer="chars")["workloads"]["shared-prefix"]["configs"]["dp2"]
+    assert (dp2["requests"], dp2["warm_up"]) == (10, 6)

@@ -16,6 +16,21 @@ use, and one blind to it cannot.
 the GPU's 16: every token of a system prompt can hit. The longest request
 (1024 + 60 + 32 tokens) fits the servers' `workloads.MAX_MODEL_LEN`.
 
+`groups` 12: their system prompts (96 blocks of 128 tokens) exceed one
+instance's prefix cache on SmolLM2-135M in bf16 (90 blocks in the harness's
+256 MiB of KV memory) and fit two instances' (180), as llm-d's shared-prefix
+benchmark sizes its groups against the fleet's caches: one instance cannot
+hold every group, so where a request runs decides whether its system prompt
+is a hit. With 4 groups (32 blocks) every instance held every group and no
+placement could do better than any other (`docs/benchmarks/goodput.md`).
+
+`warm_up` (32): at each rate, after the caches are emptied, the first 32
+requests of a plan of `warm_up` + n are sent at that rate and not counted,
+so that the n measured ones meet the caches the placement has filled (a
+serving fleet's steady state) rather than 12 cold system prompts per
+instance, each of which misses a TTFT SLO of a few hits' TTFT
+(`requests_with_warm_up`; `bench simulate` warms the same requests).
+
 The token ids (`prompts`): random ids, or (`--dataset sharegpt`) ShareGPT's
 text cut to each length (`dataset.prompts_of_lengths`), the system prompts and
 the questions from one seeded draw, so that no two of them share text.
@@ -56,6 +71,7 @@ class SharedPrefix:
     default_rates: tuple[float, ...] = ()
     quick_rates: tuple[float, ...] = ()
     salt: int = 0  # keeps the workloads' draws apart under one --seed
+    warm_up: int = 0  # requests sent at each rate before the measured ones, not counted
     prefix_caching: ClassVar[bool] = True  # served with prefix caching: the point
 
     def __post_init__(self) -> None:
@@ -64,6 +80,8 @@ class SharedPrefix:
             raise ValueError(f"need groups, system_len >= 1 and 1 <= min <= max questions: {self}")
         if not 1 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"need 1 <= min_tokens <= max_tokens: {self}")
+        if self.warm_up < 0:
+            raise ValueError(f"need warm_up >= 0: {self}")
 
     @property
     def max_len(self) -> int:
@@ -77,6 +95,11 @@ class SharedPrefix:
     def requests(self, n: int) -> int:
         """How many requests `--requests n` makes: n."""
         return n
+
+    def requests_with_warm_up(self, n: int) -> int:
+        """How many requests a plan for n measured ones draws: `warm_up` + n,
+        the first `warm_up` of them the warm-up."""
+        return self.warm_up + n
 
     def plan(self, n: int, seed: int) -> SharedPrefixPlan:
         """`n` requests drawn from `seed`: the same (n, seed) gives the same
@@ -110,6 +133,7 @@ class SharedPrefix:
             "groups": self.groups,
             "system_len": self.system_len,
             "question_len": [self.min_question, self.max_question],
+            "warm_up": self.warm_up,
             "prefix_caching": True,
         }
 
@@ -125,9 +149,10 @@ def shared_prefix_prompts(
 
 SHARED_PREFIX = SharedPrefix(
     "shared-prefix",
-    "4 groups, each a 1024-token system prompt; each request its group's (drawn) "
-    "+ a 30-60-token question, 16-32 output tokens",
-    groups=4,
+    "12 groups, each a 1024-token system prompt; each request its group's (drawn) "
+    "+ a 30-60-token question, 16-32 output tokens; 32 requests first at each rate, "
+    "not counted",
+    groups=12,
     system_len=1024,
     min_question=30,
     max_question=60,
@@ -136,4 +161,5 @@ SHARED_PREFIX = SharedPrefix(
     default_rates=(0.5, 1.0, 1.5, 2.0, 3.0, 4.0),
     quick_rates=(1.0, 4.0),
     salt=2,
+    warm_up=32,
 )

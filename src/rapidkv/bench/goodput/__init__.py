@@ -10,8 +10,9 @@ On the same two instances (one per core) as `bench serve`, each configuration
   `vllm-nixl` 1P1D, `rapidkv` fixed 1P1D, i.e. today's router in dual
   dispatch, and `rapidkv-adaptive`: the same P/D pair given to the router as
   two `--instance`s with `--placement adaptive`;
-- *shared-prefix* (`common.shared_prefix`: 4 groups, each a 1024-token
-  system prompt, each request its group's and a 30-60-token question) and
+- *shared-prefix* (`common.shared_prefix`: 12 groups, each a 1024-token
+  system prompt, each request its group's and a 30-60-token question; at
+  each rate 32 requests sent first and not counted, `--rate-warm-up`) and
   *multiturn* (`common.multiturn`: ShareGPT conversations of 4 turns, one
   user each, every later turn sent a think time after the answer before it,
   its prompt the history with `single`'s answers); their configurations by
@@ -21,10 +22,11 @@ On the same two instances (one per core) as `bench serve`, each configuration
   instance's hits, never fetches) and `rapidkv-adaptive` (hits and fetches
   from the instance holding a prefix). They are served with prefix caching
   on, every server's cache emptied (`/reset_prefix_cache`) before every rate
-  of every configuration (and `single`'s c1), so that each starts cold, on
-  every workload of the run; the rapidkv pair's servers publish vLLM's KV
-  events (`--kv-events-config`, ZMQ on loopback ports), from which the
-  adaptive routers keep their prefix index.
+  of every configuration (and `single`'s c1), so that each starts cold
+  (shared-prefix's then from its own warm-up), on every workload of the
+  run; the rapidkv pair's servers publish vLLM's KV events
+  (`--kv-events-config`, ZMQ on loopback ports), from which the adaptive
+  routers keep their prefix index.
 
 Groups are started one at a time, as in `bench serve` (never two serving at
 once: 2 cores), each swept on every workload and stopped. `single` comes
@@ -131,6 +133,13 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         type=int,
         default=None,
         help="unmeasured requests per configuration and workload (2; 1 quick)",
+    )
+    add(
+        "--rate-warm-up",
+        type=int,
+        default=None,
+        help="shared-prefix: requests sent at each rate, after the caches are emptied, "
+        "before the measured ones, not counted (32; 4 quick)",
     )
     add("--seed", type=int, default=0, help="prompts, max_tokens and arrivals (%(default)s)")
     add_numbers(

@@ -56,6 +56,7 @@ class Options:
     model: str = "tiny"  # options.MODELS, or a checkpoint's directory
     dataset: str = "random"  # the prompts of the workloads' lengths
     prefix_caching: bool = False  # a workload shares prefixes: on, emptied before each rate
+    rate_warm_up: int | None = None  # shared-prefix's warm-up at each rate (None: its own)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Options:
@@ -89,6 +90,11 @@ class Options:
             raise ValueError("--requests must be >= 2")
         if warmup < 0:
             raise ValueError("--warmup must be >= 0")
+        rate_warm_up = getattr(args, "rate_warm_up", None)
+        if rate_warm_up is None and args.quick:
+            rate_warm_up = 4
+        if rate_warm_up is not None and rate_warm_up < 0:
+            raise ValueError("--rate-warm-up must be >= 0")
         if args.ttft_slo_factor <= 0 or args.tpot_slo_factor <= 0:
             raise ValueError("the SLO factors must be > 0")
         for flag, v in (("--ttft-slo-ms", args.ttft_slo_ms), ("--tpot-slo-ms", args.tpot_slo_ms)):
@@ -104,6 +110,7 @@ class Options:
             rates=rates,
             requests=requests,
             warmup=warmup,
+            rate_warm_up=rate_warm_up,
             router_args=tuple(shlex.split(args.router_args)),
             together=not args.one_group_at_a_time,
             prefix_caching=any(WORKLOADS[w].prefix_caching for w in workloads),

@@ -68,8 +68,11 @@ def build_report(
         hard += (c1 or {}).get("hard_mismatches") or 0
         if w.error is not None or w.slo is None:
             ok = False
+        summary = WORKLOADS[name].summary()
+        if "warm_up" in summary:  # the warm-up sent at each rate (--rate-warm-up)
+            summary["warm_up"] = len(w.warm_prompts)
         workloads[name] = {
-            **WORKLOADS[name].summary(),
+            **summary,
             "requests": w.requests,
             "prompt_len_sent": _lengths(w.prompts),
             "prefix_caching": opts.prefix_caching,

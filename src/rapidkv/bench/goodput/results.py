@@ -54,6 +54,8 @@ class WorkloadRun:
     conversations: Any = None  # multiturn: dataset.Conversations, the prompts' makings
     follows: list[bool] | None = None  # per request: sent after the one before is answered
     think_s: tuple[float, ...] | None = None  # per request: after the answer it follows
+    warm_prompts: list[list[int]] = field(default_factory=list)  # sent first at each rate
+    warm_max_tokens: tuple[int, ...] = ()  # one per warm-up prompt
 
     @property
     def requests(self) -> int:

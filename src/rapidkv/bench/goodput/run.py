@@ -65,7 +65,9 @@ class Sweep(SweepResult):
         self.progress = progress
         self.model_dir = model_dir(opts.model, opts.dtype)
         self.workloads: dict[str, WorkloadRun] = {
-            name: requests_of(name, self.model_dir, opts.requests, opts.seed, opts.dataset)
+            name: requests_of(
+                name, self.model_dir, opts.requests, opts.seed, opts.dataset, opts.rate_warm_up
+            )
             for name in opts.workloads
         }
         self.configs = {name: ConfigRun(name) for name in opts.configs}
@@ -379,6 +381,8 @@ class Sweep(SweepResult):
         router = (config.front or "").startswith("router")
         reset_errors = self.empty_caches(name, w, group)
         time.sleep(PAIR_PAUSE_S)  # vLLM spins on its queues for 1 s after a step
+        if w.warm_prompts:
+            self.warm_caches(name, w, url, rate)
         before = router_counters.read(url) if router else None
         scraped = group.scrape()
         cpu = CpuWindow(group)
@@ -412,6 +416,38 @@ class Sweep(SweepResult):
             )
             self.progress.say(why)
             self.configs[name].error = why
+
+    def warm_caches(self, name: str, w: WorkloadRun, url: str, rate: float) -> None:
+        """`w`'s warm-up requests on `name`, open loop at `rate`, to their
+        last answer: the caches the placement fills, before a rate is
+        measured. Not counted; a failed one is said and recorded."""
+        from rapidkv.bench.common.arrivals import session_arrivals
+        from rapidkv.bench.common.groups import CONFIGS, helper_cpus
+        from rapidkv.bench.common.loads import Load, run_load
+        from rapidkv.bench.goodput.slo import rate_key
+
+        config = CONFIGS[name]
+        k = len(w.warm_prompts)
+        self.progress.stage(f"{w.name}: {name} warm-up, {k} requests at {rate_key(rate)} req/s")
+        results, _ = run_load(
+            url,
+            w.warm_prompts,
+            w.warm_max_tokens,
+            Load(f"poisson{rate_key(rate)}", rate=rate),
+            params=config.params,
+            timeout_s=self.opts.timeout,
+            cpus=helper_cpus(config.group),
+            arrivals=session_arrivals([False] * k, rate, w.arrival_seed + WARM_UP_SALT),
+            include_usage=self.opts.include_usage,
+        )
+        for r in results:
+            if r.error:
+                self.progress.say(f"{name}: {w.name} warm-up request failed: {r.error}")
+                self.configs[name].warmup_errors.append(r.error)
+
+
+WARM_UP_SALT = 104_729
+"""Keeps a rate's warm-up arrivals apart from its measured ones under one seed."""
 
 
 class CpuWindow:

@@ -8,11 +8,14 @@
 
 `requests_of` turns one into a `results.WorkloadRun`: its prompts (none yet
 for `multiturn`, whose prompts the reference pass makes), `max_tokens`,
-which requests follow another and the think time before them.
+which requests follow another and the think time before them, and
+`shared-prefix`'s warm-up (`SharedPrefix.warm_up`: the first requests of
+its plan, sent at each rate before the measured ones and not counted).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +34,17 @@ DEFAULT_WORKLOADS = tuple(LENGTH_WORKLOADS)
 """`--workloads`' default."""
 
 
-def requests_of(name: str, model_dir: Path, requests: int, seed: int, dataset: str) -> WorkloadRun:
+def requests_of(
+    name: str,
+    model_dir: Path,
+    requests: int,
+    seed: int,
+    dataset: str,
+    warm_up: int | None = None,
+) -> WorkloadRun:
     """Workload `name`'s requests for `--requests requests`, drawn from `seed`,
-    of `dataset`'s text (`multiturn`: ShareGPT's conversations whatever it is)."""
+    of `dataset`'s text (`multiturn`: ShareGPT's conversations whatever it is);
+    `warm_up`: `shared-prefix`'s warm-up at each rate (None: its `warm_up`)."""
     from rapidkv.bench.common.dataset import prompts_of_lengths
     from rapidkv.bench.common.multiturn import multiturn_conversations
     from rapidkv.bench.common.shared_prefix import shared_prefix_prompts
@@ -52,9 +63,20 @@ def requests_of(name: str, model_dir: Path, requests: int, seed: int, dataset: s
             follows=w.follows(requests),
             think_s=w.think_times(requests, seed),
         )
-    plan = w.plan(requests, seed)
     if isinstance(w, SharedPrefix):
+        if warm_up is not None:
+            w = dataclasses.replace(w, warm_up=warm_up)
+        plan = w.plan(w.requests_with_warm_up(requests), seed)
         prompts = shared_prefix_prompts(w, model_dir, plan, w.seed(seed), dataset)
-    else:
-        prompts = prompts_of_lengths(model_dir, plan.prompt_lens, w.seed(seed), dataset)
+        k = w.warm_up
+        return WorkloadRun(
+            name,
+            plan.max_tokens[k:],
+            prompts[k:],
+            arrival_seed,
+            warm_prompts=prompts[:k],
+            warm_max_tokens=plan.max_tokens[:k],
+        )
+    plan = w.plan(requests, seed)
+    prompts = prompts_of_lengths(model_dir, plan.prompt_lens, w.seed(seed), dataset)
     return WorkloadRun(name, plan.max_tokens, prompts, arrival_seed)

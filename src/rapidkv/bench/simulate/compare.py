@@ -37,7 +37,8 @@ the last pass and the first miss, as `bench goodput`'s
 `goodput_interpolated_req_s`), measured and simulated, with its own error
 (`crossing_relative_error`, `crossing_within`, and `crossing_within` over all). On the workloads of
 shared prefixes (`shared-prefix`, `multiturn`: prefix caching, every cache
-empty at each rate, `bench goodput`'s arrivals and conversations) each
+empty at each rate, `bench goodput`'s arrivals and conversations; for
+`shared-prefix` the run's `groups` and its `warm_up` at each rate, `as_run`) each
 configuration also has the prefix caches' hit share over all its rates,
 measured (`prefix_cache_hit_fraction`: of the prompt tokens the servers
 counted, the share their caches served) and simulated, and the share of the
@@ -51,11 +52,13 @@ from a wrong model.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rapidkv.bench.common.shared_prefix import SharedPrefix
 from rapidkv.bench.goodput.slo import goodput
 from rapidkv.bench.simulate.fit import Fit
 from rapidkv.bench.simulate.goodput import reference_slo, run_point
@@ -192,6 +195,8 @@ def compare(
         count = _requests_per_rate(real, wdata)
         slo, slo_source = _slo(wdata.get("slo") or real.get("slo"), slo_override)
         caching = bool(getattr(workload, "prefix_caching", False))
+        workload = as_run(workload, wdata)
+        warm = getattr(workload, "warm_up", 0) if caching else 0
         if slo is None:
             slo, _ = reference_slo(fit, workload, seed, tokenizer)
             slo = SLO(slo_override[0] or slo.ttft_ms, slo_override[1] or slo.tpot_ms)
@@ -216,9 +221,8 @@ def compare(
             if measured is None:
                 measured = goodput_rule(measured_att)
             interval = _interval(cdata.get("goodput_interval_req_s"))
-            specs = requests(
-                workload, count or max(min_requests, requests_per_instance * n), seed, tokenizer
-            )
+            measured_count = count or max(min_requests, requests_per_instance * n)
+            specs = requests(workload, warm + measured_count, seed, tokenizer)
             points = {}
             for rate in sorted(measured_att):
                 progress(f"compare {wname} {cname} ({policy}, {n} instances): {rate:g} req/s")
@@ -233,6 +237,7 @@ def compare(
                     routed=target.routed,
                     shared_core=target.shared_core and n == 2,
                     workload=workload if caching else None,
+                    warm_up=warm,
                 )
             sim_att = {r: p.attainment for r, p in points.items()}
             simulated = goodput_rule(sim_att)
@@ -244,7 +249,8 @@ def compare(
             wout["configs"][cname] = {
                 "policy": policy,
                 "instances": n,
-                "requests": len(specs),
+                "requests": len(specs) - warm,
+                "warm_up": warm,
                 "measured": {
                     "goodput_req_s": measured,
                     "goodput_interval_req_s": interval,
@@ -364,6 +370,17 @@ def _interval(v: Any) -> tuple[float, float] | None:
         return None
     low, high = _float(v[0]), _float(v[1])
     return None if low is None or high is None or low > high else (low, high)
+
+
+def as_run(workload: Any, wdata: dict[str, Any]) -> Any:
+    """`workload` as the real run had it: a `SharedPrefix` with the run's
+    groups and warm-up at each rate (a run that names no warm-up had none)."""
+    if not isinstance(workload, SharedPrefix):
+        return workload
+    groups = _int(wdata.get("groups")) or workload.groups
+    warm_up = wdata.get("warm_up")
+    warm_up = warm_up if isinstance(warm_up, int) and not isinstance(warm_up, bool) else 0
+    return dataclasses.replace(workload, groups=groups, warm_up=max(warm_up, 0))
 
 
 def _requests_per_rate(real: dict[str, Any], wdata: dict[str, Any]) -> int | None:
