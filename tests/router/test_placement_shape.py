@@ -136,6 +136,29 @@ def test_decodes_waiting_behind_a_busy_prefill_instance_do_not_unpin_the_fleet()
     assert s.apply(fleet, anyway, models, 9.0) and roles(fleet) == ["prefill", "decode"]
 
 
+@pytest.mark.parametrize(("holder", "pinned"), [(0, True), (1, False)])
+def test_the_fleet_is_not_pinned_where_its_prefill_half_would_lose_the_hits(
+    holder: int, pinned: bool
+) -> None:
+    """The load that pins a pair (8 req/s, 500 tokens of prompt work, 16-token
+    answers, TPOT SLO 9 ms), each prompt 1,500 tokens of which 1,000 are
+    cached on one instance: held by instance 0, the prefill half, the pair is
+    pinned as without a cache; held by 1 alone, pinning would have 0
+    recompute 1,000 tokens a prompt, more than the 500 the fleet computes,
+    and it stays as configured (a kv-aware pair pinned to PD had one
+    instance's cache for every prefix: bench goodput, 2026-12-07)."""
+    models, fleet, anyway = Models(2), FleetState(2), ["any", "any"]
+    s = Specializer()
+    cached = (1000, 0) if holder == 0 else (0, 1000)
+    for k in range(160):
+        s.arrived(k / 8.0, 500, 16, cached)
+        s.apply(fleet, anyway, models, 9.0)
+    assert s.lost_tokens == pytest.approx(0 if pinned else 1000)
+    assert s.pressure(models, [0, 1], 9.0) >= 1.0
+    assert s.specialized is pinned
+    assert roles(fleet) == (["prefill", "decode"] if pinned else ["any", "any"])
+
+
 def test_shaping_is_validated() -> None:
     for bad in ({"tau_s": 0}, {"quantile": 1.0}, {"off": 1.2, "on": 1.0}, {"off": 0}):
         with pytest.raises(ValueError):

@@ -222,7 +222,7 @@ class AdaptiveRouter(Router):
         t = time.perf_counter()
         seen = () if self.blind else cached  # what the router is told the instances hold
         if self.shape is not None:  # as the router's `Placer.decide`
-            self.shape.arrived(now_ms / 1000, prompt_work(prompt, seen), output)
+            self.shape.arrived(now_ms / 1000, prompt_work(prompt, seen), output, seen)
             self.shape.apply(self.fleet, ("any",) * self.n, self.models, self.slo.tpot_ms)
         request = Request(prompt, output, True, seen)
         d = decide(self.fleet, self.models, request, self.slo, self.policy)

@@ -151,7 +151,7 @@ class Placer:
         request = Request(tokens, requested_output_tokens(body), splittable, cached)
         if self.shape is not None:
             work = prompt_work(tokens, cached)
-            self.shape.arrived(time.monotonic(), work, request.output_tokens)
+            self.shape.arrived(time.monotonic(), work, request.output_tokens, cached)
             self.shape.apply(self.fleet, self.roles, self.models, self.slo.tpot_ms)
         return decide(self.fleet, self.models, request, self.slo, self.policy), request
 
