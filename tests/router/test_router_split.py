@@ -235,7 +235,9 @@ def test_a_request_whose_answer_ended_is_no_longer_in_flight(
     """One client after another, each sending as soon as it read the last
     one's ``data: [DONE]``: D finished that request, though its HTTP answer
     has not ended yet (D's API server lags its engine), so the next request
-    is split too, and D counts one request in flight, not two."""
+    is split too, and D counts one request in flight, not two. (P's answer
+    to the first, a fake's, may reach the router after D's [DONE]: the
+    second waits for it, as a real P's head is done before D's last token.)"""
     p, d = pd
     router = router_for(make_router, p, d)
     with httpx.Client(timeout=60, trust_env=False) as other:
@@ -244,6 +246,11 @@ def test_a_request_whose_answer_ended_is_no_longer_in_flight(
             assert first.status_code == 200
             lines = first.iter_lines()
             assert next(line for line in lines if line.startswith("data: [DONE]"))
+            wait_until(
+                lambda: router.router.fleet.outstanding("prefill") == [0],
+                10,
+                what="P's answer to the first",
+            )
             assert http.post(f"{router.url}/v1/completions", json=BODY).status_code == 200
             second = completions(d.wait_seen(2))[1]
             assert second.kv_transfer_params["rapidkv"]["split_tokens"] == 4
