@@ -14,7 +14,8 @@ the TPOT SLO leaves beside a step of two decodes. ``N_q`` is the
 `Shaping.quantile` of a Poisson count of mean ``lambda / n * L * step(2) /
 1000`` (``lambda`` the recent arrival rate, req/s, decayed over
 `Shaping.tau_s`; ``n`` the available instances; ``L`` and ``P`` the recent
-mean output and prompt tokens; ``pf`` and ``step`` the mean learned costs
+mean output tokens and prompt work (`prompt_work`: the prompt less what some
+instance holds cached); ``pf`` and ``step`` the mean learned costs
 over those instances). Pressure 1 says: at the tail, the prompts landing
 beside a decode take it past the SLO. The fleet specialises when pressure
 reaches `Shaping.on`, unless its decoders alone could not hold the decodes
