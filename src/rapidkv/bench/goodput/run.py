@@ -368,8 +368,8 @@ class Sweep(SweepResult):
         think time), from empty prefix caches; the servers' prompt tokens by
         source and a rapidkv router's counters over the rate."""
         from rapidkv.bench.common.arrivals import session_arrivals
-        from rapidkv.bench.common.groups import CONFIGS, PAIR_PAUSE_S, helper_cpus
-        from rapidkv.bench.common.loads import TIMEOUT, Load, run_load
+        from rapidkv.bench.common.groups import CONFIGS, PAIR_PAUSE_S
+        from rapidkv.bench.common.loads import TIMEOUT
         from rapidkv.bench.goodput import router_counters
         from rapidkv.bench.goodput.slo import rate_key
 
@@ -386,17 +386,14 @@ class Sweep(SweepResult):
         before = router_counters.read(url) if router else None
         scraped = group.scrape()
         cpu = CpuWindow(group)
-        results, wall = run_load(
+        results, wall = self.open_loop(
+            name,
             url,
             w.prompts,
             w.max_tokens,
-            Load(f"poisson{rate_key(rate)}", rate=rate),
-            params=config.params,
-            timeout_s=self.opts.timeout,
+            rate,
+            arrivals,
             on_done=self.progress.advance,
-            cpus=helper_cpus(config.group),
-            arrivals=arrivals,
-            include_usage=self.opts.include_usage,
             follows=w.follows,
             think_s=w.think_s or 0.0,
         )
@@ -422,28 +419,47 @@ class Sweep(SweepResult):
         last answer: the caches the placement fills, before a rate is
         measured. Not counted; a failed one is said and recorded."""
         from rapidkv.bench.common.arrivals import session_arrivals
+        from rapidkv.bench.goodput.slo import rate_key
+
+        k = len(w.warm_prompts)
+        self.progress.stage(f"{w.name}: {name} warm-up, {k} requests at {rate_key(rate)} req/s")
+        arrivals = session_arrivals([False] * k, rate, w.arrival_seed + WARM_UP_SALT)
+        results, _ = self.open_loop(name, url, w.warm_prompts, w.warm_max_tokens, rate, arrivals)
+        for r in results:
+            if r.error:
+                self.progress.say(f"{name}: {w.name} warm-up request failed: {r.error}")
+                self.configs[name].warmup_errors.append(r.error)
+
+    def open_loop(
+        self,
+        name: str,
+        url: str,
+        prompts: list[list[int]],
+        max_tokens: tuple[int, ...],
+        rate: float,
+        arrivals: list[float],
+        **more: Any,
+    ) -> tuple[list[Any], float]:
+        """`prompts` on configuration `name` at `url`, open loop at `rate`
+        with these `arrivals` (`more`: `run_load`'s other options): its
+        results and wall time."""
         from rapidkv.bench.common.groups import CONFIGS, helper_cpus
         from rapidkv.bench.common.loads import Load, run_load
         from rapidkv.bench.goodput.slo import rate_key
 
         config = CONFIGS[name]
-        k = len(w.warm_prompts)
-        self.progress.stage(f"{w.name}: {name} warm-up, {k} requests at {rate_key(rate)} req/s")
-        results, _ = run_load(
+        return run_load(
             url,
-            w.warm_prompts,
-            w.warm_max_tokens,
+            prompts,
+            max_tokens,
             Load(f"poisson{rate_key(rate)}", rate=rate),
             params=config.params,
             timeout_s=self.opts.timeout,
             cpus=helper_cpus(config.group),
-            arrivals=session_arrivals([False] * k, rate, w.arrival_seed + WARM_UP_SALT),
+            arrivals=arrivals,
             include_usage=self.opts.include_usage,
+            **more,
         )
-        for r in results:
-            if r.error:
-                self.progress.say(f"{name}: {w.name} warm-up request failed: {r.error}")
-                self.configs[name].warmup_errors.append(r.error)
 
 
 WARM_UP_SALT = 104_729
