@@ -149,9 +149,9 @@ def test_the_fleet_is_not_pinned_where_its_prefill_half_would_lose_the_hits(
     instance's cache for every prefix: bench goodput, 2026-12-07)."""
     models, fleet, anyway = Models(2), FleetState(2), ["any", "any"]
     s = Specializer()
-    cached = (1000, 0) if holder == 0 else (0, 1000)
+    cached = (1000, 0) if holder == 0 else (0, 1000)  # of 1,500-token prompts
     for k in range(160):
-        s.arrived(k / 8.0, 500, 16, cached)
+        s.arrived(k / 8.0, 1500, 16, cached)
         s.apply(fleet, anyway, models, 9.0)
     assert s.lost_tokens == pytest.approx(0 if pinned else 1000)
     assert s.pressure(models, [0, 1], 9.0) >= 1.0
@@ -159,8 +159,69 @@ def test_the_fleet_is_not_pinned_where_its_prefill_half_would_lose_the_hits(
     assert roles(fleet) == (["prefill", "decode"] if pinned else ["any", "any"])
 
 
+def hits_and_cold(
+    ttft_ms: float, rate: float = 4.0, cold_every: int = 8
+) -> tuple[Specializer, Models]:
+    """A pair under a tight TPOT SLO (6.5 ms, the priors' costs) at `rate`
+    req/s: 40-token prompts (the rest of each prompt held cached everywhere)
+    and every `cold_every`-th one 3,000 tokens cold, 16-token answers; the
+    shape applied at each arrival with `ttft_ms` as the TTFT SLO."""
+    models, fleet, s = Models(2), FleetState(2), Specializer()
+    for k in range(200):
+        s.arrived(k / rate, 3000 if k % cold_every == 0 else 40, 16)
+        s.apply(fleet, ["any", "any"], models, 6.5, ttft_ms)
+    return s, models
+
+
+def test_the_fleet_is_not_pinned_where_its_prefill_half_would_queue_prompts_past_the_ttft_slo() -> (
+    None
+):
+    """Hits behind cold prompts (a shared-prefix load on a CPU whose cold
+    prefill is slow: bench goodput, 2026-12-07): pinned, one instance
+    computes every prompt and the hits wait behind the cold ones; the TPOT
+    pressure alone would pin the pair all the same."""
+    s, models = hits_and_cold(150.0)
+    assert s.pressure(models, [0, 1], 6.5) >= 1.0
+    pinned = s.ttft_miss(models, [0], 150.0, pinned=True)
+    spread = s.ttft_miss(models, [0, 1], 150.0, pinned=False)
+    assert pinned > 0.1 >= spread  # pinning alone would cost the TTFT attainment
+    assert not s.specialized and s.switches == 0
+    loose, _ = hits_and_cold(300.0)  # a TTFT SLO the prefill instance meets pinned
+    assert loose.ttft_miss(models, [0], 300.0, pinned=True) < 0.1
+    assert loose.specialized
+    no_slo, _ = hits_and_cold(math.inf)
+    assert no_slo.specialized and no_slo.switches == 1
+
+
+def test_the_share_of_prompts_queued_past_the_ttft_slo_is_an_m_g_1_tail() -> None:
+    """Uniform prompts (M/D/1): the share by hand from the priors' costs,
+    and what bounds it."""
+    models, fleet, s = Models(2), FleetState(2), Specializer()
+    for k in range(100):
+        s.arrived(k / 5.0, 500, 16)
+        s.apply(fleet, ["any", "any"], models, 100.0)
+    service = models.prefill_ms(0, 500) + models.step_ms(0, 1)
+    lam = s.rate_per_s / 1000
+    rho = lam * service
+    wait = lam * service**2 / (2 * (1 - rho))
+    want = rho * math.exp(-rho * (250.0 - service) / wait)
+    assert s.ttft_miss(models, [0], 250.0, pinned=True) == pytest.approx(want)
+    assert 0 < want < s.ttft_miss(models, [0], 150.0, pinned=True) < 1
+    spread = s.ttft_miss(models, [0, 1], 250.0, pinned=False)  # half the rate each
+    assert spread < want
+    assert s.ttft_miss(models, [0], service - 1, pinned=True) == 1.0  # the service alone misses
+    assert s.ttft_miss(models, [0], math.inf, pinned=True) == 0.0  # no SLO
+    assert s.ttft_miss(models, [], 250.0, pinned=True) == 0.0
+    assert Specializer().ttft_miss(models, [0], 250.0, pinned=True) == 0.0  # no load seen
+    for k in range(100, 300):  # 20 req/s of 500 tokens: more than one instance computes
+        s.arrived(k / 20.0, 500, 16)
+        s.apply(fleet, ["any", "any"], models, 100.0)
+    assert s.ttft_miss(models, [0], 1e9, pinned=True) == 1.0
+
+
 def test_shaping_is_validated() -> None:
-    for bad in ({"tau_s": 0}, {"quantile": 1.0}, {"off": 1.2, "on": 1.0}, {"off": 0}):
+    bad_ones = ({"tau_s": 0}, {"quantile": 1.0}, {"off": 1.2, "on": 1.0}, {"off": 0})
+    for bad in (*bad_ones, {"ttft_miss": 0.0}, {"ttft_miss": 1.0}):
         with pytest.raises(ValueError):
             Shaping(**bad)
 
@@ -178,9 +239,10 @@ def test_shaping_is_validated() -> None:
         ),
         max_size=40,
     ),
+    st.floats(20.0, 2000.0),  # TTFT SLO, ms
 )
 def test_the_roles_always_follow_the_shape_and_the_configuration(
-    configured: list[Role], events: list[tuple[float, int, int, float, int]]
+    configured: list[Role], events: list[tuple[float, int, int, float, int]], ttft: float
 ) -> None:
     n = len(configured)
     models, fleet, s = Models(n), FleetState(n, tuple(configured)), Specializer()
@@ -191,7 +253,7 @@ def test_the_roles_always_follow_the_shape_and_the_configuration(
             up = fleet.view()[flip].healthy
             fleet.set_healthy(flip, not up)
         s.arrived(now, prompt, output)
-        on = s.apply(fleet, configured, models, tpot)
+        on = s.apply(fleet, configured, models, tpot, ttft)
         flips += on != was
         was = on
         loads = fleet.view()
@@ -204,4 +266,6 @@ def test_the_roles_always_follow_the_shape_and_the_configuration(
             else:
                 assert load.role == configured[k]  # pinned by configuration, or not shaped
         assert not on or len(free) >= 2
+        for pinned in (False, True):
+            assert 0.0 <= s.ttft_miss(models, free, ttft, pinned) <= 1.0
         assert on == s.specialized and s.switches == flips

@@ -23,12 +23,13 @@ def body(tokens: int) -> dict:
     return {"prompt": list(range(1, tokens + 1)), "max_tokens": 16}
 
 
-def serve(p: Placer, count: int) -> list[str]:
-    """`count` requests at once, each over before the next (answers that
-    teach nothing: the models keep their priors); their placements' kinds."""
+def serve(p: Placer, count: int, tokens: int = 500) -> list[str]:
+    """`count` requests of `tokens` at once, each over before the next
+    (answers that teach nothing: the models keep their priors); their
+    placements' kinds."""
     kinds = []
     for k in range(count):
-        decision, request = p.decide(body(500), "completions", splittable=False)
+        decision, request = p.decide(body(tokens), "completions", splittable=False)
         p.dispatched(f"r{k}", decision.placement, request.prompt_tokens, request.output_tokens)
         if decision.kind != "local":
             p.prefill_done(f"r{k}", ok=False)
@@ -38,14 +39,17 @@ def serve(p: Placer, count: int) -> list[str]:
 
 
 def test_a_burst_under_a_tight_tpot_specialises_the_fleet_and_no_prompt_stays_local() -> None:
+    """250-token prompts, which the prefill instance alone computes within
+    the TTFT SLO at the burst's rate (500-token ones it could not: the pair
+    stays unpinned, `test_placement_shape`)."""
     p = placer(9.0)
-    kinds = serve(p, 40)  # 500-token prompts, 16-token answers, all within a moment
+    kinds = serve(p, 40, 250)  # 16-token answers, all within a moment
     assert p.shape is not None and p.shape.specialized
     assert [load.role for load in p.fleet.view()] == ["prefill", "decode"]
     assert kinds[-10:] == ["pd"] * 10  # P computes, D decodes
     assert kinds[0] == "local"  # before the rate built up
     unshaped = placer(9.0, shape=False)
-    assert "local" in serve(unshaped, 40)[-10:]
+    assert "local" in serve(unshaped, 40, 250)[-10:]
     assert [load.role for load in unshaped.fleet.view()] == ["any", "any"]
 
 

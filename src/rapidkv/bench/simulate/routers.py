@@ -22,8 +22,8 @@ token), `finished` (D's answer over). Policies (`POLICIES`):
   instance may prefill and decode, block sizes known, requests splittable
   (`bench goodput` sends token-id completions), the run's SLOs, and the
   router's `Specializer` choosing the fleet's shape before each decision,
-  from the prompt work no instance holds cached (`shape.prompt_work` over
-  what the policy is told the caches hold, as `Placer.decide` counts it);
+  told each prompt and what the policy is told the caches hold, and the
+  run's SLOs, as `Placer.decide` tells it;
 - ``adaptive-unshaped``: the same without the `Specializer` (every instance
   free to do anything at every decision, as before 2026-12-04);
 - ``adaptive-busy-crossings``: the same with the router's `--busy-crossings`
@@ -73,7 +73,7 @@ from rapidkv.router.placement import (
     Specializer,
     decide,
 )
-from rapidkv.router.placement.shape import DEFAULT_SHAPING, prompt_work
+from rapidkv.router.placement.shape import DEFAULT_SHAPING
 from rapidkv.router.split import split_point
 
 PolicyName = Literal[
@@ -222,8 +222,10 @@ class AdaptiveRouter(Router):
         t = time.perf_counter()
         seen = () if self.blind else cached  # what the router is told the instances hold
         if self.shape is not None:  # as the router's `Placer.decide`
-            self.shape.arrived(now_ms / 1000, prompt_work(prompt, seen), output, seen)
-            self.shape.apply(self.fleet, ("any",) * self.n, self.models, self.slo.tpot_ms)
+            self.shape.arrived(now_ms / 1000, prompt, output, seen)
+            self.shape.apply(
+                self.fleet, ("any",) * self.n, self.models, self.slo.tpot_ms, self.slo.ttft_ms
+            )
         request = Request(prompt, output, True, seen)
         d = decide(self.fleet, self.models, request, self.slo, self.policy)
         self.decide_s += time.perf_counter() - t

@@ -51,7 +51,6 @@ from rapidkv.router.placement import (
     Specializer,
     decide,
 )
-from rapidkv.router.placement.shape import prompt_work
 from rapidkv.router.placement.state import Role
 from rapidkv.router.rewrite import Body, Endpoint, token_ids
 
@@ -150,9 +149,10 @@ class Placer:
         cached = tuple(min(c, tokens) for c in cached)
         request = Request(tokens, requested_output_tokens(body), splittable, cached)
         if self.shape is not None:
-            work = prompt_work(tokens, cached)
-            self.shape.arrived(time.monotonic(), work, request.output_tokens, cached)
-            self.shape.apply(self.fleet, self.roles, self.models, self.slo.tpot_ms)
+            self.shape.arrived(time.monotonic(), tokens, request.output_tokens, cached)
+            self.shape.apply(
+                self.fleet, self.roles, self.models, self.slo.tpot_ms, self.slo.ttft_ms
+            )
         return decide(self.fleet, self.models, request, self.slo, self.policy), request
 
     def dispatched(

@@ -42,10 +42,26 @@ SmolLM2 fit, `bench goodput`'s shared-prefix: 12 system prompts of 8 blocks,
 90-block caches, 2 instances, a warm-up of 16 requests an instance): the
 kv-aware router with fetches 5.0 req/s against 3.2 without this veto; the
 length workloads, multiturn and shared-prefix's other routers unchanged.
-What it does not weigh: a pinned prefill half queues every prompt, so a
-cold prompt there delays the ones behind it (with a CPU's cold 1,070-token
-prefill at ~3 s, simulated: 0.4 req/s pinned against 1.2 with
-`--no-specialize`).
+
+Nor while pinning alone would queue prompts past the TTFT SLO. Pinned,
+every prompt is computed on the prefill half, one after another, and a cold
+prompt there delays every prompt behind it. A set of instances computing
+every prompt among them is taken as M/G/1 queues (`Specializer.ttft_miss`):
+Poisson arrivals at ``lambda / h`` each (``h`` the instances), service
+``S = step(1) + pf(w)`` for a prompt of ``w`` tokens, whose first two
+moments come from the recent means of ``w`` and ``w^2`` (``pf`` is linear).
+The mean wait is Pollaczek-Khinchine's ``W = lambda_h E[S^2] / (2 (1 -
+rho))``, ``rho = lambda_h E[S]``, and the share of prompts that wait past
+the SLO less a mean service is taken as ``rho * exp(-rho t / W)`` (the
+exponential tail with that mean and that chance of waiting at all; 1 for
+``rho >= 1``). The fleet is not pinned while that share on the prefill half
+(``w`` a prompt's work plus its lost tokens) is above `Shaping.ttft_miss`
+(times ``off / on`` to pin: the pressure's hysteresis) and on all the
+instances (``w`` its prompt work) is not: pinning would then cost the TTFT
+attainment goodput asks, which unpinned the fleet keeps (a
+burst that neither shape computes in time still pins). Not weighed: the
+crossing's transfer, D's first step, and the decodes beside an unpinned
+instance's prompts.
 
 Specialised, among the available instances configured ``any``, the first half
 by index (at least one) only prefill and the rest only decode (the roles
@@ -83,6 +99,11 @@ from rapidkv.router.placement.state import FleetState, Role
 MEAN_WEIGHT = 0.05
 """The weight of each new request in the recent mean prompt and output tokens."""
 
+TAIL_WEIGHT = 0.01
+"""The weight of each new request in the recent means that weigh the TTFT of
+pinning (prompt work and its square, pinned and not): longer memory, as a
+few cold prompts among many hits make that tail."""
+
 
 @dataclass(frozen=True)
 class Shaping:
@@ -92,10 +113,18 @@ class Shaping:
     quantile: float = 0.95
     on: float = 1.0
     off: float = 0.7
+    ttft_miss: float = 0.1  # the share of prompts pinning may queue past the TTFT SLO
 
     def __post_init__(self) -> None:
-        if not (self.tau_s > 0 and 0 < self.quantile < 1 and 0 < self.off <= self.on):
-            raise ValueError(f"need tau_s > 0, 0 < quantile < 1, 0 < off <= on: {self}")
+        if not (
+            self.tau_s > 0
+            and 0 < self.quantile < 1
+            and 0 < self.off <= self.on
+            and 0 < self.ttft_miss < 1
+        ):
+            raise ValueError(
+                f"need tau_s > 0, 0 < quantile < 1, 0 < off <= on, 0 < ttft_miss < 1: {self}"
+            )
 
 
 DEFAULT_SHAPING = Shaping()
@@ -128,25 +157,32 @@ class Specializer:
         self.switches = 0
         self.last_pressure = 0.0  # at the last `apply`
         self.lost_tokens = 0.0  # recent mean: cached tokens pinning would recompute
+        # the tail's recent means (`TAIL_WEIGHT`): a prompt's work and its
+        # square, as it is (`work`) and pinned (plus its lost tokens)
+        self.work = (0.0, 0.0)
+        self.pinned_work = (0.0, 0.0)
         self._last_s: float | None = None
-        self._held: Sequence[int] | None = None  # the last arrival's, until `apply`
-        self._lost_seen = False
+        # the last arrival's prompt work and cached tokens per instance, until `apply`
+        self._held: tuple[int, Sequence[int]] | None = None
+        self._counted = 0  # arrivals counted by `_count_lost`
 
     def arrived(
-        self, now_s: float, prompt_tokens: int, output_tokens: int, cached: Sequence[int] = ()
+        self, now_s: float, tokens: int, output_tokens: int, cached: Sequence[int] = ()
     ) -> None:
         """One request arrived at `now_s` (an earlier time counts as `now_s`
-        of the last one), with `prompt_tokens` of prompt work (`prompt_work`)
-        and per instance the prompt's leading tokens it holds cached
-        (`cached`: what the next `apply` counts as lost to pinning)."""
-        self._held = cached
+        of the last one): a prompt of `tokens` tokens, `output_tokens` asked
+        for, and per instance the prompt's leading tokens it holds cached
+        (`cached`). Its prompt work is `prompt_work`; what pinning would
+        recompute of it, the next `apply` counts."""
+        work = prompt_work(tokens, cached)
+        self._held = (work, cached)
         tau = self.shaping.tau_s
         if self._last_s is None:
-            self.prompt_tokens, self.output_tokens = float(prompt_tokens), float(output_tokens)
+            self.prompt_tokens, self.output_tokens = float(work), float(output_tokens)
         else:
             if now_s > self._last_s:
                 self.rate_per_s *= math.exp(-(now_s - self._last_s) / tau)
-            self.prompt_tokens += MEAN_WEIGHT * (prompt_tokens - self.prompt_tokens)
+            self.prompt_tokens += MEAN_WEIGHT * (work - self.prompt_tokens)
             self.output_tokens += MEAN_WEIGHT * (output_tokens - self.output_tokens)
         self._last_s = now_s if self._last_s is None else max(now_s, self._last_s)
         self.rate_per_s += 1 / tau
@@ -174,12 +210,41 @@ class Specializer:
         mean = self.rate_per_s * self.output_tokens * _mean_step(models, available) / 1000
         return poisson_quantile(mean, self.shaping.quantile)
 
+    def ttft_miss(
+        self, models: Models, instances: Sequence[int], ttft_ms: float, pinned: bool
+    ) -> float:
+        """The share of prompts `instances` would queue past `ttft_ms`,
+        computing every prompt among them: pinned to prefill (`pinned`: each
+        prompt's work plus its lost tokens) or the whole fleet (its prompt
+        work). Module docstring; 0 with no load seen, no instance or no SLO
+        (an infinite `ttft_ms`), 1 where they could not keep up."""
+        if not instances or self.rate_per_s <= 0 or self._counted == 0 or math.isinf(ttft_ms):
+            return 0.0
+        w, w_sq = self.pinned_work if pinned else self.work
+        h = len(instances)
+        a = sum(models.prefill[k].intercept + models.step_ms(k, 1) for k in instances) / h
+        b = sum(models.prefill[k].slope for k in instances) / h
+        mean_s = a + b * w
+        mean_sq = a * a + 2 * a * b * w + b * b * w_sq
+        lam = self.rate_per_s / h / 1000  # per ms
+        rho = lam * mean_s
+        slack = ttft_ms - mean_s
+        if rho >= 1 or slack <= 0:
+            return 1.0
+        wait = lam * mean_sq / (2 * (1 - rho))
+        return rho * math.exp(-rho * slack / wait) if wait > 0 else 0.0
+
     def apply(
-        self, fleet: FleetState, configured: Sequence[Role], models: Models, tpot_ms: float
+        self,
+        fleet: FleetState,
+        configured: Sequence[Role],
+        models: Models,
+        tpot_ms: float,
+        ttft_ms: float = math.inf,
     ) -> bool:
         """Decide the shape for the load seen so far and set `fleet`'s roles
-        to it (`configured`: each instance's role as configured); whether
-        the fleet is specialised now."""
+        to it (`configured`: each instance's role as configured; `ttft_ms`
+        the TTFT SLO, none by default); whether the fleet is specialised now."""
         free = [k for k, role in enumerate(configured) if role == "any" and fleet.available(k)]
         half = max(1, len(free) // 2)  # free[:half] prefill, free[half:] decode
         self._count_lost(free[:half])
@@ -193,6 +258,11 @@ class Specializer:
             want = all(models.step_ms(k, crowded) < tpot_ms for k in free[half:])
         if want and self.lost_tokens > self.prompt_tokens:
             want = False  # the prefill half would recompute more than the fleet computes
+        if want:  # unless pinning alone would queue prompts past the TTFT SLO
+            miss = self.shaping.ttft_miss
+            limit = miss if self.specialized else miss * self.shaping.off / self.shaping.on
+            pinned = self.ttft_miss(models, free[:half], ttft_ms, pinned=True)
+            want = pinned <= limit or self.ttft_miss(models, free, ttft_ms, pinned=False) > miss
         if want != self.specialized:
             self.specialized = want
             self.switches += 1
@@ -207,16 +277,21 @@ class Specializer:
     def _count_lost(self, prefill: Sequence[int]) -> None:
         """The last arrival's prompt tokens that some instance holds cached
         and the would-be prefill instances `prefill` do not, into the recent
-        mean (once per arrival)."""
-        held, self._held = self._held, None
-        if held is None:
+        mean, and its work pinned (its prompt work plus those) into theirs
+        (once per arrival)."""
+        last, self._held = self._held, None
+        if last is None:
             return
+        work, held = last
         best = max(held, default=0)
         lost = best - max((held[k] for k in prefill if k < len(held)), default=0)
-        if not self._lost_seen:
-            self.lost_tokens, self._lost_seen = float(lost), True
+        self._counted += 1
+        if self._counted == 1:
+            self.lost_tokens = float(lost)
         else:
             self.lost_tokens += MEAN_WEIGHT * (lost - self.lost_tokens)
+        self.work = _moments(self.work, work, self._counted)
+        self.pinned_work = _moments(self.pinned_work, work + lost, self._counted)
 
 
 def prompt_work(tokens: int, cached: Sequence[int]) -> int:
@@ -225,6 +300,15 @@ def prompt_work(tokens: int, cached: Sequence[int]) -> int:
     cached (`cached`: per instance; a conversation's next turn is its new
     tokens, not its history), at least 1."""
     return max(tokens - max(cached, default=0), 1)
+
+
+def _moments(seen: tuple[float, float], x: float, count: int) -> tuple[float, float]:
+    """The recent means of x and x^2 with `x` seen, the `count`-th: the plain
+    means while ``1 / count`` exceeds `TAIL_WEIGHT`, then exponentially
+    weighted by it (a first cold prompt does not stand for a hundred)."""
+    m, m2 = seen
+    a = max(TAIL_WEIGHT, 1 / count)
+    return m + a * (x - m), m2 + a * (x * x - m2)
 
 
 def _mean_step(models: Models, instances: Sequence[int]) -> float:
