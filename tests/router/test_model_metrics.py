@@ -97,6 +97,8 @@ def test_the_roles_and_the_fleets_shape_are_exported() -> None:
     before = got()
     assert before[("rapidkv_router_fleet_specialized", ())] == 0
     assert before[("rapidkv_router_fleet_shape_switches_total", ())] == 0
+    for reason in ("decodes", "hits", "ttft"):
+        assert before[("rapidkv_router_fleet_held", (("reason", reason),))] == 0
     assert before[("rapidkv_router_instance_role", (("role", "any"), ("upstream", URLS[1])))] == 1
     for k in range(160):  # 8 req/s of 500-token prompts, 16-token answers
         shape.arrived(k / 8, 500, 16)
@@ -110,3 +112,8 @@ def test_the_roles_and_the_fleets_shape_are_exported() -> None:
         (("role", "prefill"), ("upstream", URLS[0])): 1,
         (("role", "decode"), ("upstream", URLS[1])): 1,
     }
+    for k in range(400):  # then 20 req/s of 64-token answers: one decoder could not hold them
+        shape.arrived(20 + k / 20, 500, 64)
+    assert not shape.apply(fleet, ["any", "any"], models, 9.0)
+    held = {k[1]: v for k, v in got().items() if k[0] == "rapidkv_router_fleet_held"}
+    assert held == {(("reason", "decodes"),): 1, (("reason", "hits"),): 0, (("reason", "ttft"),): 0}

@@ -121,6 +121,7 @@ def test_no_specialising_when_the_decoders_alone_could_not_hold_the_decodes() ->
     assert s.pressure(models, [0, 1], 9.0) >= 1.0  # prompts beside decodes would break the SLO
     assert models.step_ms(1, s.decodes(models, [0, 1]) + 1) >= 9.0
     assert not s.apply(fleet, anyway, models, 9.0) and roles(fleet) == ["any", "any"]
+    assert s.held_by == "decodes"
     short = loaded(20.0, 500, 16)  # the same rate of 16-token answers: one decoder holds them
     assert short.apply(fleet, anyway, models, 9.0) and roles(fleet) == ["prefill", "decode"]
 
@@ -156,6 +157,7 @@ def test_the_fleet_is_not_pinned_where_its_prefill_half_would_lose_the_hits(
     assert s.lost_tokens == pytest.approx(0 if pinned else 1000)
     assert s.pressure(models, [0, 1], 9.0) >= 1.0
     assert s.specialized is pinned
+    assert s.held_by == (None if pinned else "hits")
     assert roles(fleet) == (["prefill", "decode"] if pinned else ["any", "any"])
 
 
@@ -185,10 +187,10 @@ def test_the_fleet_is_not_pinned_where_its_prefill_half_would_queue_prompts_past
     pinned = s.ttft_miss(models, [0], 150.0, pinned=True)
     spread = s.ttft_miss(models, [0, 1], 150.0, pinned=False)
     assert pinned > 0.1 >= spread  # pinning alone would cost the TTFT attainment
-    assert not s.specialized and s.switches == 0
+    assert not s.specialized and s.switches == 0 and s.held_by == "ttft"
     loose, _ = hits_and_cold(300.0)  # a TTFT SLO the prefill instance meets pinned
     assert loose.ttft_miss(models, [0], 300.0, pinned=True) < 0.1
-    assert loose.specialized
+    assert loose.specialized and loose.held_by is None
     no_slo, _ = hits_and_cold(math.inf)
     assert no_slo.specialized and no_slo.switches == 1
 

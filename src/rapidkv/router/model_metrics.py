@@ -18,7 +18,10 @@ instance plays now: ``any``, ``prefill`` or ``decode``). With a
 `placement.Specializer`: ``rapidkv_router_fleet_specialized`` (1 while the
 instances configured ``both`` are pinned half to prefill, half to decode),
 ``rapidkv_router_fleet_pressure`` (the pressure that decided it, at the last
-request) and ``rapidkv_router_fleet_shape_switches_total``.
+request), ``rapidkv_router_fleet_held{reason}`` (1 for what kept the fleet
+unpinned at the last request though the pressure called for pinning, 0 for
+the other reasons of `shape.HELD_BY`) and
+``rapidkv_router_fleet_shape_switches_total``.
 
 ``upstream``, ``prefill`` and ``decode`` are instance URLs (``upstream``, not
 ``instance``, which Prometheus keeps for the scrape target). The collector holds
@@ -36,6 +39,7 @@ from prometheus_client.registry import Collector
 
 from rapidkv.router.placement import FleetState, Models, Specializer
 from rapidkv.router.placement.model import LinearCost
+from rapidkv.router.placement.shape import HELD_BY
 
 
 class ModelsCollector(Collector):
@@ -108,6 +112,15 @@ class ModelsCollector(Collector):
                 "Prompts landing beside a decode at the tail, in TPOT slack (>= 1: specialise)",
                 value=self.shape.last_pressure,
             )
+            held = GaugeMetricFamily(
+                "rapidkv_router_fleet_held",
+                "1 for what kept the fleet unpinned at the last request though its pressure "
+                "called for pinning (decodes, hits, ttft)",
+                labels=["reason"],
+            )
+            for reason in HELD_BY:
+                held.add_metric([reason], int(self.shape.held_by == reason))
+            yield held
             yield CounterMetricFamily(
                 "rapidkv_router_fleet_shape_switches",
                 "Times the fleet specialised or went back",

@@ -129,6 +129,12 @@ class Shaping:
 
 DEFAULT_SHAPING = Shaping()
 
+HELD_BY = ("decodes", "hits", "ttft")
+"""What may keep the fleet unpinned though the pressure calls for pinning
+(`Specializer.held_by`): its decoders alone could not hold the decodes
+within the TPOT SLO; the prefill half would lose the caches' hits; pinning
+alone would queue prompts past the TTFT SLO (the module docstring)."""
+
 
 def poisson_quantile(mean: float, q: float) -> int:
     """The smallest n with P(N <= n) >= q for N ~ Poisson(mean)."""
@@ -156,6 +162,9 @@ class Specializer:
         self.specialized = False
         self.switches = 0
         self.last_pressure = 0.0  # at the last `apply`
+        # at the last `apply`, what kept the fleet unpinned though the pressure
+        # called for pinning (`HELD_BY`), else None
+        self.held_by: str | None = None
         self.lost_tokens = 0.0  # recent mean: cached tokens pinning would recompute
         # the tail's recent means (`TAIL_WEIGHT`): a prompt's work and its
         # square, as it is (`work`) and pinned (plus its lost tokens)
@@ -253,16 +262,20 @@ class Specializer:
         if len(free) >= 2:
             p = self.last_pressure = self.pressure(models, free, tpot_ms)
             want = p >= (self.shaping.off if self.specialized else self.shaping.on)
+        self.held_by = None
         if want:  # unless the decoders alone could not hold the decodes within the SLO
             crowded = self.decodes(models, free) / (len(free) - half) + 1
-            want = all(models.step_ms(k, crowded) < tpot_ms for k in free[half:])
-        if want and self.lost_tokens > self.prompt_tokens:
-            want = False  # the prefill half would recompute more than the fleet computes
-        if want:  # unless pinning alone would queue prompts past the TTFT SLO
+            if not all(models.step_ms(k, crowded) < tpot_ms for k in free[half:]):
+                self.held_by = "decodes"
+        if want and not self.held_by and self.lost_tokens > self.prompt_tokens:
+            self.held_by = "hits"  # the prefill half would recompute more than the fleet computes
+        if want and not self.held_by:  # unless pinning alone would queue prompts past the TTFT SLO
             miss = self.shaping.ttft_miss
             limit = miss if self.specialized else miss * self.shaping.off / self.shaping.on
             pinned = self.ttft_miss(models, free[:half], ttft_ms, pinned=True)
-            want = pinned <= limit or self.ttft_miss(models, free, ttft_ms, pinned=False) > miss
+            if pinned > limit and self.ttft_miss(models, free, ttft_ms, pinned=False) <= miss:
+                self.held_by = "ttft"
+        want = want and not self.held_by
         if want != self.specialized:
             self.specialized = want
             self.switches += 1
