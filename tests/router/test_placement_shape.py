@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rapidkv.router.placement import SLO, FleetState, Models, Placement, Request, decide
-from rapidkv.router.placement.shape import Shaping, Specializer, poisson_quantile
+from rapidkv.router.placement.shape import Shaping, Specializer, poisson_quantile, poisson_tail
 from rapidkv.router.placement.state import Role
 
 pytestmark = pytest.mark.unit
@@ -161,17 +161,15 @@ def test_the_fleet_is_not_pinned_where_its_prefill_half_would_lose_the_hits(
     assert roles(fleet) == (["prefill", "decode"] if pinned else ["any", "any"])
 
 
-def hits_and_cold(
-    ttft_ms: float, rate: float = 4.0, cold_every: int = 8
-) -> tuple[Specializer, Models]:
-    """A pair under a tight TPOT SLO (6.5 ms, the priors' costs) at `rate`
-    req/s: 40-token prompts (the rest of each prompt held cached everywhere)
-    and every `cold_every`-th one 3,000 tokens cold, 16-token answers; the
+def hits_and_cold(ttft_ms: float) -> tuple[Specializer, Models]:
+    """A pair under a tight TPOT SLO (8 ms, the priors' costs) at 4 req/s:
+    40-token prompts (the rest of each prompt held cached everywhere) and
+    every 8th one 8,000 tokens cold (~1 s of prefill), 16-token answers; the
     shape applied at each arrival with `ttft_ms` as the TTFT SLO."""
     models, fleet, s = Models(2), FleetState(2), Specializer()
     for k in range(200):
-        s.arrived(k / rate, 3000 if k % cold_every == 0 else 40, 16)
-        s.apply(fleet, ["any", "any"], models, 6.5, ttft_ms)
+        s.arrived(k / 4.0, 8000 if k % 8 == 0 else 40, 16)
+        s.apply(fleet, ["any", "any"], models, 8.0, ttft_ms)
     return s, models
 
 
@@ -180,45 +178,72 @@ def test_the_fleet_is_not_pinned_where_its_prefill_half_would_queue_prompts_past
 ):
     """Hits behind cold prompts (a shared-prefix load on a CPU whose cold
     prefill is slow: bench goodput, 2026-12-07): pinned, one instance
-    computes every prompt and the hits wait behind the cold ones; the TPOT
+    computes every prompt and the hits wait behind the cold ones, more of
+    them than unpinned would miss on TTFT and TPOT together; the TPOT
     pressure alone would pin the pair all the same."""
-    s, models = hits_and_cold(150.0)
-    assert s.pressure(models, [0, 1], 6.5) >= 1.0
-    pinned = s.ttft_miss(models, [0], 150.0, pinned=True)
-    spread = s.ttft_miss(models, [0, 1], 150.0, pinned=False)
-    assert pinned > 0.1 >= spread  # pinning alone would cost the TTFT attainment
-    assert not s.specialized and s.switches == 0 and s.held_by == "ttft"
-    loose, _ = hits_and_cold(300.0)  # a TTFT SLO the prefill instance meets pinned
-    assert loose.ttft_miss(models, [0], 300.0, pinned=True) < 0.1
+    s, models = hits_and_cold(300.0)
+    assert s.pressure(models, [0, 1], 8.0) >= 1.0
+    pinned = s.ttft_miss(models, [0], 300.0, pinned=True)
+    unpinned = s.ttft_miss(models, [0, 1], 300.0, pinned=False)
+    assert pinned > 0.1 and unpinned + s.tpot_miss(models, [0, 1], 8.0) < pinned
+    assert not s.specialized and s.held_by == "ttft" and s.switches <= 2
+    loose, _ = hits_and_cold(3000.0)  # a TTFT SLO the prefill instance meets pinned
+    assert loose.ttft_miss(models, [0], 3000.0, pinned=True) < 0.07
     assert loose.specialized and loose.held_by is None
     no_slo, _ = hits_and_cold(math.inf)
     assert no_slo.specialized and no_slo.switches == 1
 
 
 def test_the_share_of_prompts_queued_past_the_ttft_slo_is_an_m_g_1_tail() -> None:
-    """Uniform prompts (M/D/1): the share by hand from the priors' costs,
-    and what bounds it."""
+    """Uniform prompts (M/D/1 in their tokens): the share by hand from the
+    priors' costs, and what bounds it."""
     models, fleet, s = Models(2), FleetState(2), Specializer()
     for k in range(100):
         s.arrived(k / 5.0, 500, 16)
         s.apply(fleet, ["any", "any"], models, 100.0)
-    service = models.prefill_ms(0, 500) + models.step_ms(0, 1)
+    queued = models.prefill[0].slope * 500  # a forward's fixed cost is shared, not queued
+    own = models.prefill_ms(0, 500) + models.step_ms(0, 1)
     lam = s.rate_per_s / 1000
-    rho = lam * service
-    wait = lam * service**2 / (2 * (1 - rho))
-    want = rho * math.exp(-rho * (250.0 - service) / wait)
+    rho = lam * queued
+    wait = lam * queued**2 / (2 * (1 - rho))
+    want = rho * math.exp(-rho * (250.0 - own) / wait)
     assert s.ttft_miss(models, [0], 250.0, pinned=True) == pytest.approx(want)
-    assert 0 < want < s.ttft_miss(models, [0], 150.0, pinned=True) < 1
+    assert 0 < want < s.ttft_miss(models, [0], 100.0, pinned=True) < 1
     spread = s.ttft_miss(models, [0, 1], 250.0, pinned=False)  # half the rate each
     assert spread < want
-    assert s.ttft_miss(models, [0], service - 1, pinned=True) == 1.0  # the service alone misses
+    assert s.ttft_miss(models, [0], own - 1, pinned=True) == 1.0  # its own forward misses
     assert s.ttft_miss(models, [0], math.inf, pinned=True) == 0.0  # no SLO
     assert s.ttft_miss(models, [], 250.0, pinned=True) == 0.0
     assert Specializer().ttft_miss(models, [0], 250.0, pinned=True) == 0.0  # no load seen
-    for k in range(100, 300):  # 20 req/s of 500 tokens: more than one instance computes
+    for k in range(100, 400):  # 20 req/s of 500 tokens: more than one instance computes
         s.arrived(k / 20.0, 500, 16)
         s.apply(fleet, ["any", "any"], models, 100.0)
     assert s.ttft_miss(models, [0], 1e9, pinned=True) == 1.0
+
+
+def test_the_share_of_decodes_past_the_tpot_slo_unpinned_is_a_poisson_tail() -> None:
+    models = Models(2)
+    s = loaded(8.0, 500, 16)
+    step = models.step_ms(0, 2)
+    mean = s.rate_per_s / 2 * 16 * step / 1000
+    pf = models.prefill_ms(0, s.prompt_tokens)
+    for tpot in (9.0, 12.0, 30.0):
+        absorbed = math.floor((tpot - step) * 16 / pf)
+        want = 1 - sum(math.exp(-mean) * mean**j / math.factorial(j) for j in range(absorbed + 1))
+        assert s.tpot_miss(models, [0, 1], tpot) == pytest.approx(want)
+    assert s.tpot_miss(models, [0, 1], 9.0) > s.tpot_miss(models, [0, 1], 30.0)
+    assert s.tpot_miss(models, [0, 1], step) == 1.0  # a step alone breaks the SLO
+    assert s.tpot_miss(models, [], 9.0) == 0.0 and Specializer().tpot_miss(models, [0, 1], 9.0) == 0
+
+
+def test_the_poisson_tail() -> None:
+    assert poisson_tail(1.0, -1) == 1.0 and poisson_tail(0.0, 0) == 0.0
+    assert poisson_tail(1.0, 0) == pytest.approx(1 - math.exp(-1))
+    assert poisson_tail(1.0, 2) == pytest.approx(1 - 2.5 * math.exp(-1))
+    assert poisson_tail(1000.0, 1000) == pytest.approx(0.5, abs=0.02)  # the normal approximation
+    for mean in (0.05, 1.0, 7.0):
+        k = poisson_quantile(mean, 0.95)
+        assert poisson_tail(mean, k) <= 0.05 < poisson_tail(mean, k - 1)
 
 
 def test_shaping_is_validated() -> None:

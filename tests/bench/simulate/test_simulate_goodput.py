@@ -211,16 +211,17 @@ def run_router(router, n: int, specs, rate: float) -> list[Outcome]:
 def test_the_simulated_fleet_shape_counts_the_prompt_work_no_instance_holds_cached(
     blind: bool,
 ) -> None:
-    """As the router's `Placer`: a burst of 500-token prompts of which every
-    instance holds 480 cached is 20-token work to the fleet's shape, which
-    stays unspecialised; blind to the caches, the same burst is 500-token
-    work and specialises the fleet (and then every prompt crosses)."""
+    """As the router's `Placer`: 10 req/s of 500-token prompts of which
+    every instance holds 480 cached is 20-token work to the fleet's shape,
+    which stays unspecialised; blind to the caches, the same load is
+    500-token work and specialises the fleet (and then every prompt crosses)."""
     router = AdaptiveRouter(2, FIT, SLO(250.0, 9.0), blind=blind)
     for k in range(40):
-        placement = router.place(f"r{k}", 500, 16, 0.0, cached=(480, 480))
+        now_ms = k * 100.0
+        placement = router.place(f"r{k}", 500, 16, now_ms, cached=(480, 480))
         if placement.kind != "local":
-            router.fleet.on_prefill_done(f"r{k}", 0.0, ok=False)
-        router.fleet.on_finish(f"r{k}", 0.0, output_tokens=16, ok=False)
+            router.fleet.on_prefill_done(f"r{k}", now_ms / 1000, ok=False)
+        router.fleet.on_finish(f"r{k}", now_ms / 1000, output_tokens=16, ok=False)
     assert router.shape is not None
     assert router.shape.prompt_tokens == pytest.approx(500 if blind else 20)
     assert router.shape.specialized is blind
