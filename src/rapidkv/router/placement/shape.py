@@ -210,15 +210,24 @@ class Specializer:
         when a step alone breaks the SLO, 0 with no instance or no load)."""
         if not available or self.rate_per_s <= 0 or self.output_tokens <= 0:
             return 0.0
-        n = len(available)
-        step = _mean_step(models, available)
-        slack = tpot_ms - step
+        mean, slack, pf = self._landings(models, available, tpot_ms)
         if slack <= 0:
             return math.inf
-        pf = sum(models.prefill_ms(k, self.prompt_tokens) for k in available) / n
-        lifetime_ms = self.output_tokens * step
-        landings = poisson_quantile(self.rate_per_s / n * lifetime_ms / 1000, self.shaping.quantile)
+        landings = poisson_quantile(mean, self.shaping.quantile)
         return landings * pf / (slack * self.output_tokens)
+
+    def _landings(
+        self, models: Models, available: Sequence[int], tpot_ms: float
+    ) -> tuple[float, float, float]:
+        """Over the `available` instances (not empty): the mean number of
+        prompts that land on a new decode's instance while it decodes, the
+        slack the TPOT SLO leaves beside a step of two, and a mean prompt's
+        prefill (ms)."""
+        n = len(available)
+        step = _mean_step(models, available)
+        pf = sum(models.prefill_ms(k, self.prompt_tokens) for k in available) / n
+        mean = self.rate_per_s / n * self.output_tokens * step / 1000
+        return mean, tpot_ms - step, pf
 
     def decodes(self, models: Models, available: Sequence[int]) -> int:
         """The decodes the recent load keeps in flight over the `available`
@@ -259,17 +268,12 @@ class Specializer:
         no instance, 1 when a step alone breaks the SLO)."""
         if not available or self.rate_per_s <= 0 or self.output_tokens <= 0:
             return 0.0
-        n = len(available)
-        step = _mean_step(models, available)
-        slack = tpot_ms - step
+        mean, slack, pf = self._landings(models, available, tpot_ms)
         if slack <= 0:
             return 1.0
-        pf = sum(models.prefill_ms(k, self.prompt_tokens) for k in available) / n
         if pf <= 0:
             return 0.0
-        absorbed = math.floor(slack * self.output_tokens / pf)
-        mean = self.rate_per_s / n * self.output_tokens * step / 1000
-        return poisson_tail(mean, absorbed)
+        return poisson_tail(mean, math.floor(slack * self.output_tokens / pf))
 
     def apply(
         self,
