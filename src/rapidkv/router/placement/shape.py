@@ -51,11 +51,11 @@ Poisson arrivals at ``lambda / h`` each (``h`` the instances), service
 ``S = b w`` for a prompt of ``w`` tokens (``b`` the learned prefill cost a
 token: queued prompts share forwards, so a forward's fixed cost is not
 queued), whose first two moments come from the recent means of ``w`` and
-``w^2``. The mean wait is Pollaczek-Khinchine's ``W = lambda_h E[S^2] / (2
-(1 - rho))``, ``rho = lambda_h E[S]``, and the share of prompts that wait
-past the SLO less a mean prompt's own forward (``step(1) + pf(E[w])``) is
-taken as ``rho * exp(-rho t / W)`` (the exponential tail with that mean and
-that chance of waiting at all; 1 for
+``w^2`` (`TAIL_WEIGHT`). The mean wait is Pollaczek-Khinchine's ``W =
+lambda_h E[S^2] / (2 (1 - rho))``, ``rho = lambda_h E[S]``, and the share
+of prompts that wait past the SLO less a mean prompt's own forward
+(``step(1) + pf(E[w])``) is taken as ``rho * exp(-rho t / W)`` (the
+exponential tail with that mean and that chance of waiting at all; 1 for
 ``rho >= 1``). The fleet is not pinned while that share on the prefill half
 (``w`` a prompt's work plus its lost tokens) is above `Shaping.ttft_miss`
 (times ``off / on`` to pin: the pressure's hysteresis) and above what
