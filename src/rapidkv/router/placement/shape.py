@@ -98,8 +98,9 @@ Pure: every call takes its time (monotonic seconds) as an argument.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from statistics import NormalDist
 
 from rapidkv.router.placement.model import Models
@@ -151,13 +152,7 @@ def poisson_quantile(mean: float, q: float) -> int:
         return 0
     if mean > 500:  # the normal approximation; exp(-mean) underflows
         return math.ceil(mean + NormalDist().inv_cdf(q) * math.sqrt(mean))
-    term = cdf = math.exp(-mean)
-    n = 0
-    while cdf < q:
-        n += 1
-        term *= mean / n
-        cdf += term
-    return n
+    return next(n for n, cdf in enumerate(_poisson_cdf(mean)) if cdf >= q)
 
 
 class Specializer:
@@ -181,7 +176,7 @@ class Specializer:
         self.pinned_work = (0.0, 0.0)
         self._last_s: float | None = None
         # the last arrival's prompt work and cached tokens per instance, until `apply`
-        self._held: tuple[int, Sequence[int]] | None = None
+        self._pending: tuple[int, Sequence[int]] | None = None
         self._counted = 0  # arrivals counted by `_count_lost`
 
     def arrived(
@@ -193,7 +188,7 @@ class Specializer:
         (`cached`). Its prompt work is `prompt_work`; what pinning would
         recompute of it, the next `apply` counts."""
         work = prompt_work(tokens, cached)
-        self._held = (work, cached)
+        self._pending = (work, cached)
         tau = self.shaping.tau_s
         if self._last_s is None:
             self.prompt_tokens, self.output_tokens = float(work), float(output_tokens)
@@ -249,11 +244,11 @@ class Specializer:
             return 0.0
         w, w_sq = self.pinned_work if pinned else self.work
         h = len(instances)
-        a = sum(models.prefill[k].intercept + models.step_ms(k, 1) for k in instances) / h
         b = sum(models.prefill[k].slope for k in instances) / h
+        own = sum(models.prefill_ms(k, w) + models.step_ms(k, 1) for k in instances) / h
         lam = self.rate_per_s / h / 1000  # per ms
         rho = lam * b * w  # queued prompts share forwards: their tokens are the work
-        slack = ttft_ms - (a + b * w)  # less a prompt's own forward
+        slack = ttft_ms - own  # less a prompt's own forward
         if rho >= 1 or slack <= 0:
             return 1.0
         wait = lam * b * b * w_sq / (2 * (1 - rho))
@@ -326,7 +321,7 @@ class Specializer:
         and the would-be prefill instances `prefill` do not, into the recent
         mean, and its work pinned (its prompt work plus those) into theirs
         (once per arrival)."""
-        last, self._held = self._held, None
+        last, self._pending = self._pending, None
         if last is None:
             return
         work, held = last
@@ -357,11 +352,19 @@ def poisson_tail(mean: float, k: int) -> float:
         return 0.0
     if mean > 500:  # the normal approximation; exp(-mean) underflows
         return 1 - NormalDist(mean, math.sqrt(mean)).cdf(k + 0.5)
-    term = cdf = math.exp(-mean)
-    for j in range(1, k + 1):
-        term *= mean / j
-        cdf += term
+    cdf = next(islice(_poisson_cdf(mean), k, None))
     return max(1.0 - cdf, 0.0)
+
+
+def _poisson_cdf(mean: float) -> Iterator[float]:
+    """P(N <= 0), P(N <= 1), ... for N ~ Poisson(mean), mean <= 500."""
+    term = cdf = math.exp(-mean)
+    n = 0
+    while True:
+        yield cdf
+        n += 1
+        term *= mean / n
+        cdf += term
 
 
 def _moments(seen: tuple[float, float], x: float, count: int) -> tuple[float, float]:
