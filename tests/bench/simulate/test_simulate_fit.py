@@ -135,3 +135,46 @@ def test_the_smollm2_preset_is_fitted_from_its_documented_figures() -> None:
     rows = {(r["config"], r["load"]): r for r in fit_check(fit, measured_from("smollm2"))}
     assert rows[("single", "c4")]["measured_ttft_p50_ms"] == 881.5
     assert rows[("single", "c1")]["ttft_p50_ms"] == pytest.approx(274.3)
+
+
+def test_a_serve_json_of_one_model_gives_that_model_s_kv_a_token(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    config = {
+        "hidden_size": 576,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "num_hidden_layers": 30,
+        "torch_dtype": "bfloat16",
+    }
+    (model / "config.json").write_text(json.dumps(config))
+    path = serve_json(tmp_path / "serve.json")
+    data = json.loads(path.read_text())
+    data["meta"].update(models={"smollm2-135m": str(model)}, dtype={"smollm2-135m": "bfloat16"})
+    path.write_text(json.dumps(data))
+    fit, warnings = load_fit(path)
+    assert warnings == []
+    assert fit.kv_bytes_per_token == 23040  # 30 layers x (K, V) x 3 heads x 64 x 2 bytes
+    assert fit.cache_blocks == 90
+    assert fit.transfer_ms_per_token == pytest.approx(23040 / 4e9 * 1000)
+    data["meta"]["dtype"] = {"smollm2-135m": "float32"}
+    path.write_text(json.dumps(data))
+    assert load_fit(path)[0].kv_bytes_per_token == 46080
+
+
+def test_a_serve_json_whose_model_is_not_here_keeps_the_default_kv_with_a_warning(
+    tmp_path: Path,
+) -> None:
+    path = serve_json(tmp_path / "serve.json")
+    data = json.loads(path.read_text())
+    data["meta"]["models"] = {"smollm2-135m": str(tmp_path / "elsewhere")}
+    path.write_text(json.dumps(data))
+    fit, warnings = load_fit(path)
+    assert fit.kv_bytes_per_token == DEFAULT_FIT.kv_bytes_per_token
+    assert fit.transfer_ms_per_token == DEFAULT_FIT.transfer_ms_per_token
+    assert any("smollm2-135m's KV a token is not readable" in w for w in warnings)
+    data["meta"]["models"] = {"tiny": str(tmp_path), "smollm2-135m": str(tmp_path)}
+    path.write_text(json.dumps(data))
+    fit, warnings = load_fit(path)
+    assert fit.kv_bytes_per_token == DEFAULT_FIT.kv_bytes_per_token
+    assert any("2 models" in w for w in warnings)

@@ -16,8 +16,9 @@ sweeps Poisson rates that scale with the fleet and finds the highest whose
 attainment of both SLOs is >= 90 %;
 `report` prints goodput per fleet size, total and per instance, and writes the
 JSON and a plot; `compare` puts the simulator's predictions next to a real
-`bench goodput` run at 2 instances; `check` puts the fit next to the
-`bench serve` figures it came from.
+`bench goodput` run at 2 instances (with `--calibrate`, each workload's fit
+first calibrated on that run's own single c1: `calibrate`); `check` puts the
+fit next to the `bench serve` figures it came from.
 
 Pure Python, no vLLM, no server: it runs anywhere the package imports.
 docs/benchmarks/simulate.md describes the model and its
@@ -150,6 +151,13 @@ def register(parser: argparse.ArgumentParser) -> Callable[[argparse.Namespace], 
         default=None,
         metavar="PATH",
         help="only compare: simulate the rates of this bench goodput JSON, report the errors",
+    )
+    add(
+        "--calibrate",
+        action="store_true",
+        help="with --compare: simulate each workload with the fit calibrated on the run's own "
+        "single c1 (`calibrate`: every compute cost scaled to its TPOT, a context cost to its "
+        "TTFT), not as given",
     )
     add("--json", default=None, metavar="PATH", help="also write the JSON here (- = stdout only)")
     add("--plot", default=None, metavar="PATH", help="a PNG of goodput per instance vs size")

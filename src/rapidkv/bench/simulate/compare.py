@@ -48,6 +48,12 @@ run gives its goodput's bootstrap interval (`goodput_interval_req_s`, from
 simulated goodput lies inside it (`inside_interval`): the sampling noise of
 the real run alone, against which a 15 % error of one sweep step can be told
 from a wrong model.
+
+With ``calibrated`` (`bench simulate --compare --calibrate`) each workload
+is simulated with the fit calibrated on the run's own ``single_c1``
+(`calibrate`: its TTFT and TPOT p50, which the run's SLOs come from), and
+the workload's ``calibration`` says how; a workload without one keeps the
+fit as given (said in ``skipped``).
 """
 
 from __future__ import annotations
@@ -60,8 +66,14 @@ from typing import Any
 
 from rapidkv.bench.common.shared_prefix import SharedPrefix
 from rapidkv.bench.goodput.slo import goodput
+from rapidkv.bench.simulate.calibrate import calibrate
 from rapidkv.bench.simulate.fit import Fit
-from rapidkv.bench.simulate.goodput import reference_slo, run_point
+from rapidkv.bench.simulate.goodput import (
+    PREFIX_REFERENCE_REQUESTS,
+    REFERENCE_REQUESTS,
+    reference_slo,
+    run_point,
+)
 from rapidkv.bench.simulate.workload import WORKLOADS, requests
 from rapidkv.router.placement import SLO
 
@@ -174,8 +186,10 @@ def compare(
     slo_override: tuple[float | None, float | None] = (None, None),
     progress: Callable[[str], None] = lambda _: None,
     tokenizer: str = "auto",
+    calibrated: bool = False,
 ) -> dict[str, Any]:
-    """The comparison of the module docstring."""
+    """The comparison of the module docstring (`calibrated`: each workload's
+    fit calibrated on the run's single c1 where it gives one)."""
     skipped: list[str] = []
     out: dict[str, Any] = {"tolerance": TOLERANCE, "workloads": {}, "skipped": skipped}
     workloads = real.get("workloads") if isinstance(real, dict) else None
@@ -197,12 +211,29 @@ def compare(
         caching = bool(getattr(workload, "prefix_caching", False))
         workload = as_run(workload, wdata)
         warm = getattr(workload, "warm_up", 0) if caching else 0
+        wfit, calibration = fit, None
+        c1 = _single_c1(wdata.get("single_c1"))
+        if calibrated and c1 is not None:
+            progress(f"compare {wname}: the fit calibrated on the run's single c1")
+            calibration = calibrate(
+                fit,
+                workload,
+                *c1,
+                count=count or (PREFIX_REFERENCE_REQUESTS if caching else REFERENCE_REQUESTS),
+                seed=seed,
+                tokenizer=tokenizer,
+                warm=warm,
+            )
+            wfit = calibration.fit
+        elif calibrated:
+            skipped.append(f"{wname}: no single c1 TTFT and TPOT p50: the fit uncalibrated")
         if slo is None:
-            slo, _ = reference_slo(fit, workload, seed, tokenizer)
+            slo, _ = reference_slo(wfit, workload, seed, tokenizer)
             slo = SLO(slo_override[0] or slo.ttft_ms, slo_override[1] or slo.tpot_ms)
             slo_source = "simulated single c1 (the run gave none)"
         wout: dict[str, Any] = {
             "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms, "source": slo_source},
+            "calibration": None if calibration is None else calibration.as_dict(),
             "configs": {},
         }
         configs = wdata.get("configs")
@@ -227,7 +258,7 @@ def compare(
             for rate in sorted(measured_att):
                 progress(f"compare {wname} {cname} ({policy}, {n} instances): {rate:g} req/s")
                 points[rate] = run_point(
-                    fit,
+                    wfit,
                     n,
                     policy,
                     specs,
@@ -290,6 +321,16 @@ def table(result: dict[str, Any]) -> str:
         "   crossings (90 %)     error  measured 95 %",
     ]
     for wname, w in result.get("workloads", {}).items():
+        cal = w.get("calibration")
+        if cal:
+            m, b = cal["single_c1_measured_ms"], cal["single_c1_simulated_ms"]
+            lines.append(
+                f"{wname:14s} fit calibrated on the run's single c1 (TTFT / TPOT p50 "
+                f"{m['ttft_p50']:.1f} / {m['tpot_p50']:.1f} ms; the fit's "
+                f"{b['ttft_p50']:.1f} / {b['tpot_p50']:.1f}): compute x{cal['speed']:.3f}, context "
+                f"{cal['context_ms_per_token']:.4f} ms a token"
+                + ("" if cal["exact"] else " (TTFT not met)")
+            )
         for cname, c in w["configs"].items():
             err = c["relative_error"]
             e = "undefined" if err is None else f"{100 * err:+.1f} %"
@@ -396,6 +437,16 @@ def _requests_per_rate(real: dict[str, Any], wdata: dict[str, Any]) -> int | Non
         if _int(v):
             return _int(v)
     return None
+
+
+def _single_c1(v: Any) -> tuple[float, float] | None:
+    """A run's ``single_c1`` as (TTFT p50, TPOT p50), ms; None without both."""
+    if not isinstance(v, dict):
+        return None
+    ttft = v.get("ttft_ms") if isinstance(v.get("ttft_ms"), dict) else {}
+    tpot = v.get("tpot_ms") if isinstance(v.get("tpot_ms"), dict) else {}
+    pair = _float(ttft.get("p50")), _float(tpot.get("p50"))
+    return None if None in pair or min(pair) <= 0 else pair  # type: ignore[return-value]
 
 
 def _float(v: Any) -> float | None:

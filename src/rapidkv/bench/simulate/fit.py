@@ -11,10 +11,14 @@ at most `max_num_batched_tokens` prompt tokens (vLLM's chunked prefill), for
 at most `max_num_seqs` requests, and takes
 
     step_ms + step_ms_per_seq * seqs + prefill_ms_per_token * prompt_tokens
+            + context_ms_per_token * context_tokens
             (+ prefill_ms when the step computes any prompt token)
 
-so a request alone on an idle instance has TTFT ``http_ms + step(1) +
-prefill_ms + prefill_ms_per_token * P`` and TPOT ``step(1)``.
+(``context_tokens``: what the requests computing those prompt tokens already
+hold in their KV; `context_ms_per_token` is 0 in every fit `fit_from` makes,
+and only `calibrate` sets it), so a request alone on an idle instance has TTFT
+``http_ms + step(1) + prefill_ms + prefill_ms_per_token * P`` and TPOT
+``step(1)``.
 
 The fit (`fit_from`), from `Measurements`:
 
@@ -84,7 +88,11 @@ file has them under ``configs.<name>.loads.<load>``; a `bench goodput` file
 has `single`'s ``c1`` as ``workloads.<w>.single_c1`` (prefill-heavy's is
 taken first) and none of the others. The mean prompt comes from
 ``meta.prompt_len.mean`` (serve) or the middle of
-``workloads.prefill-heavy.prompt_len`` (goodput). A JSON written by `bench
+``workloads.prefill-heavy.prompt_len`` (goodput). A `bench serve` JSON of one
+model also gives that model's KV a token (``meta.models``' directory, read
+here, in ``meta.dtype``: `harness.server.kv_bytes_per_token`), and with it the
+prefix cache's blocks and the transfer a token at ~4 GB/s (`KV_BYTES_PER_S`);
+else the tiny model's stay. A JSON written by `bench
 simulate --json` gives its ``fit`` back as is. Every figure not found keeps
 its default, with a warning.
 """
@@ -99,6 +107,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+KV_BYTES_PER_S = 4e9  # the KV's path from P to D (NIXL over loopback), ~4 GB/s
 KV_MS_PER_TOKEN = 0.0005  # ~2 KiB of tiny-model KV a token at ~4 GB/s
 KV_CACHE_BYTES = 256 * 2**20  # `harness.server.ServerSpec.kv_cache_memory_bytes`, "256M"
 KV_BYTES_PER_TOKEN = 4096  # the tiny float32 model: 4 layers x (K, V) x 2 heads x 64 x 4 bytes
@@ -125,6 +134,9 @@ class Fit:
     step_ms_per_seq: float
     prefill_ms_per_token: float
     prefill_ms: float = 0.0
+    # a prompt chunk's cost a token already in its request's KV (a prefix hit,
+    # KV received, an earlier chunk): attention over it (0: not modelled)
+    context_ms_per_token: float = 0.0
     max_num_batched_tokens: int = 4096
     max_num_seqs: int = 8
     block_size: int = 128
@@ -162,9 +174,11 @@ class Fit:
 
         return blocks_of(self.kv_cache_bytes, self.block_size, self.kv_bytes_per_token)
 
-    def step_time(self, seqs: int, prefill_tokens: int) -> float:
-        """One engine step with `seqs` requests in it computing `prefill_tokens` prompt tokens."""
+    def step_time(self, seqs: int, prefill_tokens: int, context_tokens: int = 0) -> float:
+        """One engine step with `seqs` requests in it computing `prefill_tokens`
+        prompt tokens, whose requests already hold `context_tokens` in their KV."""
         ms = self.step_ms + self.step_ms_per_seq * seqs + self.prefill_ms_per_token * prefill_tokens
+        ms += self.context_ms_per_token * context_tokens
         return ms + (self.prefill_ms if prefill_tokens > 0 else 0.0)
 
     def transfer_time(self, tokens: int, connector: str = "rapidkv") -> float:
@@ -226,7 +240,7 @@ PRESETS: dict[str, Fit] = {
             ),
         ),
         kv_bytes_per_token=SMOLLM2_KV_BYTES_PER_TOKEN,
-        transfer_ms_per_token=SMOLLM2_KV_BYTES_PER_TOKEN / 4e9 * 1000,
+        transfer_ms_per_token=SMOLLM2_KV_BYTES_PER_TOKEN / KV_BYTES_PER_S * 1000,
     )
 }
 """Fits by name (`--fit NAME`), from figures docs/benchmarks/ gives (the module docstring)."""
@@ -292,7 +306,43 @@ def load_fit(path: str | Path) -> tuple[Fit, list[str]]:
         fit = fit_from(dataclasses.replace(Measurements(), **found), source=str(path))
     except ValueError as e:
         return DEFAULT_FIT, [*warnings, f"--fit {path}: {e}; using the default fit"]
+    kv = _served_kv_bytes_per_token(data, path, warnings)
+    if kv is not None:
+        fit = dataclasses.replace(
+            fit, kv_bytes_per_token=kv, transfer_ms_per_token=kv / KV_BYTES_PER_S * 1000
+        )
     return fit, warnings
+
+
+def _served_kv_bytes_per_token(
+    data: dict[str, Any], path: str | Path, warnings: list[str]
+) -> int | None:
+    """The KV bytes a token of the model a `bench serve` JSON served (its
+    ``meta.models`` directory's config.json, in its ``meta.dtype``), or None
+    (with a warning where the JSON names models this machine cannot read, or
+    several): the fit then keeps the tiny model's."""
+    models = _get(data, "meta", "models")
+    if not isinstance(models, dict) or not models:
+        return None
+    if len(models) > 1:
+        warnings.append(
+            f"--fit {path}: {len(models)} models ({', '.join(models)}); the figures are the "
+            f"first found, the KV a token the default ({KV_BYTES_PER_TOKEN} bytes)"
+        )
+        return None
+    ((name, directory),) = models.items()
+    dtypes = _get(data, "meta", "dtype")
+    dtype = dtypes.get(name) if isinstance(dtypes, dict) else None
+    from rapidkv.harness.server import kv_bytes_per_token
+
+    try:
+        return kv_bytes_per_token(Path(str(directory)), dtype if isinstance(dtype, str) else None)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        warnings.append(
+            f"--fit {path}: {name}'s KV a token is not readable here ({e!r}); "
+            f"default {KV_BYTES_PER_TOKEN} bytes"
+        )
+        return None
 
 
 def _fit_from_dict(d: dict[str, Any], source: str) -> Fit:

@@ -20,7 +20,9 @@ adds one token, running requests with prompt left add a chunk, then waiting
 parts are admitted first come, first served (a ``decode`` part whose KV is not
 here yet is skipped, as vLLM skips a request waiting for remote KV), while
 fewer than `Fit.max_num_seqs` run and `Fit.max_num_batched_tokens` is not spent.
-It lasts `Fit.step_time(seqs, prompt tokens)`. At its end each computed chunk
+It lasts `Fit.step_time(seqs, prompt tokens, context)`, the context being
+what the requests computing those prompt tokens already hold in their KV (a
+hit, KV received, earlier chunks). At its end each computed chunk
 counts; a part whose prompt is done yields its first token (``local``,
 ``decode``, ``tail``) or is over (``prefill``, ``head``); a decoding part
 yields one more token, and is over after its last. The instance reports
@@ -176,7 +178,7 @@ class Instance:
         fit = self.fit
         budget = fit.max_num_batched_tokens
         batch: list[tuple[Part, int]] = []
-        prefill = 0
+        prefill = context = 0
         for p in self.running:
             if p.decoding:
                 batch.append((p, 0))
@@ -186,6 +188,7 @@ class Instance:
                 batch.append((p, chunk))
                 budget -= chunk
                 prefill += chunk
+                context += p.tokens - p.prefill_left
                 self._computing(p, chunk)
         if self.waiting and budget > 0 and len(self.running) < fit.max_num_seqs:
             kept: deque[Part] = deque()
@@ -206,6 +209,7 @@ class Instance:
                 batch.append((p, chunk))
                 budget -= chunk
                 prefill += chunk
+                context += p.tokens - p.prefill_left
                 self._computing(p, chunk)
             self.waiting = kept
         if not batch:
@@ -214,7 +218,7 @@ class Instance:
         self.busy = True
         self.batch = batch
         self.step_start_ms = now_ms
-        self.step_ms = fit.step_time(len(batch), prefill) + self.debt_ms
+        self.step_ms = fit.step_time(len(batch), prefill, context) + self.debt_ms
         self.debt_ms = 0.0
         self._schedule_end()
 

@@ -178,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
             slo_override=(opts.ttft_slo_ms, opts.tpot_slo_ms),
             progress=say,
             tokenizer=opts.tokenizer,
+            calibrated=args.calibrate,
         )
     else:
         workloads = {w: simulate_workload(w, fit, opts, say) for w in opts.workloads}
