@@ -391,9 +391,11 @@ def options(
     if policy.fetch and request.splittable:
         lenders = [k for k, load in enumerate(loads) if load.healthy]  # draining ones too
         for i in lenders:  # a holder lends a cached prefix, busy or not: its part is a hit
+            head = p.lendable(i)
+            if not head or loads[i].splits:
+                continue
             for j in decoders:
-                head = p.fetched_head(i, j)
-                if i != j and head and not (loads[i].splits or loads[j].splits):
+                if i != j and head > request.hit(j) and not loads[j].splits:
                     out.append(p.split(i, j, head, "fetch"))
     if not out:
         out = [p.local(j) for j in decoders]
@@ -516,9 +518,20 @@ class _Predictor:
             + self.slot_wait(k, load)
             for k, load in enumerate(loads)
         ]
-        self.free = [  # no decode that can still meet the TPOT SLO
-            not any(not self.doomed(k, d) for d in self.decodes(k)) for k in range(len(loads))
+        # per instance, its decodes that can still meet the TPOT SLO, as (the
+        # stall and queued work ahead of each, its horizon): what `tpot` adds to
+        self.live = [
+            [
+                (d.stalled_ms + self.ahead(k, d), self.horizon_of(d))
+                for d in self.decodes(k)
+                if not self.doomed(k, d)
+            ]
+            for k in range(len(loads))
         ]
+        self.free = [not live for live in self.live]  # no decode that can still meet the SLO
+        self.free_count = sum(self.free)
+        self.first = [models.step_ms(k, load.decodes + 1) for k, load in enumerate(loads)]
+        self.own_tpot: dict[tuple[int, float], float | None] = {}  # `tpot(k, 0, pf)`, memoized
 
     def ahead(self, k: int, d: Decode) -> float:
         """The queued prefill work on `k` that will stall decode `d`: all of it
@@ -551,7 +564,7 @@ class _Predictor:
     def keeps_free(self, j: int) -> bool:
         """Whether an instance other than the decoder `j` is left with no decode
         that can still meet the TPOT SLO (a prompt computed there stalls nobody)."""
-        return any(free for k, free in enumerate(self.free) if k != j)
+        return self.free_count - self.free[j] > 0
 
     def slot_wait(self, k: int, load: InstanceLoad) -> float:
         """Until `k` has a free sequence slot for one more request: 0 below its
@@ -567,7 +580,8 @@ class _Predictor:
         return excess * mean_len * self.m.step_ms(k, min(load.decodes, cap)) / (cap + 1)
 
     def first_step(self, j: int) -> float:
-        return self.m.step_ms(j, self.loads[j].decodes + 1)
+        """`j`'s decode step with one request more than it decodes."""
+        return self.first[j]
 
     def tpot(
         self, k: int, added: int, stall_ms: float, own_ms: float | None = None
@@ -581,11 +595,8 @@ class _Predictor:
             return None
         step = self.m.step_ms(k, b + added)
         worst = max(own_ms - step, 0.0) if own_ms is not None and added else 0.0
-        for d in self.decodes(k):
-            if not self.doomed(k, d):
-                worst = max(
-                    worst, (d.stalled_ms + self.ahead(k, d) + stall_ms) / self.horizon_of(d)
-                )
+        for ahead, horizon in self.live[k]:
+            worst = max(worst, (ahead + stall_ms) / horizon)
         return step + worst
 
     def local(self, j: int) -> Option:
@@ -604,7 +615,7 @@ class _Predictor:
         ttft = max(ready, self.queue[j]) + self.first_step(j)
         own = None
         if self.stitch:  # the client's first token is P's; the wait for D's next is TPOT
-            first = answered + self.m.step_ms(i, self.loads[i].decodes + 1)  # as local's
+            first = answered + self.first_step(i)  # as local's
             own = self.first_step(j) + max(ttft - first, 0.0) / max(self.horizon - 1, 1)
             ttft = first
         tpot = self._worst(self.tpot(j, 1, 0.0, own), i, pf)
@@ -627,16 +638,16 @@ class _Predictor:
         beside = not (self.free[i] and self.free[j])
         return Option(placement, ttft, tpot, self.keeps_free(j), beside)
 
-    def fetched_head(self, i: int, j: int) -> int:
-        """The head a fetch from `i` to `j` sends: the whole blocks of the
-        prompt `i` holds cached, leaving `j` at least one token; 0 when that is
-        under `Policy.split_min_tokens`, when `j` holds as much itself, or
-        when `i`'s block size is unknown."""
+    def lendable(self, i: int) -> int:
+        """The head a fetch from `i` sends (to a decoder holding less of it):
+        the whole blocks of the prompt `i` holds cached, leaving at least one
+        token; 0 when that is under `Policy.split_min_tokens` or when `i`'s
+        block size is unknown."""
         block = self.loads[i].block_size
         if block is None:
             return 0
         head = min(self.hit(i), self.tokens - 1) // block * block
-        return head if head >= max(self.min_part, 1) and head > self.hit(j) else 0
+        return head if head >= max(self.min_part, 1) else 0
 
     def head(self, i: int, j: int) -> int:
         """The head `i` computes in a split with `j`: whole blocks of `i`, leaving
@@ -660,5 +671,8 @@ class _Predictor:
         return split_point(self.tokens, block, fraction, self.min_part)
 
     def _worst(self, decoder_tpot: float | None, i: int, pf: float) -> float:
-        values = [t for t in (decoder_tpot, self.tpot(i, 0, pf)) if t is not None]
+        key = (i, pf)
+        if key not in self.own_tpot:  # the same for every decoder a P crosses to
+            self.own_tpot[key] = self.tpot(i, 0, pf)
+        values = [t for t in (decoder_tpot, self.own_tpot[key]) if t is not None]
         return max(values)
