@@ -31,12 +31,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from rapidkv.bench.simulate.engine import simulate
 from rapidkv.bench.simulate.fit import Fit
-from rapidkv.bench.simulate.goodput import quantile
-from rapidkv.bench.simulate.routers import make_router
+from rapidkv.bench.simulate.goodput import single_c1_p50s
 from rapidkv.bench.simulate.workload import requests, spread
-from rapidkv.router.placement import SLO
 
 CONTEXT_MS_PER_TOKEN_MAX = 0.5  # the context cost's bisection range above the fit's
 BISECTIONS = 24
@@ -79,13 +76,7 @@ def single_c1(
         specs = requests(workload, warm + count, seed, tokenizer)[warm:]
     else:
         specs = spread(workload, count, seed)
-    router = make_router("dp", 1, fit, SLO())
-    out = simulate(fit, 1, router, specs, concurrency=1, routed=False, prefix_caching=caching)
-    ttft = quantile([o.ttft_ms for o in out if o.ttft_ms is not None], 0.5)
-    tpot = quantile([o.tpot_ms for o in out if o.tpot_ms is not None], 0.5)
-    if ttft is None or tpot is None:
-        raise ValueError("the simulated single c1 finished no request")
-    return ttft, tpot
+    return single_c1_p50s(fit, specs, caching)
 
 
 def calibrate(

@@ -91,13 +91,22 @@ def reference_slo(
         specs = requests(workload, PREFIX_REFERENCE_REQUESTS, seed, tokenizer)
     else:
         specs = spread(workload, REFERENCE_REQUESTS, seed)
+    ttft, tpot = single_c1_p50s(fit, specs, caching)
+    slo = SLO(TTFT_FACTOR * ttft, TPOT_FACTOR * tpot)
+    return slo, {"single_c1_ttft_p50_ms": ttft, "single_c1_tpot_p50_ms": tpot}
+
+
+def single_c1_p50s(fit: Fit, specs: Sequence[Spec], caching: bool) -> tuple[float, float]:
+    """The TTFT and TPOT p50 of `specs` served one at a time by one instance,
+    sent directly (with `caching`: its prefix cache empty at the start).
+    ValueError when no request finishes."""
     router = make_router("dp", 1, fit, SLO())
     out = simulate(fit, 1, router, specs, concurrency=1, routed=False, prefix_caching=caching)
     ttft = quantile([o.ttft_ms for o in out if o.ttft_ms is not None], 0.5)
     tpot = quantile([o.tpot_ms for o in out if o.tpot_ms is not None], 0.5)
-    assert ttft is not None and tpot is not None
-    slo = SLO(TTFT_FACTOR * ttft, TPOT_FACTOR * tpot)
-    return slo, {"single_c1_ttft_p50_ms": ttft, "single_c1_tpot_p50_ms": tpot}
+    if ttft is None or tpot is None:
+        raise ValueError("the simulated single c1 finished no request")
+    return ttft, tpot
 
 
 @dataclass(frozen=True)
