@@ -100,7 +100,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from itertools import islice
 from statistics import NormalDist
 
 from rapidkv.router.placement.model import Models
@@ -352,8 +351,14 @@ def poisson_tail(mean: float, k: int) -> float:
         return 0.0
     if mean > 500:  # the normal approximation; exp(-mean) underflows
         return 1 - NormalDist(mean, math.sqrt(mean)).cdf(k + 0.5)
-    cdf = next(islice(_poisson_cdf(mean), k, None))
-    return max(1.0 - cdf, 0.0)
+    previous = -1.0
+    for n, cdf in enumerate(_poisson_cdf(mean)):
+        # past the mean the terms shrink: once the CDF stops moving it stays,
+        # so a k of millions (a prefill of almost nothing) ends early
+        if n == k or (n > mean and cdf == previous):
+            return max(1.0 - cdf, 0.0)
+        previous = cdf
+    raise AssertionError("unreachable: _poisson_cdf never ends")
 
 
 def _poisson_cdf(mean: float) -> Iterator[float]:
