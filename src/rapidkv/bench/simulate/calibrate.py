@@ -3,11 +3,11 @@
 A `bench goodput` run measures, per workload, `single` at concurrency 1:
 every measured request once, one at a time, on one instance sent directly,
 from an empty prefix cache (``workloads.<w>.single_c1``: the p50s its SLOs
-come from). The same machine's speed drifts between runs: on 2026-12-07 one
-SmolLM2 run measured a lone decode step of 52-55 ms there, another three
-hours later 46 ms, on the same requests. A fit taken from another run is off
-by as much, and a comparison against the SLOs of the run (4x and 1.5x those
-p50s) then measures that drift, not the model.
+come from). The same machine's speed drifts between runs (by 15-20 % within
+hours: docs/benchmarks/simulate.md, "Calibrated on the run's own single
+instance"), so a fit taken from another run is off by as much, and a
+comparison against the SLOs of the run (4x and 1.5x those p50s) then
+measures that drift, not the model.
 
 `calibrate(fit, workload, ttft_p50, tpot_p50, ...)` scales `fit` so that
 the simulated single c1 of the same requests (`single_c1`) has the measured
