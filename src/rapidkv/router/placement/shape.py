@@ -64,13 +64,8 @@ plus the share of decodes whose TPOT the prompts landing beside them break
 (`Specializer.tpot_miss`: the pressure's Poisson count above the prompts
 whose prefills fit in a decode's slack). Not weighed: the crossing's
 transfer, D's first step, and the decodes beside an unpinned instance's
-prompts in its TTFT. Simulated (`bench simulate`, 2 instances, shared-prefix
-as above, 128 requests and 32 warm-up): with the SmolLM2 fit's prefill made
-3 ms a token and its step 50 ms (a CPU without AMX; SLOs 868.6 / 78.96 ms),
-kv-aware with fetches 0.4 req/s without this veto, 0.9 with it (1.2 never
-pinned); with the SmolLM2 fit, seeds 0 / 1 / 2, kv-aware without fetches
-3.2 / 2.8 / 3.2 -> 4.5 / 3.2 / 4.0 and with them 5.0 / 2.8 / 3.2 -> 3.8 /
-4.0 / 4.0; multiturn, and the tiny fit's figures below, unchanged.
+prompts in its TTFT. What this veto does to simulated goodput:
+docs/benchmarks/simulate.md, "Since 2026-12-07".
 
 Specialised, among the available instances configured ``any``, the first half
 by index (at least one) only prefill and the rest only decode (the roles
