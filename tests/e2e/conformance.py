@@ -7,7 +7,8 @@ every choice's text, token ids, finish and stop reasons, logprobs (floats
 within `TOLERANCE`); usage. What differs between two servers by design is left
 out: ids, timestamps, ``system_fingerprint``, ``kv_transfer_params``, per-request
 ``metrics``. A stream is assembled per choice index (texts and token ids
-concatenated, logprobs appended), with its usage chunk and, for
+concatenated, logprobs appended, tool calls merged per call index: how many
+deltas carry a call's arguments depends on timing), with its usage chunk and, for
 ``continuous_usage_stats``, per choice the last chunk's usage and whether
 every chunk's added up (`running_usage`: how many chunks there are depends on
 timing); a
@@ -227,8 +228,12 @@ def _accumulate(acc: dict[str, Any], part: dict[str, Any]) -> None:
     for key, value in part.items():
         if value is None:
             continue
-        if key in ("finish_reason", "stop_reason", "role"):
+        if key in ("finish_reason", "stop_reason", "role", "type"):
             acc[key] = value
+        elif key == "tool_calls":  # deltas of the call at their index, as a client merges them
+            calls = acc.setdefault(key, {})
+            for call in value:
+                _accumulate(calls.setdefault(call["index"], {}), call)
         elif isinstance(value, dict):
             _accumulate(acc.setdefault(key, {}), value)
         elif isinstance(value, str):

@@ -63,3 +63,6 @@ def test_the_reference_answers_are_what_the_shapes_ask_for(workloads: dict) -> N
     assert usage["prompt_tokens"] == 9
     continuous = reference["chat-stream-continuous-usage"]["answer"]["choices"][0]["usages"]
     assert len(continuous) > 1
+    named = reference["chat-tool-named-stream"]["answer"]["choices"][0]["delta"]["tool_calls"]
+    assert list(named) == [0] and named[0]["function"]["name"] == "get_weather", named
+    assert named[0]["function"]["arguments"], named  # the deltas' pieces, merged
