@@ -706,64 +706,11 @@ def test_a_decode_step_observation_takes_out_the_prefill_work_that_stalled_it() 
     # a second prompt is computed on the same instance while "long" decodes
     fleet.on_dispatch("b", Placement("local", 0, 0), 1000, now_s=0.05)
     (pre,) = fleet.on_first_token("b", now_s=0.15)
-    # "b" arrived while "long" decoded: its span held half the step in flight
-    # (on average) and its own forward, each a token of "long"'s too
-    assert pre == PrefillObservation(0, 1000, pytest.approx(100.0), batch=1, steps=1.5)
-    # "long": 0.02 -> 0.32 s for 31 tokens after its first: 300 ms, 100 of
-    # them "b"'s span; the other 200 ms are the 30 - 1.5 steps outside it
+    assert pre == PrefillObservation(0, 1000, pytest.approx(100.0), batch=1)
+    # "long": 0.02 -> 0.32 s for 31 tokens after its first: 300 ms, 100 of them "b"'s prefill
     (obs,) = fleet.on_finish("long", now_s=0.32, output_tokens=31)
-    assert obs.step_ms == pytest.approx(200 / 28.5)
+    assert obs.step_ms == pytest.approx(200 / 30)
     assert obs.batch == pytest.approx((0.3 + 0.17) / 0.3)  # "b" decoded along from 0.15 s
-
-
-def test_a_prefill_span_counts_the_decode_steps_it_held() -> None:
-    """Each prefill service span holds its own forward, a step of every decode
-    there; one that starts mid-step (dispatched while something decodes) holds
-    half the step in flight too, one that starts at a step's end (the previous
-    prefill's, or a release for a request that found no slot) does not."""
-    fleet = FleetState(1)
-    fleet.set_max_num_seqs(0, 3)
-    fleet.on_dispatch("a", Placement("local", 0, 0), 100, now_s=0.0)
-    (pre,) = fleet.on_first_token("a", now_s=0.03)  # nothing decoded: no step in flight
-    assert (pre.ms, pre.steps) == (pytest.approx(30.0), 1.0)
-    fleet.on_dispatch("b", Placement("local", 0, 0), 100, now_s=0.05)
-    fleet.on_dispatch("c", Placement("local", 0, 0), 100, now_s=0.06)
-    (pre,) = fleet.on_first_token("b", now_s=0.09)  # "a" decoding: mid-step
-    assert (pre.ms, pre.steps) == (pytest.approx(40.0), 1.5)
-    (pre,) = fleet.on_first_token("c", now_s=0.12)  # from "b"'s end, a step's end
-    assert (pre.ms, pre.steps) == (pytest.approx(30.0), 1.0)
-    fleet.on_dispatch("d", Placement("local", 0, 0), 100, now_s=0.13)  # no free slot
-    fleet.on_finish("a", now_s=0.30, output_tokens=5)  # a slot frees
-    assert fleet.on_first_token("d", now_s=0.34) == []  # queued: no observation
-    # "b" decoded from 0.09 s: spans of 30 ms ("c") and 40 ms ("d", from the release)
-    b = fleet.view()[0].running[0]
-    assert (b.stalled_ms, b.stalled_steps) == (pytest.approx(70.0), 2.0)
-
-
-def test_learning_takes_out_as_many_steps_as_a_prefill_span_held() -> None:
-    models, direct = Models(1), Models(1)
-    step = models.step_ms(0, 2)
-    models.learn(PrefillObservation(0, 512, 100.0 + 1.5 * step, batch=2, steps=1.5))
-    direct.observe_prefill(0, 512, 100.0)
-    assert models.prefill_ms(0, 512) == pytest.approx(direct.prefill_ms(0, 512))
-
-
-def test_a_stall_is_its_spans_less_the_steps_that_gave_the_decode_tokens() -> None:
-    """A decode that suffered 200 ms of prefill spans holding 2 of its steps
-    carries 200 - 2 steps of stall into its TPOT; a request placed on an
-    instance that decodes waits for half a step in flight first."""
-    models, request = Models(1), Request(300, output_tokens=16)
-    step = models.step_ms(0, 1)
-    spans = InstanceLoad(decodes=1, running=(Decode(200.0, 16),))
-    held = InstanceLoad(decodes=1, running=(Decode(200.0, 16, stalled_steps=2.0),))
-    local = Placement("local", 0, 0)
-    with_spans = option_for(options([spans], models, request), local)
-    with_held = option_for(options([held], models, request), local)
-    assert with_spans.tpot_ms - with_held.tpot_ms == pytest.approx(2 * step / 16)
-    idle = option_for(options([InstanceLoad()], models, request), local)
-    busy = option_for(options([InstanceLoad(decodes=1)], models, request), local)
-    first_steps = models.step_ms(0, 2) - models.step_ms(0, 1)
-    assert busy.ttft_ms - idle.ttft_ms == pytest.approx(first_steps + 0.5 * step)
 
 
 def test_events_for_unknown_or_duplicate_requests_and_bad_placements_are_refused() -> None:

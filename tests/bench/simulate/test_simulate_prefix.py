@@ -196,18 +196,14 @@ def test_a_small_scaling_run_completes_fast() -> None:
 
 def test_the_kv_aware_router_with_fetch_beats_the_blind_one_where_it_misses() -> None:
     """A property of the model, loosely: on shared-prefix, at a rate the blind
-    adaptive router misses, the one that knows the caches (and fetches) meets
-    it; at a lower rate both meet it, the aware one no worse."""
+    adaptive router misses, the one that knows the caches (and fetches) meets it."""
     specs = requests(SHARED_PREFIX, 400, 0)
     slo, _ = reference_slo(FIT, SHARED_PREFIX, 0)
-    attained = {}
-    for rate in (12.0, 16.0):
-        blind = run_point(FIT, 2, "adaptive-blind", specs, rate, 0, slo, workload=SHARED_PREFIX)
-        aware = run_point(FIT, 2, "adaptive", specs, rate, 0, slo, workload=SHARED_PREFIX)
-        attained[rate] = (blind.attainment, aware.attainment)
-        assert aware.prefix["placed"]["hit"] > 0 == blind.prefix["placed"]["hit"]
-    assert 0.9 <= attained[12.0][0] <= attained[12.0][1], attained
-    assert attained[16.0][0] < 0.9 <= attained[16.0][1], attained
+    rate = 12.0
+    blind = run_point(FIT, 2, "adaptive-blind", specs, rate, 0, slo, workload=SHARED_PREFIX)
+    aware = run_point(FIT, 2, "adaptive", specs, rate, 0, slo, workload=SHARED_PREFIX)
+    assert blind.attainment < 0.9 <= aware.attainment
+    assert aware.prefix["placed"]["hit"] > 0 == blind.prefix["placed"]["hit"]
 
 
 def test_the_real_runs_prefix_configurations_map_to_the_policies() -> None:

@@ -8,8 +8,7 @@ forever. Per instance ``i`` (`Models`):
 - ``prefill_ms(i, tokens)``: the time a forward on ``i`` that computes `tokens`
   prompt tokens takes *beyond* a decode step at the same batch (the step is the
   decode model's). So a request computed alone on ``i`` reaches its first token
-  ``prefill_ms + step_ms`` after its forward starts, and each decode on ``i``
-  is stalled ``prefill_ms`` by it.
+  ``prefill_ms + step_ms`` after its forward starts.
 - ``step_ms(i, batch)``: one decode step of ``i`` with `batch` requests
   decoding, prefill work excluded.
 - ``transfer_ms(i, j, tokens)``: from P's (``i``) prefill answer to the KV of
@@ -19,9 +18,8 @@ forever. Per instance ``i`` (`Models`):
 
 Observations come from `state.FleetState`'s events (`PrefillObservation`,
 `TransferObservation`, `DecodeObservation`) through `Models.learn`, which
-takes the decode steps a prefill's span held (`PrefillObservation.steps`) and
-D's step out of the prefill and transfer observations with the current decode
-model; or directly through ``observe_*``.
+takes the decode step out of the prefill and transfer observations with the
+current decode model; or directly through ``observe_*``.
 
 Priors (`Priors`, from docs/benchmarks/ (bench serve): the tiny model, float32, on one core
 of the 2-core machine; bf16 on AMX is about 3x faster, so before any
@@ -60,14 +58,13 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class PrefillObservation:
     """Instance `instance` computed `tokens` prompt tokens of one request in
-    `ms` (its service time, `state.FleetState`'s), while `batch` requests were
-    decoding there; its span held `steps` decode steps."""
+    `ms` (its service time: from the later of its dispatch and the instance's
+    previous prefill end, to its end), while `batch` requests were decoding there."""
 
     instance: int
     tokens: int
     ms: float
     batch: int
-    steps: float = 1.0  # the decode steps its span held (its own forward's included)
 
 
 @dataclass(frozen=True)
@@ -85,9 +82,8 @@ class TransferObservation:
 
 @dataclass(frozen=True)
 class DecodeObservation:
-    """One finished request decoded on `instance` at `step_ms` a step (the
-    prefill spans the instance served meanwhile, and the steps they held, taken
-    out), with `batch` requests
+    """One finished request decoded on `instance` at `step_ms` per output token
+    (prefill work the instance did meanwhile taken out), with `batch` requests
     decoding there on average, itself included."""
 
     instance: int
@@ -263,11 +259,10 @@ class Models:
         self.transfer[key].observe(tokens, ms)
 
     def learn(self, obs: Observation) -> None:
-        """Feed one observation from `state.FleetState` (the decode steps a
-        prefill's span held, and D's first step of a transfer, taken out with
-        the current step model, floored at 0)."""
+        """Feed one observation from `state.FleetState` (decode steps taken out
+        of prefill and transfer times with the current step model, floored at 0)."""
         if isinstance(obs, PrefillObservation):
-            step = self.step_ms(obs.instance, obs.batch) * obs.steps
+            step = self.step_ms(obs.instance, obs.batch)
             self.observe_prefill(obs.instance, obs.tokens, max(obs.ms - step, 0.0))
         elif isinstance(obs, TransferObservation):
             step = self.step_ms(obs.dst, obs.batch + 1)

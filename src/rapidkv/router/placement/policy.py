@@ -62,12 +62,11 @@ no P is up); its reason is ``role-fallback``. With no available instance that
 can decode, `NoPlacement`.
 
 Predictions, with per instance ``k``: ``b_k`` its decodes (`InstanceLoad.decodes`),
-``W_k`` its queued prefill work (`Models.prefill_queue_ms`), ``Q_k = W_k +
-(n_k + h_k) step_k(b_k) + Z_k`` the time until its queued prefills are done
-(each of its ``n_k`` queued prefills a forward that also runs the step of its
-decodes), the step in flight is over (``h_k``, `in_flight_steps`: half a step
-while something decodes there) and it has a sequence slot for this request,
-``pf``, ``step``, ``xfer`` the `Models` costs. ``Z_k`` is 0 while ``k`` holds fewer requests
+``W_k`` its queued prefill work (`Models.prefill_queue_ms`), ``Q_k = W_k + n_k
+step_k(b_k) + Z_k`` the time until its queued prefills are done (each of its
+``n_k`` queued prefills a forward that also runs the step of its decodes) and
+it has a sequence slot for this request, ``pf``, ``step``, ``xfer`` the
+`Models` costs. ``Z_k`` is 0 while ``k`` holds fewer requests
 (`InstanceLoad.outstanding`) than its engine runs at once (`max_num_seqs`, 0
 when not known); beyond, vLLM queues the request until ``e`` of its ``c``
 running requests finish (``e`` the requests beyond the slots, this one
@@ -95,10 +94,9 @@ included): taking each running one halfway through its output, the first of
   ``step_k(b_k + e) + max_r (D_r + A_r + S_k) / L_r`` over its decodes ``r``
   that can still meet the TPOT SLO, and the new request's own (a step, plus a
   stitched PD's wait). ``D_r`` is the stall ``r`` has already suffered
-  (`InstanceLoad.running`: the prefill spans since its first token less the
-  steps they held, `_Predictor.stall`): a decode's TPOT carries every prefill
-  that ran beside it, so stalls each within the SLO add up past it when they
-  land on the same requests one after another. ``A_r`` is the queued prefill work
+  (`InstanceLoad.running`): a decode's TPOT carries every prefill that ran
+  beside it, so stalls each within the SLO add up past it when they land on
+  the same requests one after another. ``A_r`` is the queued prefill work
   that will stall ``r``: all of ``W_k`` once ``r`` decodes, before its first
   token only the work queued after it (`Decode.behind_prefills`; what is
   queued ahead of it is done before it starts). ``S_k`` is the stall this
@@ -202,7 +200,6 @@ from rapidkv.router.config import SPLIT_MIN_TOKENS
 from rapidkv.router.placement.model import Models
 from rapidkv.router.placement.state import (
     HEADED,
-    IN_FLIGHT_STEP,
     Decode,
     FleetState,
     InstanceLoad,
@@ -467,15 +464,6 @@ def decide(
     )
 
 
-def in_flight_steps(load: InstanceLoad) -> float:
-    """The decode step in flight on an instance that a request arriving now
-    waits for before its forward starts: `IN_FLIGHT_STEP` of one (the mean
-    of a uniform arrival) while something decodes there (a `running` entry
-    started, or a decode not listed), else 0."""
-    decoding = load.decodes > len(load.running) or any(d.started for d in load.running)
-    return IN_FLIGHT_STEP if decoding else 0.0
-
-
 def safe_tpot_ms(loads: Sequence[InstanceLoad], models: Models, slo: SLO, policy: Policy) -> float:
     """The TPOT a tied option may predict and still count as safe: a lone
     decode step (the fastest available instance's) plus `Policy.tpot_margin`
@@ -526,7 +514,7 @@ class _Predictor:
         ]
         self.queue = [  # Q_k: until the queued prefills are done, their steps included
             self.work[k]
-            + (load.waiting_prefills + in_flight_steps(load)) * models.step_ms(k, load.decodes)
+            + load.waiting_prefills * models.step_ms(k, load.decodes)
             + self.slot_wait(k, load)
             for k, load in enumerate(loads)
         ]
@@ -534,7 +522,7 @@ class _Predictor:
         # stall and queued work ahead of each, its horizon): what `tpot` adds to
         self.live = [
             [
-                (self.stall(k, d) + self.ahead(k, d), self.horizon_of(d))
+                (d.stalled_ms + self.ahead(k, d), self.horizon_of(d))
                 for d in self.decodes(k)
                 if not self.doomed(k, d)
             ]
@@ -544,13 +532,6 @@ class _Predictor:
         self.free_count = sum(self.free)
         self.first = [models.step_ms(k, load.decodes + 1) for k, load in enumerate(loads)]
         self.own_tpot: dict[tuple[int, float], float | None] = {}  # `tpot(k, 0, pf)`, memoized
-
-    def stall(self, k: int, d: Decode) -> float:
-        """The stall decode `d` on `k` has suffered: the prefill service time
-        since its first token less the steps in it that gave it tokens."""
-        if not d.stalled_steps:
-            return d.stalled_ms
-        return max(d.stalled_ms - d.stalled_steps * self.m.step_ms(k, self.loads[k].decodes), 0.0)
 
     def ahead(self, k: int, d: Decode) -> float:
         """The queued prefill work on `k` that will stall decode `d`: all of it
@@ -572,8 +553,7 @@ class _Predictor:
             return False
         b = self.loads[k].decodes
         return (
-            self.m.step_ms(k, b) + (self.stall(k, d) + self.ahead(k, d)) / self.horizon_of(d)
-            > self.slo
+            self.m.step_ms(k, b) + (d.stalled_ms + self.ahead(k, d)) / self.horizon_of(d) > self.slo
         )
 
     def decodes(self, k: int) -> list[Decode]:

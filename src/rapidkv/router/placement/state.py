@@ -37,28 +37,18 @@ its first token leaves its remaining work with it.
 
 Measures (what the observations say):
 
-- a prefill's service time on an instance is from the latest of its dispatch,
-  the end of that instance's previous prefill and, for a request that found
-  no free sequence slot there, the last release of a slot, to its own end
-  (P's answer, or D's first token for a local prompt): right for one prefill
-  at a time, an approximation when vLLM batches several. Its span holds
-  decode steps (`PrefillObservation.steps`): its own forward, a step of
-  every decode there, and, when it started at its dispatch while something
-  decoded there, `IN_FLIGHT_STEP` of the step then in flight (the mean wait of
-  an arrival at a uniform point of it); one that started at an end (a
-  prefill's, a release's) started at a step's end. `Models.learn` takes that
-  many steps out of it;
+- a prefill's service time on an instance is from the later of its dispatch and
+  the end of that instance's previous prefill, to its own end (P's answer, or
+  D's first token for a local prompt): right for one prefill at a time, an
+  approximation when vLLM batches several;
 - a transfer is from P's answer to D's first token, less the prefill service
   time D spent on other prompts in that window (D's queue, which the policy
   counts on its own; `Models.learn` takes D's step out too); none when D's
   first token comes first;
 - a decode step is the request's time from first token to finish, minus the
   prefill service time its instance spent in that window, over its output
-  tokens after the first less the steps those spans held (each gave it a
-  token; none when fewer than one step is left); its batch is the mean number
-  of requests decoding on the instance over that window (from a running time
-  integral). The stall a running decode has suffered (`Decode`) is the same
-  spans' time and steps.
+  tokens after the first; its batch is the mean number of requests decoding on
+  the instance over that window (from a running time integral).
 A split tail's time on D (spent partly waiting for the head) counts as D busy
 but yields no prefill observation; a failed answer (``ok=False``) yields none.
 Nor does a request dispatched to an instance already holding its
@@ -92,9 +82,6 @@ HEADED: tuple[str, ...] = ("split", "fetch")  # the kinds with a head computed e
 KINDS: tuple[str, ...] = get_args(Kind)
 
 
-IN_FLIGHT_STEP = 0.5  # of a decode step, what a prefill arriving mid-step waits on average
-
-
 def beyond_slots(outstanding: int, max_num_seqs: int | None) -> int:
     """How many requests, one more included, an instance holding `outstanding`
     has beyond its engine's `max_num_seqs` (0: a slot is free, or the capacity
@@ -104,10 +91,8 @@ def beyond_slots(outstanding: int, max_num_seqs: int | None) -> int:
 
 class Decode(NamedTuple):
     """One request dispatched to decode on an instance: the prefill service
-    time the instance spent since its first token (`stalled_ms`: 0 before its
-    first token) and the decode steps those service spans held
-    (`stalled_steps`, each of which gave this request a token too, so the
-    stall its final TPOT carries is `stalled_ms` less that many steps), the output
+    time the instance spent since its first token (the stall it has suffered,
+    which its final TPOT carries; 0 before its first token), the output
     tokens it asked for (None: not known), and, before its first token
     (`started` False), the prefill work queued on the instance after it
     (`behind_prefills` parts of `behind_tokens` tokens): the only queued work
@@ -118,7 +103,6 @@ class Decode(NamedTuple):
     started: bool = True
     behind_prefills: int = 0
     behind_tokens: int = 0
-    stalled_steps: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -265,8 +249,6 @@ class _Instance:
     decode_area: float = 0.0  # integral of `decoding` over time, request-seconds
     area_s: float | None = None  # when `decode_area` was last brought up to date
     prefill_busy_ms: float = 0.0  # prefill service time spent here, all in all
-    prefill_steps: float = 0.0  # decode steps those service spans held, all in all
-    last_release_s: float | None = None  # when a request last left (a slot freed)
 
     def advance(self, now_s: float) -> None:
         if self.area_s is not None and now_s > self.area_s:
@@ -274,26 +256,16 @@ class _Instance:
         if self.area_s is None or now_s > self.area_s:
             self.area_s = now_s
 
-    def prefill_ended(
-        self, dispatched_s: float, now_s: float, queued: bool = False
-    ) -> tuple[float, float]:
-        """The service time (ms) of a prefill dispatched at `dispatched_s` that
-        ended now, and the decode steps that span held: its own forward's, and
-        `IN_FLIGHT_STEP` of the one it arrived in while something decoded.
-        `queued`: it found no free sequence slot, and waited for a release."""
+    def prefill_ended(self, dispatched_s: float, now_s: float) -> float:
+        """The service time (ms) of a prefill dispatched at `dispatched_s` that ended now."""
         start = dispatched_s
-        mid_step = self.decoding > 0
-        ends = [self.last_prefill_end_s, self.last_release_s if queued else None]
-        for end in ends:  # a prefill's or a release's: a step's end
-            if end is not None and end >= start:
-                start, mid_step = end, False
+        if self.last_prefill_end_s is not None:
+            start = max(start, self.last_prefill_end_s)
         ms = max(now_s - start, 0.0) * 1000
         if self.last_prefill_end_s is None or now_s > self.last_prefill_end_s:
             self.last_prefill_end_s = now_s
-        steps = 0.0 if ms <= 0 else 1.0 + (IN_FLIGHT_STEP if mid_step else 0.0)
         self.prefill_busy_ms += ms
-        self.prefill_steps += steps
-        return ms, steps
+        return ms
 
 
 @dataclass
@@ -310,7 +282,6 @@ class _Request:
     first_token_s: float | None = None
     area_at_first: float = 0.0
     busy_at_first: float = 0.0
-    steps_at_first: float = 0.0  # the decoder's `prefill_steps` then
     decode_over: bool = False
     moved: bool = False  # migrated: what it cost spans two instances (nothing is learnt)
     queued: frozenset[int] = frozenset()  # instances it found with no free sequence slot
@@ -372,10 +343,8 @@ class FleetState:
             if r.decode_over:
                 continue
             if r.first_token_s is not None:
-                j = self._inst[r.decoder]
-                suffered = j.prefill_busy_ms - r.busy_at_first
-                steps = j.prefill_steps - r.steps_at_first
-                running[r.decoder].append(Decode(suffered, r.output_tokens, stalled_steps=steps))
+                suffered = self._inst[r.decoder].prefill_busy_ms - r.busy_at_first
+                running[r.decoder].append(Decode(suffered, r.output_tokens))
             else:
                 count, tokens = behind[id(r)]
                 running[r.decoder].append(Decode(0.0, r.output_tokens, False, count, tokens))
@@ -487,13 +456,12 @@ class FleetState:
         s.outstanding -= 1
         tokens = self._take(r, p.prefill)
         if tokens:
-            ms, steps = s.prefill_ended(r.dispatched_s, now_s, p.prefill in r.queued)
+            ms = s.prefill_ended(r.dispatched_s, now_s)
             if ok:
                 r.prefill_done_s = now_s
                 r.busy_at_done = self._inst[r.decoder].prefill_busy_ms
                 if p.prefill not in r.queued:
-                    out.append(PrefillObservation(p.prefill, tokens, ms, s.decoding, steps))
-        s.last_release_s = now_s  # its slot is free (after its own span: it ends now)
+                    out.append(PrefillObservation(p.prefill, tokens, ms, s.decoding))
         self._forget_if_over(request_id, r)
         return out
 
@@ -508,9 +476,9 @@ class FleetState:
         out: list[Observation] = []
         tokens = self._take(r, r.decoder)
         if tokens and not r.moved:  # local prompt or split tail: j's prefill work is done
-            ms, steps = j.prefill_ended(r.dispatched_s, now_s, r.decoder in r.queued)
+            ms = j.prefill_ended(r.dispatched_s, now_s)
             if p.kind == "local" and p.decode not in r.queued:
-                out.append(PrefillObservation(p.decode, tokens, ms, j.decoding, steps))
+                out.append(PrefillObservation(p.decode, tokens, ms, j.decoding))
         elif (
             p.kind == "pd"
             and r.prefill_done_s is not None
@@ -526,7 +494,6 @@ class FleetState:
         r.first_token_s = now_s
         r.area_at_first = j.decode_area
         r.busy_at_first = j.prefill_busy_ms
-        r.steps_at_first = j.prefill_steps
         return out
 
     def on_finish(
@@ -548,15 +515,12 @@ class FleetState:
             if ok and not r.moved and output_tokens >= 2 and window_s > 0:
                 batch = (j.decode_area - r.area_at_first) / window_s
                 busy_ms = j.prefill_busy_ms - r.busy_at_first
-                # the steps outside prefill spans, and their time
-                steps = output_tokens - 1 - (j.prefill_steps - r.steps_at_first)
-                step_ms = (window_s * 1000 - busy_ms) / steps if steps >= 1 else 0.0
+                step_ms = (window_s * 1000 - busy_ms) / (output_tokens - 1)
                 if step_ms > 0:
                     out.append(DecodeObservation(r.decoder, batch, step_ms))
             j.decoding -= 1
         j.decodes -= 1
         j.outstanding -= 1
-        j.last_release_s = now_s
         self._forget_if_over(request_id, r)
         return out
 
@@ -579,10 +543,8 @@ class FleetState:
             new.decoding += 1
             # the stall it suffered moves with it; it suffers `new`'s from now on
             r.busy_at_first = new.prefill_busy_ms - (old.prefill_busy_ms - r.busy_at_first)
-            r.steps_at_first = new.prefill_steps - (old.prefill_steps - r.steps_at_first)
         old.decodes -= 1
         old.outstanding -= 1
-        old.last_release_s = now_s
         new.decodes += 1
         new.outstanding += 1
         r.decoder = to
