@@ -119,6 +119,7 @@ class FakeVLLM:
         self.name = name
         self.role = role
         self.healthy = True
+        self.health_delay_s = 0.0  # how long /health takes to answer
         # the control address a connector would report in its full answers'
         # kv_transfer_params (None: no connector, as plain vLLM)
         self.control: str | None = None
@@ -341,6 +342,7 @@ class FakeVLLM:
 
     async def _get(self, path: str, send: Any) -> None:
         if path == "/health":
+            await asyncio.sleep(self.health_delay_s)
             status = 200 if self.healthy else 503
             await self._start(send, status, "text/plain")
             await send({"type": "http.response.body", "body": b"", "more_body": False})

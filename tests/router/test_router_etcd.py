@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -122,6 +123,35 @@ def test_routers_following_etcd_add_instances_drop_dead_ones_and_follow_restarts
             assert metric_sum(up, "rapidkv_router_instance_up", role="decode", upstream=b.url) == 1
             # its series under the old role went with the old record (it stayed at 1)
             assert metric_sum(up, "rapidkv_router_instance_up", role="both", upstream=b.url) == 0
+
+
+def test_health_answers_while_an_instance_joins_during_its_probes(
+    etcd: EtcdServer, make_fake: MakeFake, make_router: MakeRouter, http: httpx.Client
+) -> None:
+    """/health reports the fleet as it was when it was asked: an instance that
+    joins while the probes are out is in the next report, not a 500 in this
+    one (CI at 784e2d8: D back through etcd mid-probe, `KeyError`)."""
+    a, b = make_fake("A", "decode"), make_fake("B", "decode")
+    router = make_router([], [], dispatch="local", etcd=(etcd.url,), etcd_prefix=PREFIX)
+    with EtcdClient([etcd.url]) as client:
+        register(client, a, "a-1", ttl_s=60, control=7001)
+        wait_until(lambda: fleet(router) == {a.url}, 10, what="a joined")
+        a.health_delay_s = 1.0
+        with ThreadPoolExecutor(1) as pool:
+            asked = pool.submit(httpx.get, f"{router.url}/health", timeout=10, trust_env=False)
+            time.sleep(0.2)  # the probe of a is out
+            register(client, b, "b-1", ttl_s=60, control=7002)
+            wait_until(
+                lambda: b.url in http.get(f"{router.url}/readyz").json()["decode"],
+                10,
+                what="b joined",
+            )
+            assert not asked.done()  # b joined while a's probe was out
+            report = asked.result()
+        assert report.status_code == 200, report.text
+        assert [c["url"] for c in report.json()["decode"]] == [a.url]
+        a.health_delay_s = 0.0
+        assert fleet(router) == {a.url, b.url}
 
 
 def test_an_instance_that_joined_through_etcd_has_its_transfers_watched(

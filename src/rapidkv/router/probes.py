@@ -59,8 +59,10 @@ def probe_routes(router: Router, shutdown: ShutdownState) -> list[Route]:
         return JSONResponse(body, status_code=200 if body["ready"] else 503)
 
     async def health(request: Request) -> Response:
+        # the fleet as it is now: members may join or leave while the probes run
         members = fleet.members
-        listed = sorted({i for role in ROLES for i in fleet.pool(role)})
+        pools = {role: fleet.pool(role) for role in ROLES}
+        listed = sorted({i for pool in pools.values() for i in pool})
         answers = await asyncio.gather(
             *(
                 _check_health(fleet.http, members[i].instance, config.health_timeout_s)
@@ -71,7 +73,7 @@ def probe_routes(router: Router, shutdown: ShutdownState) -> list[Route]:
         checks: dict[str, list[dict[str, Any]]] = {}
         for role in ROLES:  # an instance that may play both roles is listed under both
             checks[role] = []
-            for index in fleet.pool(role):
+            for index in pools[role]:
                 result = dict(
                     results[index],
                     dispatching=fleet.available(index),
