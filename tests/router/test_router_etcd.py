@@ -136,7 +136,7 @@ def test_health_answers_while_an_instance_joins_during_its_probes(
     with EtcdClient([etcd.url]) as client:
         register(client, a, "a-1", ttl_s=60, control=7001)
         wait_until(lambda: fleet(router) == {a.url}, 10, what="a joined")
-        a.health_delay_s = 1.0
+        a.health_delay_s = 1.5  # under the router's health timeout (2 s)
         with ThreadPoolExecutor(1) as pool:
             asked = pool.submit(httpx.get, f"{router.url}/health", timeout=10, trust_env=False)
             time.sleep(0.2)  # the probe of a is out
