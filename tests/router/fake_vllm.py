@@ -120,6 +120,7 @@ class FakeVLLM:
         self.role = role
         self.healthy = True
         self.health_delay_s = 0.0  # how long /health takes to answer
+        self.health_asked = 0  # /health requests received
         # the control address a connector would report in its full answers'
         # kv_transfer_params (None: no connector, as plain vLLM)
         self.control: str | None = None
@@ -342,6 +343,7 @@ class FakeVLLM:
 
     async def _get(self, path: str, send: Any) -> None:
         if path == "/health":
+            self.health_asked += 1
             await asyncio.sleep(self.health_delay_s)
             status = 200 if self.healthy else 503
             await self._start(send, status, "text/plain")

@@ -137,9 +137,11 @@ def test_health_answers_while_an_instance_joins_during_its_probes(
         register(client, a, "a-1", ttl_s=60, control=7001)
         wait_until(lambda: fleet(router) == {a.url}, 10, what="a joined")
         a.health_delay_s = 1.5  # under the router's health timeout (2 s)
+        probed = a.health_asked
         with ThreadPoolExecutor(1) as pool:
             asked = pool.submit(httpx.get, f"{router.url}/health", timeout=10, trust_env=False)
-            time.sleep(0.2)  # the probe of a is out
+            # the router probes a healthy instance only for /health: its probe is out
+            wait_until(lambda: a.health_asked > probed, 5, what="a probed")
             register(client, b, "b-1", ttl_s=60, control=7002)
             wait_until(
                 lambda: b.url in http.get(f"{router.url}/readyz").json()["decode"],

@@ -9,8 +9,10 @@
                 Answers from what the router knows (no upstream request): a
                 readiness probe. JSON: ``ready``, ``reason`` (when not), and the
                 instances that may ``decode`` and ``prefill`` now
-``GET /health`` asks every instance's ``/health`` now: 200 while at least one
-                instance that may decode answers 200 (the router serves), else
+``GET /health`` asks every instance in the fleet when it is asked for its
+                ``/health`` now (one that joins meanwhile is in the next
+                report): 200 while at least one instance that may decode
+                answers 200 (the router serves), else
                 503; ``status`` is ``ok``, ``degraded`` (no prefill instance
                 answers in dual or serial dispatch, so decode instances compute
                 the prompts; or a decode instance's transfers are ``degraded``)
